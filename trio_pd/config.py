@@ -1,0 +1,88 @@
+"""Frozen configuration values for the router; built by cli.py, read everywhere else.
+
+Defaults and names follow SGLang's router (sgl-model-gateway 0.3.2) so deployments can switch
+without rewriting their flags.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+
+Role = Literal["prefill", "decode"]
+PolicyName = Literal["random", "round_robin", "power_of_two", "cache_aware"]
+POLICY_NAMES: tuple[str, ...] = ("random", "round_robin", "power_of_two", "cache_aware")
+
+
+@attrs.frozen
+class WorkerSpec:
+    """One upstream engine: its base URL and, for prefill, the bootstrap port (None = no port)."""
+
+    url: str = attrs.field(converter=lambda u: u.rstrip("/"))
+    role: Role
+    bootstrap_port: int | None = None
+
+
+@attrs.frozen
+class RetryConfig:
+    max_retries: int = 5  # total attempts, as SMG counts them
+    initial_backoff_ms: int = 50
+    max_backoff_ms: int = 30_000
+    backoff_multiplier: float = 1.5
+    jitter_factor: float = 0.2
+    enabled: bool = True
+
+
+@attrs.frozen
+class BreakerConfig:
+    failure_threshold: int = 10
+    success_threshold: int = 3
+    timeout_duration_secs: float = 60.0
+    enabled: bool = True
+
+
+@attrs.frozen
+class HealthConfig:
+    interval_secs: float = 60.0
+    timeout_secs: float = 5.0
+    failure_threshold: int = 3
+    success_threshold: int = 2
+    endpoint: str = "/health"
+
+
+@attrs.frozen
+class PolicyConfig:
+    policy: PolicyName = "cache_aware"
+    prefill_policy: PolicyName | None = None  # None: use `policy`
+    decode_policy: PolicyName | None = None
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    eviction_interval_secs: float = 60.0
+    max_tree_size: int = 67_108_864
+
+    def for_role(self, role: Role) -> PolicyName:
+        chosen = self.prefill_policy if role == "prefill" else self.decode_policy
+        return chosen or self.policy
+
+
+@attrs.frozen
+class RouterConfig:
+    prefill: tuple[WorkerSpec, ...] = ()
+    decode: tuple[WorkerSpec, ...] = ()
+    host: str = "0.0.0.0"
+    port: int = 30000
+    workers: int = 1  # hypercorn worker processes
+    request_timeout_secs: float = 1800.0
+    max_payload_size: int = 536_870_912
+    max_concurrent_requests: int = -1  # -1: unbounded
+    queue_size: int = 100
+    queue_timeout_secs: float = 60.0
+    api_key: str | None = None
+    log_level: str = "info"
+    prometheus_port: int | None = None
+    retry: RetryConfig = RetryConfig()
+    breaker: BreakerConfig = BreakerConfig()
+    health: HealthConfig = HealthConfig()
+    policy: PolicyConfig = PolicyConfig()
