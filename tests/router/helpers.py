@@ -1,0 +1,41 @@
+"""Small helpers for router tests: request bodies, SSE reading, waiting on a condition."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import httpx2
+import orjson
+import trio
+
+
+def generate_body(
+    *, stream: bool = False, max_new_tokens: int = 4, sim_fault: str | None = None, **extra: Any
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "text": "the quick brown fox jumps over the lazy dog",
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
+        "stream": stream,
+        **extra,
+    }
+    if sim_fault is not None:
+        body["sim_fault"] = sim_fault
+    return body
+
+
+async def read_sse(response: httpx2.Response) -> list[Any]:
+    """Every data payload of an SSE response, JSON-decoded; `[DONE]` stays a string."""
+    events: list[Any] = []
+    async for line in response.aiter_lines():
+        if line.startswith("data:"):
+            data = line[5:].strip()
+            events.append(data if data == "[DONE]" else orjson.loads(data))
+    return events
+
+
+async def settle(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Wait (loosely bounded) until `condition()` holds; fail the test if it never does."""
+    with trio.fail_after(timeout):
+        while not condition():
+            await trio.sleep(0.02)

@@ -1,0 +1,227 @@
+"""Every row of the outcome table (PROTOCOL.md §4), streaming and not, checked on both sides:
+what the client got, and what the engines saw (connection closed, slot freed).
+
+Bounds are loose (seconds): the engines' KV waiting timeout is 60 s here, so a decode leg the
+router failed to cancel would hold its slot far past any of them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from tests.conftest import Cluster, start_cluster
+from tests.router.helpers import generate_body, read_sse, settle
+
+LOOSE = 5.0  # seconds: "at once" for a test on a shared, noisy 2-core machine
+
+PREFILL_FAILURES = [
+    # (fault, client status, what the router must have seen)
+    ("prefill:500@300", 502),
+    ("prefill:503@300", 502),
+    ("prefill:400@300", 400),
+    ("prefill:429@300", 429),
+    ("prefill:sse_error@300", 502),
+    ("prefill:abort@300", 502),
+    ("prefill:close@300", 502),
+]
+
+
+async def assert_decode_cancelled(cluster: Cluster, rid: str) -> None:
+    """Decode saw its connection close, then freed the slot it held while waiting for KV."""
+    closed = await cluster.decode.events.wait_for("connection_closed", timeout=LOOSE, rid=rid)
+    freed = await cluster.decode.events.wait_for("slot_freed", timeout=LOOSE, rid=rid)
+    assert freed["reason"] == "aborted_disconnect"
+    assert freed["t"] >= closed["t"]
+    assert not cluster.decode.events.find("kv_ready", rid=rid)
+    await settle(lambda: cluster.decode.running == 0)
+    assert "active" not in cluster.upstream_connections(cluster.decode)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize(("fault", "status"), PREFILL_FAILURES)
+async def test_prefill_failure_cancels_decode_at_once(
+    cluster: Cluster, fault: str, status: int, stream: bool
+) -> None:
+    body = generate_body(stream=stream, sim_fault=fault)
+    response = await cluster.client.post("/generate", json=body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["message"]
+    rid = response.headers["x-request-id"]
+    if status < 500:
+        # A prefill 4xx is the client's fault: its own status and body come through.
+        assert error["code"] == status
+    else:
+        assert error["type"] == "upstream_error"
+        assert "prefill" in error["message"]
+    registered = await cluster.decode.events.wait_for("room_registered", timeout=LOOSE, rid=rid)
+    assert registered["room"] == cluster.prefill.events.find("request_start", rid=rid)[0]["rooms"][0]
+    await assert_decode_cancelled(cluster, rid)
+    fault_at = cluster.prefill.events.find("fault", rid=rid)[0]["t"]
+    closed_at = cluster.decode.events.find("connection_closed", rid=rid)[0]["t"]
+    assert 0 <= closed_at - fault_at < LOOSE
+
+
+async def test_prefill_connection_refused_cancels_decode(nursery: trio.Nursery) -> None:
+    """A prefill that died since its last health check: transport error -> 502, decode freed."""
+    cluster = await start_cluster(nursery)
+    dead = trio.socket.socket()
+    await dead.bind(("127.0.0.1", 0))
+    port = dead.getsockname()[1]
+    dead.close()  # nothing listens there now: connection refused
+    worker = cluster.router.fleet.workers("prefill")[0]
+    worker.spec = type(worker.spec)(f"http://127.0.0.1:{port}", "prefill", cluster.prefill.bootstrap_port)
+    for stream in (False, True):
+        response = await cluster.client.post("/generate", json=generate_body(stream=stream))
+        assert response.status_code == 502
+        assert "prefill" in response.json()["error"]["message"]
+        rid = response.headers["x-request-id"]
+        # Refusal is immediate; decode may or may not have got the request by then.
+        if cluster.decode.events.find("request_start", rid=rid):
+            await cluster.decode.events.wait_for("connection_closed", timeout=LOOSE, rid=rid)
+    await settle(lambda: cluster.decode.running == 0)
+    assert "active" not in cluster.upstream_connections(cluster.decode)
+    await cluster.client.aclose()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_prefill_hang_hits_deadline_and_both_legs_close(
+    nursery: trio.Nursery, stream: bool
+) -> None:
+    cluster = await start_cluster(nursery, request_timeout_secs=1.0)
+    body = generate_body(stream=stream, sim_fault="prefill:hang")
+    response = await cluster.client.post("/generate", json=body)
+    assert response.status_code == 504
+    assert response.json()["error"]["type"] == "timeout_error"
+    rid = response.headers["x-request-id"]
+    await cluster.prefill.events.wait_for("connection_closed", timeout=LOOSE, rid=rid)
+    await assert_decode_cancelled(cluster, rid)
+    assert "active" not in cluster.upstream_connections(cluster.prefill)
+    await cluster.client.aclose()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize(("fault", "status"), [("decode:500", 500), ("decode:503", 503)])
+async def test_decode_failure_cancels_prefill(
+    cluster: Cluster, fault: str, status: int, stream: bool
+) -> None:
+    response = await cluster.client.post("/generate", json=generate_body(stream=stream, sim_fault=fault))
+    assert response.status_code == status  # decode's own status and body
+    assert response.json()["error"]["code"] == status
+    rid = response.headers["x-request-id"]
+    # Prefill was waiting for decode's registration (30 s bootstrap timeout); it must see the
+    # router close its connection long before that.
+    await cluster.prefill.events.wait_for("connection_closed", timeout=LOOSE, rid=rid)
+    assert not cluster.prefill.events.find("kv_sent", rid=rid)
+    await settle(lambda: "active" not in cluster.upstream_connections(cluster.prefill))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_decode_transport_failure_is_502(cluster: Cluster, stream: bool) -> None:
+    body = generate_body(stream=stream, sim_fault="decode:close")
+    response = await cluster.client.post("/generate", json=body)
+    assert response.status_code == 502
+    assert "decode" in response.json()["error"]["message"]
+    rid = response.headers["x-request-id"]
+    await cluster.prefill.events.wait_for("connection_closed", timeout=LOOSE, rid=rid)
+
+
+async def test_both_succeed_non_stream(cluster: Cluster) -> None:
+    response = await cluster.client.post("/generate", json=generate_body(max_new_tokens=5))
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("application/json")
+    answer = response.json()
+    assert answer["meta_info"]["completion_tokens"] == 5
+    rid = response.headers["x-request-id"]
+    freed = await cluster.decode.events.wait_for("slot_freed", timeout=LOOSE, rid=rid)
+    assert freed["reason"] == "finished"
+    assert cluster.prefill.events.find("kv_sent", rid=rid)
+    # Both legs finished cleanly: their connections went back to the pool, none is closed.
+    await settle(lambda: set(cluster.upstream_connections(cluster.decode)) <= {"idle"})
+
+
+async def test_both_succeed_stream(cluster: Cluster) -> None:
+    async with cluster.client.stream(
+        "POST", "/generate", json=generate_body(stream=True, max_new_tokens=6)
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = await read_sse(response)
+    assert events[-1] == "[DONE]"
+    data = [e for e in events if e != "[DONE]"]
+    assert len(data) == 6
+    assert data[-1]["meta_info"]["completion_tokens"] == 6
+
+
+async def test_client_disconnect_during_prefill_cancels_both(cluster: Cluster) -> None:
+    rid = "client-gone-during-prefill"
+    body = generate_body(sim_fault="prefill:hang")
+    with trio.move_on_after(1.0):
+        await cluster.client.post("/generate", json=body, headers={"x-request-id": rid})
+    await cluster.prefill.events.wait_for("connection_closed", timeout=LOOSE, rid=rid)
+    await assert_decode_cancelled(cluster, rid)
+    await settle(lambda: "active" not in cluster.upstream_connections(cluster.prefill))
+
+
+async def test_client_disconnect_mid_stream_cancels_decode(nursery: trio.Nursery) -> None:
+    cluster = await start_cluster(nursery, decode={"inter_token_ms": 50.0})
+    rid = "client-gone-mid-stream"
+    body = generate_body(stream=True, max_new_tokens=200)
+    async with cluster.client.stream(
+        "POST", "/generate", json=body, headers={"x-request-id": rid}
+    ) as response:
+        assert response.status_code == 200
+        seen = 0
+        async for line in response.aiter_lines():
+            seen += line.startswith("data:")
+            if seen == 3:
+                break
+    closed = await cluster.decode.events.wait_for("connection_closed", timeout=LOOSE, rid=rid)
+    freed = await cluster.decode.events.wait_for("slot_freed", timeout=LOOSE, rid=rid)
+    assert freed["reason"] == "aborted_disconnect"
+    assert freed["t"] - closed["t"] < LOOSE
+    await settle(lambda: "active" not in cluster.upstream_connections(cluster.decode))
+    await cluster.client.aclose()
+
+
+async def test_deadline_mid_stream_ends_with_error_event(nursery: trio.Nursery) -> None:
+    cluster = await start_cluster(
+        nursery, request_timeout_secs=1.0, decode={"inter_token_ms": 50.0}
+    )
+    body = generate_body(stream=True, max_new_tokens=500)
+    async with cluster.client.stream("POST", "/generate", json=body) as response:
+        assert response.status_code == 200
+        events = await read_sse(response)
+        rid = response.headers["x-request-id"]
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == 504
+    assert len(events) > 3  # tokens flowed before the deadline cut the stream
+    await cluster.decode.events.wait_for("connection_closed", timeout=LOOSE, rid=rid)
+    await cluster.client.aclose()
+
+
+async def test_decode_failure_mid_stream_ends_with_error_event(cluster: Cluster) -> None:
+    body = generate_body(stream=True, max_new_tokens=50, sim_fault="decode:close@300")
+    async with cluster.client.stream("POST", "/generate", json=body) as response:
+        assert response.status_code == 200
+        events = await read_sse(response)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["type"] == "upstream_error"
+
+
+async def test_nothing_leaks_after_many_failures(cluster: Cluster) -> None:
+    """A burst of mixed failures leaves no slot held and no connection active."""
+    faults = ["prefill:500@50", "decode:500", "prefill:close@50", None, "prefill:sse_error@50"]
+
+    async def one(fault: str | None, stream: bool) -> None:
+        await cluster.client.post("/generate", json=generate_body(stream=stream, sim_fault=fault))
+
+    async with trio.open_nursery() as burst:
+        for i in range(30):
+            burst.start_soon(one, faults[i % len(faults)], i % 2 == 0)
+    await settle(lambda: cluster.decode.running == 0 and cluster.decode.queued == 0)
+    await settle(lambda: "active" not in cluster.upstream_connections(cluster.decode))
+    await settle(lambda: "active" not in cluster.upstream_connections(cluster.prefill))
+    assert cluster.router.fleet.workers("decode")[0].in_flight == 0
+    assert cluster.router.fleet.workers("prefill")[0].in_flight == 0

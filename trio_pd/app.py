@@ -1,0 +1,228 @@
+"""The router's ASGI callable: route table, body limit, request id, error envelope, lifespan.
+
+A bare ASGI app, no framework: hypercorn calls ``Router.__call__`` for every request and once for
+the lifespan, whose nursery holds every long-lived task (health checks, cache-tree eviction).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import attrs
+import httpx2
+import orjson
+import trio
+
+from trio_pd import payload as shape
+from trio_pd.config import RouterConfig
+from trio_pd.dispatch import DispatchContext, PDRequest, dispatch
+from trio_pd.errors import (
+    RouterError,
+    bad_request,
+    method_not_allowed,
+    not_found,
+    payload_too_large,
+)
+from trio_pd.fleet.workers import Fleet
+from trio_pd.logs import current_request_id
+from trio_pd.respond import JSON_HEADERS, Reply, Responder
+from trio_pd.upstream import leg_headers, make_client
+
+log = logging.getLogger("trio_pd.app")
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Handler = Callable[["Router", Scope, Receive, Responder], Awaitable[None]]
+
+
+class ClientGone(Exception):
+    """The client disconnected while we were still reading its body."""
+
+
+@attrs.define(eq=False)
+class Router:
+    """One router: its config, fleet and (from lifespan startup on) its pooled upstream client.
+
+    State lives here, not in module globals, so a test can run two routers in one process.
+    """
+
+    config: RouterConfig
+    fleet: Fleet = attrs.field()
+    rng: random.Random = attrs.field(factory=random.Random)
+    client: httpx2.AsyncClient | None = None
+    context: DispatchContext | None = None
+
+    @fleet.default
+    def _default_fleet(self) -> Fleet:
+        return Fleet(self.config)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await self.handle_http(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            await self.lifespan(receive, send)
+
+    # -- lifespan ---------------------------------------------------------------------------
+
+    async def lifespan(self, receive: Receive, send: Send) -> None:
+        message = await receive()
+        assert message["type"] == "lifespan.startup"
+        self.client = make_client()
+        self.context = DispatchContext(self.client, self.fleet, self.config, self.rng)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.background)
+                await send({"type": "lifespan.startup.complete"})
+                message = await receive()
+                assert message["type"] == "lifespan.shutdown"
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.client.aclose()
+        await send({"type": "lifespan.shutdown.complete"})
+
+    async def background(self, *, task_status: trio.TaskStatus[None]) -> None:
+        """Long-lived tasks of the process; they end when the lifespan nursery is cancelled."""
+        from trio_pd.lifespan import run_background
+
+        await run_background(self, task_status=task_status)
+
+    # -- http -------------------------------------------------------------------------------
+
+    async def handle_http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request_id = incoming_request_id(scope["headers"]) or uuid.uuid4().hex
+        current_request_id.set(request_id)
+        responder = Responder(send, request_id.encode())
+        try:
+            handler = self.route(scope["method"], scope["path"])
+            await handler(self, scope, receive, responder)
+        except RouterError as error:
+            if not responder.started:
+                await responder.error(error)
+        except ClientGone:
+            log.info("client went away before its body arrived")
+
+    def route(self, method: str, path: str) -> Handler:
+        methods = ROUTES.get(path)
+        if methods is None:
+            raise not_found(path)
+        handler = methods.get(method)
+        if handler is None:
+            raise method_not_allowed(method, path, tuple(methods))
+        return handler
+
+
+async def handle_generation(
+    router: Router, scope: Scope, receive: Receive, responder: Responder
+) -> None:
+    """A PD request: validate, then dispatch inside a scope the client's disconnect cancels."""
+    body = await read_body(scope, receive, router.config.max_payload_size)
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise bad_request("request body must be a JSON object")
+    path = scope["path"]
+    request = PDRequest(
+        path=path,
+        payload=payload,
+        headers=leg_headers(scope["headers"], responder.request_id.decode()),
+        stream=shape.wants_stream(payload),
+        logprobs=shape.wants_logprobs(path, payload),
+        batch=shape.batch_size(path, payload),
+        text=shape.routing_text(path, payload),
+    )
+    assert router.context is not None, "the lifespan has not started"
+    with trio.CancelScope() as client_scope:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch_disconnect, receive, client_scope)
+            await dispatch(router.context, request, responder)
+            nursery.cancel_scope.cancel()
+    if client_scope.cancelled_caught:
+        log.info("client disconnected; every leg of the request was cancelled")
+
+
+async def watch_disconnect(receive: Receive, client_scope: trio.CancelScope) -> None:
+    """Cancel the request when the client goes away.
+
+    Hypercorn never cancels an app on disconnect and its send() keeps succeeding afterwards,
+    so without this task a gone client would keep both upstream connections busy.
+    """
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            client_scope.cancel()
+            return
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    for name, value in scope["headers"]:
+        if name == b"content-length" and value.isdigit() and int(value) > limit:
+            raise payload_too_large(limit)
+    chunks = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise payload_too_large(limit)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def incoming_request_id(headers: list[tuple[bytes, bytes]]) -> str | None:
+    found = None
+    for name, value in headers:
+        if name == b"x-request-id" and value:
+            return value.decode("latin-1")
+        if name == b"x-correlation-id" and value:
+            found = value.decode("latin-1")
+    return found
+
+
+async def json_reply(responder: Responder, status: int, obj: Any) -> None:
+    await responder.reply(Reply(status, JSON_HEADERS, orjson.dumps(obj)))
+
+
+async def handle_liveness(router: Router, scope: Scope, receive: Receive, rsp: Responder) -> None:
+    await json_reply(rsp, 200, {"status": "alive"})
+
+
+async def handle_health(router: Router, scope: Scope, receive: Receive, rsp: Responder) -> None:
+    """200 only when at least one prefill and one decode can take traffic."""
+    missing = [role for role in ("prefill", "decode") if not router.fleet.available(role)]
+    if missing:
+        await json_reply(
+            rsp,
+            503,
+            {
+                "status": "unavailable",
+                "error": {
+                    "message": f"no available {' or '.join(missing)} worker",
+                    "type": "service_unavailable",
+                    "code": 503,
+                },
+            },
+        )
+    else:
+        await json_reply(rsp, 200, {"status": "ok"})
+
+
+ROUTES: dict[str, dict[str, Handler]] = {
+    shape.GENERATE: {"POST": handle_generation},
+    shape.COMPLETIONS: {"POST": handle_generation},
+    shape.CHAT: {"POST": handle_generation},
+    "/health": {"GET": handle_health},
+    "/readiness": {"GET": handle_health},
+    "/liveness": {"GET": handle_liveness},
+}

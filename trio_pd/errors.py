@@ -1,0 +1,65 @@
+"""The one exception family of the router and its JSON error envelope (PROTOCOL.md §7)."""
+
+from __future__ import annotations
+
+import orjson
+
+
+class RouterError(Exception):
+    """An error the router answers itself: status, message, OpenAI-style type and code."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        error_type: str,
+        code: str | int | None = None,
+        headers: tuple[tuple[bytes, bytes], ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+        self.code = code if code is not None else status
+        self.headers = headers
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.error_type, self.code)
+
+
+def error_body(message: str, error_type: str, code: str | int) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": error_type, "code": code}})
+
+
+def bad_request(message: str) -> RouterError:
+    return RouterError(400, message, "invalid_request_error")
+
+
+def not_found(path: str) -> RouterError:
+    return RouterError(404, f"no route for {path}", "not_found_error")
+
+
+def method_not_allowed(method: str, path: str, allowed: tuple[str, ...]) -> RouterError:
+    allow = ", ".join(allowed).encode()
+    return RouterError(
+        405,
+        f"method {method} is not allowed on {path}",
+        "method_not_allowed",
+        headers=((b"allow", allow),),
+    )
+
+
+def payload_too_large(limit: int) -> RouterError:
+    return RouterError(413, f"request body exceeds {limit} bytes", "payload_too_large")
+
+
+def unauthorized() -> RouterError:
+    return RouterError(401, "missing or invalid API key", "authentication_error")
+
+
+def no_worker(message: str) -> RouterError:
+    return RouterError(503, message, "service_unavailable")
+
+
+def gateway_timeout(message: str) -> RouterError:
+    return RouterError(504, message, "timeout_error")

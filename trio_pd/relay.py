@@ -1,0 +1,104 @@
+"""Server-Sent Events framing, in-band failure detection and the logprob merge (PROTOCOL.md §4, §6).
+
+Decode's bytes are relayed raw; only what a decision needs is parsed: the first event of a stream,
+a prefill answer, an error marker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+DONE_FRAME = b"data: [DONE]\n\n"
+LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
+_EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
+
+
+def split_event(buffer: bytes) -> tuple[bytes, bytes] | None:
+    """Split the first complete SSE event (with its terminator) off `buffer`, or None if partial."""
+    best = -1
+    best_len = 0
+    for end in _EVENT_ENDS:
+        index = buffer.find(end)
+        if index != -1 and (best == -1 or index < best):
+            best, best_len = index, len(end)
+    if best == -1:
+        return None
+    cut = best + best_len
+    return buffer[:cut], buffer[cut:]
+
+
+def event_data(event: bytes) -> bytes | None:
+    """The joined `data:` payload of one SSE event, or None when it has no data line."""
+    lines = [
+        line[5:].removeprefix(b" ")
+        for line in event.splitlines()
+        if line.startswith(b"data:")
+    ]
+    return b"\n".join(lines) if lines else None
+
+
+def parse_json(data: bytes) -> Any:
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+
+
+def inband_failure(obj: Any) -> str | None:
+    """The failure message carried inside a 2xx answer: an `error` object or an aborted finish."""
+    if isinstance(obj, list):
+        for item in obj:
+            message = inband_failure(item)
+            if message is not None:
+                return message
+        return None
+    if not isinstance(obj, dict):
+        return None
+    error = obj.get("error")
+    if error:
+        if isinstance(error, dict):
+            return str(error.get("message") or error)
+        return str(error)
+    meta = obj.get("meta_info")
+    if isinstance(meta, dict):
+        finish = meta.get("finish_reason")
+        if isinstance(finish, dict) and finish.get("type") == "abort":
+            return str(finish.get("message") or "request aborted")
+    return None
+
+
+def data_failure(data: bytes) -> str | None:
+    """In-band failure in one SSE data payload; cheap when there is none (no JSON parse)."""
+    if b"error" not in data and b"abort" not in data:
+        return None
+    return inband_failure(parse_json(data))
+
+
+def merge_logprobs(prefill: Any, decode: Any) -> bool:
+    """Put prefill's input logprobs in front of decode's, item by item; True if anything changed."""
+    if isinstance(prefill, list) and isinstance(decode, list):
+        changed = False
+        for p_item, d_item in zip(prefill, decode, strict=False):
+            changed = merge_logprobs(p_item, d_item) or changed
+        return changed
+    if not (isinstance(prefill, dict) and isinstance(decode, dict)):
+        return False
+    p_meta, d_meta = prefill.get("meta_info"), decode.get("meta_info")
+    if not (isinstance(p_meta, dict) and isinstance(d_meta, dict)):
+        return False
+    changed = False
+    for key in LOGPROB_KEYS:
+        head = p_meta.get(key)
+        if isinstance(head, list):
+            tail = d_meta.get(key)
+            d_meta[key] = head + tail if isinstance(tail, list) else head
+            changed = True
+    return changed
+
+
+def error_frame(message: str, error_type: str, code: str | int) -> bytes:
+    """The valid-JSON error event that ends a stream after an upstream failure, then [DONE]."""
+    body = orjson.dumps({"error": {"message": message, "type": error_type, "code": code}})
+    return b"data: " + body + b"\n\n" + DONE_FRAME

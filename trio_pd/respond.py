@@ -1,0 +1,65 @@
+"""The client side of a request: ASGI response sending that knows whether bytes went out."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import attrs
+
+from trio_pd.errors import RouterError
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+@attrs.frozen
+class Reply:
+    """A whole (non-streamed) answer."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+
+def error_reply(error: RouterError) -> Reply:
+    return Reply(error.status, [*JSON_HEADERS, *error.headers], error.body())
+
+
+
+@attrs.define(eq=False)
+class Responder:
+    """Sends one response; ``started`` tells retries and the outcome logic that bytes went out."""
+
+    send_message: Send
+    request_id: bytes
+    started: bool = False
+    finished: bool = False
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.started = True
+        await self.send_message(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [*headers, (b"x-request-id", self.request_id)],
+            }
+        )
+
+    async def send(self, chunk: bytes) -> None:
+        if chunk:
+            await self.send_message({"type": "http.response.body", "body": chunk, "more_body": True})
+
+    async def finish_stream(self, last: bytes) -> None:
+        if not self.finished:
+            self.finished = True
+            await self.send_message({"type": "http.response.body", "body": last})
+
+    async def reply(self, reply: Reply) -> None:
+        headers = [*reply.headers, (b"content-length", str(len(reply.body)).encode())]
+        await self.start(reply.status, headers)
+        self.finished = True
+        await self.send_message({"type": "http.response.body", "body": reply.body})
+
+    async def error(self, error: RouterError) -> None:
+        await self.reply(error_reply(error))
