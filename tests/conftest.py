@@ -61,7 +61,9 @@ async def start_engine(nursery: trio.Nursery, role: str, **overrides: Any) -> En
 
 async def start_router(nursery: trio.Nursery, config: RouterConfig) -> tuple[Router, str]:
     router = Router(config)
-    urls = await nursery.start(lambda task_status: serve(config, router=router, task_status=task_status))
+    urls = await nursery.start(
+        lambda task_status: serve(config, router=router, task_status=task_status)
+    )
     return router, urls[0]
 
 

@@ -30,7 +30,9 @@ def test_inband_failure_kinds() -> None:
     abort = {"meta_info": {"finish_reason": {"type": "abort", "message": "cut"}}}
     assert inband_failure(abort) == "cut"
     assert inband_failure([{"text": "ok"}, abort]) == "cut"
-    assert inband_failure({"text": "fine", "meta_info": {"finish_reason": {"type": "length"}}}) is None
+    assert (
+        inband_failure({"text": "fine", "meta_info": {"finish_reason": {"type": "length"}}}) is None
+    )
     assert inband_failure(None) is None
 
 
@@ -38,7 +40,11 @@ def test_merge_logprobs_puts_prefill_first() -> None:
     prefill = {"meta_info": {"input_token_logprobs": [[-1, 1, None], [-2, 2, None]]}}
     decode = {"meta_info": {"input_token_logprobs": [[-3, 3, None]], "output_token_logprobs": []}}
     assert merge_logprobs(prefill, decode)
-    assert decode["meta_info"]["input_token_logprobs"] == [[-1, 1, None], [-2, 2, None], [-3, 3, None]]
+    assert decode["meta_info"]["input_token_logprobs"] == [
+        [-1, 1, None],
+        [-2, 2, None],
+        [-3, 3, None],
+    ]
     batch_p = [prefill, {"meta_info": {"input_token_logprobs": [[-9, 9, None]]}}]
     batch_d = [{"meta_info": {}}, {"meta_info": {}}]
     assert merge_logprobs(batch_p, batch_d)

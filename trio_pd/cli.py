@@ -42,12 +42,22 @@ def check_url(parser: argparse.ArgumentParser, url: str) -> None:
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     d = RouterConfig()
-    p.add_argument("--prefill", nargs="+", action=PrefillAction, metavar=("URL", "PORT"),
-                   default=[], help="prefill worker URL and bootstrap port (or none); repeatable")
-    p.add_argument("--decode", action="append", default=[], metavar="URL",
-                   help="decode worker URL; repeatable")
-    p.add_argument("--pd-disaggregation", action="store_true",
-                   help="accepted for SGLang router compatibility (always on)")
+    p.add_argument(
+        "--prefill",
+        nargs="+",
+        action=PrefillAction,
+        metavar=("URL", "PORT"),
+        default=[],
+        help="prefill worker URL and bootstrap port (or none); repeatable",
+    )
+    p.add_argument(
+        "--decode", action="append", default=[], metavar="URL", help="decode worker URL; repeatable"
+    )
+    p.add_argument(
+        "--pd-disaggregation",
+        action="store_true",
+        help="accepted for SGLang router compatibility (always on)",
+    )
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port)
     p.add_argument("--workers", type=int, default=d.workers, help="hypercorn worker processes")
@@ -57,8 +67,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue-size", type=int, default=d.queue_size)
     p.add_argument("--queue-timeout-secs", type=float, default=d.queue_timeout_secs)
     p.add_argument("--api-key", default=None)
-    p.add_argument("--log-level", default=d.log_level,
-                   choices=["debug", "info", "warning", "error", "critical"])
+    p.add_argument(
+        "--log-level",
+        default=d.log_level,
+        choices=["debug", "info", "warning", "error", "critical"],
+    )
     p.add_argument("--prometheus-port", type=int, default=None)
     pol = PolicyConfig()
     p.add_argument("--policy", choices=POLICY_NAMES, default=pol.policy)

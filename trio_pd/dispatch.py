@@ -34,7 +34,6 @@ from trio_pd.relay import (
     data_failure,
     error_frame,
     event_data,
-    first_answer,
     inband_failure,
     merge_logprobs,
     parse_json,
@@ -407,7 +406,9 @@ async def dispatch(ctx: DispatchContext, request: PDRequest, responder: Responde
         if number < total and culprit is not None and reply.status in RETRYABLE_STATUSES:
             delay = backoff_delay(number, ctx.config.retry, ctx.rng)
             if trio.current_time() + delay < deadline:
-                log.info("attempt %d failed with %d, retrying in %.3fs", number, reply.status, delay)
+                log.info(
+                    "attempt %d failed with %d, retrying in %.3fs", number, reply.status, delay
+                )
                 avoid.add(culprit)
                 await trio.sleep(delay)
                 continue

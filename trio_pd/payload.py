@@ -52,9 +52,7 @@ def routing_text(path: str, payload: dict[str, Any]) -> str | None:
                 if isinstance(content, str):
                     parts.append(content)
                 elif isinstance(content, list):
-                    parts.extend(
-                        p["text"] for p in content if isinstance(p, dict) and "text" in p
-                    )
+                    parts.extend(p["text"] for p in content if isinstance(p, dict) and "text" in p)
         return "\n".join(parts) or None
     if isinstance(value, str):
         return value

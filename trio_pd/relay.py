@@ -32,9 +32,7 @@ def split_event(buffer: bytes) -> tuple[bytes, bytes] | None:
 def event_data(event: bytes) -> bytes | None:
     """The joined `data:` payload of one SSE event, or None when it has no data line."""
     lines = [
-        line[5:].removeprefix(b" ")
-        for line in event.splitlines()
-        if line.startswith(b"data:")
+        line[5:].removeprefix(b" ") for line in event.splitlines() if line.startswith(b"data:")
     ]
     return b"\n".join(lines) if lines else None
 

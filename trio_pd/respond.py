@@ -26,7 +26,6 @@ def error_reply(error: RouterError) -> Reply:
     return Reply(error.status, [*JSON_HEADERS, *error.headers], error.body())
 
 
-
 @attrs.define(eq=False)
 class Responder:
     """Sends one response; ``started`` tells retries and the outcome logic that bytes went out."""
@@ -48,7 +47,9 @@ class Responder:
 
     async def send(self, chunk: bytes) -> None:
         if chunk:
-            await self.send_message({"type": "http.response.body", "body": chunk, "more_body": True})
+            await self.send_message(
+                {"type": "http.response.body", "body": chunk, "more_body": True}
+            )
 
     async def finish_stream(self, last: bytes) -> None:
         if not self.finished:

@@ -101,6 +101,4 @@ def _worker_main(config: RouterConfig, sockets: object) -> None:
     for sock in sockets.insecure_sockets:  # type: ignore[attr-defined]
         sock.listen(hc.backlog)
     app = wrap_app(Router(config), hc.wsgi_max_body_size, "asgi")
-    trio.run(
-        partial(worker_serve, app, hc, sockets=sockets, shutdown_trigger=wait_for_signal)
-    )
+    trio.run(partial(worker_serve, app, hc, sockets=sockets, shutdown_trigger=wait_for_signal))

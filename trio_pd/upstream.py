@@ -15,7 +15,9 @@ CONNECT_TIMEOUT_SECS = 10.0  # a black-holed worker fails the leg instead of eat
 FORWARDED_HEADERS = frozenset(
     (b"authorization", b"x-correlation-id", b"traceparent", b"tracestate")
 )
-HOP_BY_HOP = frozenset(
+# Not relayed from an upstream answer: hop-by-hop headers, those hypercorn sets itself, and the
+# request id, which the router sets on every response.
+DROPPED_RESPONSE_HEADERS = frozenset(
     (
         b"connection",
         b"keep-alive",
@@ -28,6 +30,7 @@ HOP_BY_HOP = frozenset(
         b"content-length",
         b"date",
         b"server",
+        b"x-request-id",
     )
 )
 
@@ -59,7 +62,11 @@ def leg_headers(
 
 def response_headers(upstream: httpx2.Headers) -> list[tuple[bytes, bytes]]:
     """An upstream response's headers less hop-by-hop ones (and those the server sets itself)."""
-    return [(name, value) for name, value in upstream.raw if name.lower() not in HOP_BY_HOP]
+    return [
+        (name, value)
+        for name, value in upstream.raw
+        if name.lower() not in DROPPED_RESPONSE_HEADERS
+    ]
 
 
 def pool_connections(client: httpx2.AsyncClient) -> list[tuple[str, str]]:

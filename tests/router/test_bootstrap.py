@@ -1,4 +1,4 @@
-"""Bootstrap injection over the wire (PROTOCOL.md §2): every batch shape, fresh rooms, passthrough."""
+"""Bootstrap injection on the wire (PROTOCOL.md §2): batch shapes, fresh rooms, passthrough."""
 
 from __future__ import annotations
 
@@ -16,7 +16,11 @@ BATCH_SHAPES: list[tuple[str, dict[str, Any], int | None]] = [
     ("/v1/completions", {"prompt": "one prompt", "max_tokens": 3}, None),
     ("/v1/completions", {"prompt": ["a b", "c d", "e f", "g"], "max_tokens": 3}, 4),
     ("/v1/completions", {"prompt": [[1, 2], [3]], "max_tokens": 3}, 2),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}, None),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        None,
+    ),
     (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 3},
@@ -34,7 +38,7 @@ async def test_batch_shapes_get_matching_bootstrap_fields(
     rid = response.headers["x-request-id"]
     seen = cluster.decode.events.find("request_start", rid=rid)[0]["body"]
     assert seen == cluster.prefill.events.find("request_start", rid=rid)[0]["body"]
-    host, port = cluster.prefill.url.split("//")[1].split(":")
+    host = cluster.prefill.url.split("//")[1].rsplit(":", 1)[0]
     if n is None:
         assert seen["bootstrap_host"] == host
         assert seen["bootstrap_port"] == cluster.prefill.bootstrap_port

@@ -56,7 +56,9 @@ async def test_prefill_failure_cancels_decode_at_once(
         assert error["type"] == "upstream_error"
         assert "prefill" in error["message"]
     registered = await cluster.decode.events.wait_for("room_registered", timeout=LOOSE, rid=rid)
-    assert registered["room"] == cluster.prefill.events.find("request_start", rid=rid)[0]["rooms"][0]
+    assert (
+        registered["room"] == cluster.prefill.events.find("request_start", rid=rid)[0]["rooms"][0]
+    )
     await assert_decode_cancelled(cluster, rid)
     fault_at = cluster.prefill.events.find("fault", rid=rid)[0]["t"]
     closed_at = cluster.decode.events.find("connection_closed", rid=rid)[0]["t"]
@@ -71,7 +73,9 @@ async def test_prefill_connection_refused_cancels_decode(nursery: trio.Nursery) 
     port = dead.getsockname()[1]
     dead.close()  # nothing listens there now: connection refused
     worker = cluster.router.fleet.workers("prefill")[0]
-    worker.spec = type(worker.spec)(f"http://127.0.0.1:{port}", "prefill", cluster.prefill.bootstrap_port)
+    worker.spec = type(worker.spec)(
+        f"http://127.0.0.1:{port}", "prefill", cluster.prefill.bootstrap_port
+    )
     for stream in (False, True):
         response = await cluster.client.post("/generate", json=generate_body(stream=stream))
         assert response.status_code == 502
@@ -106,7 +110,9 @@ async def test_prefill_hang_hits_deadline_and_both_legs_close(
 async def test_decode_failure_cancels_prefill(
     cluster: Cluster, fault: str, status: int, stream: bool
 ) -> None:
-    response = await cluster.client.post("/generate", json=generate_body(stream=stream, sim_fault=fault))
+    response = await cluster.client.post(
+        "/generate", json=generate_body(stream=stream, sim_fault=fault)
+    )
     assert response.status_code == status  # decode's own status and body
     assert response.json()["error"]["code"] == status
     rid = response.headers["x-request-id"]
@@ -201,13 +207,16 @@ async def test_deadline_mid_stream_ends_with_error_event(nursery: trio.Nursery) 
     await cluster.client.aclose()
 
 
-async def test_decode_failure_mid_stream_ends_with_error_event(cluster: Cluster) -> None:
-    body = generate_body(stream=True, max_new_tokens=50, sim_fault="decode:close@300")
+async def test_decode_failure_mid_stream_ends_with_error_event(nursery: trio.Nursery) -> None:
+    cluster = await start_cluster(nursery, decode={"inter_token_ms": 20.0})
+    body = generate_body(stream=True, max_new_tokens=100, sim_fault="decode:close@300")
     async with cluster.client.stream("POST", "/generate", json=body) as response:
         assert response.status_code == 200
         events = await read_sse(response)
     assert events[-1] == "[DONE]"
     assert events[-2]["error"]["type"] == "upstream_error"
+    assert len(events) > 3  # tokens flowed before decode's connection dropped
+    await cluster.client.aclose()
 
 
 async def test_nothing_leaks_after_many_failures(cluster: Cluster) -> None:

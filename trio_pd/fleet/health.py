@@ -1,0 +1,91 @@
+"""Active health checks: one checker task per worker, following fleet membership.
+
+Rules (SMG's thresholds, with one exception for new workers):
+- a worker starts unhealthy; its first check runs at once (at start, or when added at runtime),
+  then every `interval_secs` (measured start to start);
+- until a worker has passed once, a single pass makes it healthy (a booting engine joins as soon
+  as it answers); after that, `success_threshold` consecutive passes bring it back up;
+- `failure_threshold` consecutive failures take it down; a probe that raises or outlives
+  `timeout_secs` is a failure;
+- a removed worker's checker is cancelled and never flips it again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from trio_pd.config import HealthConfig
+from trio_pd.fleet.workers import Fleet, Worker
+
+log = logging.getLogger(__name__)
+
+Probe = Callable[[Worker], Awaitable[bool]]
+
+
+async def probe_once(worker: Worker, config: HealthConfig, probe: Probe) -> bool:
+    """One probe under `timeout_secs`; exceptions and timeouts are failures."""
+    with trio.move_on_after(config.timeout_secs):
+        try:
+            return bool(await probe(worker))
+        except Exception as exc:
+            log.debug("health probe of %s (%s) raised %r", worker.id, worker.url, exc)
+            return False
+    log.debug("health probe of %s (%s) timed out", worker.id, worker.url)
+    return False
+
+
+async def check_worker(worker: Worker, config: HealthConfig, probe: Probe) -> None:
+    """Probe one worker forever (until cancelled or the worker is removed)."""
+    ever_passed = False
+    passes = failures = 0
+    while not worker.removed:
+        started = trio.current_time()
+        ok = await probe_once(worker, config, probe)
+        if worker.removed:
+            return
+        if ok:
+            passes += 1
+            failures = 0
+            if not worker.healthy and (not ever_passed or passes >= config.success_threshold):
+                worker.healthy = True
+                log.info("worker %s (%s) is healthy", worker.id, worker.url)
+            ever_passed = True
+        else:
+            failures += 1
+            passes = 0
+            if worker.healthy and failures >= config.failure_threshold:
+                worker.healthy = False
+                log.warning(
+                    "worker %s (%s) is unhealthy after %d failed checks",
+                    worker.id,
+                    worker.url,
+                    failures,
+                )
+        await trio.sleep_until(started + config.interval_secs)
+
+
+async def run_health_checks(fleet: Fleet, config: HealthConfig, probe: Probe) -> None:
+    """Run forever: one checker per registered worker, started and cancelled as membership
+    changes (`fleet.version`)."""
+    scopes: dict[Worker, trio.CancelScope] = {}
+
+    async def supervised(worker: Worker, scope: trio.CancelScope) -> None:
+        with scope:
+            await check_worker(worker, config, probe)
+
+    async with trio.open_nursery() as nursery:
+        version = -1
+        while True:
+            version = fleet.version
+            current = fleet.workers()
+            present = set(current)
+            for worker in [w for w in scopes if w not in present]:
+                scopes.pop(worker).cancel()
+            for worker in current:
+                if worker not in scopes:
+                    scopes[worker] = trio.CancelScope()
+                    nursery.start_soon(supervised, worker, scopes[worker])
+            await fleet.wait_changed(version)

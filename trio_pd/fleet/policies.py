@@ -1,0 +1,175 @@
+"""Worker selection policies, named as in SGLang's router.
+
+A policy chooses one worker among `candidates` (already filtered by the fleet: healthy, not
+removed, breaker allowing, preferably not avoided; never empty). Policies hold no references to
+the fleet; the fleet tells them about membership through `add_worker` / `remove_worker`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import trio
+
+from trio_pd.config import PolicyConfig
+from trio_pd.fleet.prefix_tree import PrefixTree
+
+if TYPE_CHECKING:
+    from trio_pd.fleet.workers import Worker
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(self, candidates: Sequence[Worker], text: str | None) -> Worker: ...
+
+    def add_worker(self, worker: Worker) -> None: ...
+
+    def remove_worker(self, worker: Worker) -> None: ...
+
+    def evict(self) -> None: ...
+
+
+class _Stateless:
+    name = "base"
+
+    def add_worker(self, worker: Worker) -> None:
+        pass
+
+    def remove_worker(self, worker: Worker) -> None:
+        pass
+
+    def evict(self) -> None:
+        pass
+
+
+def _least_loaded(candidates: Sequence[Worker], rng: random.Random) -> Worker:
+    """Lowest `load()`; ties broken at random so idle fleets still spread."""
+    loads = [w.load() for w in candidates]
+    low = min(loads)
+    best = [w for w, load in zip(candidates, loads, strict=True) if load == low]
+    return best[0] if len(best) == 1 else rng.choice(best)
+
+
+class RandomPolicy(_Stateless):
+    name = "random"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self.rng = rng or random.Random()
+
+    def choose(self, candidates: Sequence[Worker], text: str | None) -> Worker:
+        return self.rng.choice(candidates)
+
+
+class RoundRobinPolicy(_Stateless):
+    """Cycles an index over whatever candidate list it gets (as SGLang: index mod count)."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, candidates: Sequence[Worker], text: str | None) -> Worker:
+        worker = candidates[self._next % len(candidates)]
+        self._next += 1
+        return worker
+
+
+class PowerOfTwoPolicy(_Stateless):
+    """Two distinct random candidates; the lower `load()` wins (the first drawn on a tie)."""
+
+    name = "power_of_two"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self.rng = rng or random.Random()
+
+    def choose(self, candidates: Sequence[Worker], text: str | None) -> Worker:
+        if len(candidates) == 1:
+            return candidates[0]
+        a, b = self.rng.sample(candidates, 2)
+        return b if b.load() < a.load() else a
+
+
+class CacheAwarePolicy:
+    """SGLang's cache-aware policy over one shared approximate prefix tree.
+
+    1. Loads imbalanced (max - min > balance_abs_threshold AND max > min * balance_rel_threshold):
+       the least loaded candidate, and the text is still inserted for it.
+    2. Otherwise the candidate with the longest prefix match wins if matched / len(text) >
+       cache_threshold (ties: least loaded); else the candidate with the smallest tree (ties:
+       least loaded, then candidate order). The text is inserted for the chosen worker.
+    3. No text (None or ""): the least loaded candidate; the tree is not touched.
+    Trees grow between evictions; `evict()` trims every worker to max_tree_size characters.
+    """
+
+    name = "cache_aware"
+
+    def __init__(self, config: PolicyConfig | None = None, rng: random.Random | None = None):
+        self.config = config or PolicyConfig()
+        self.rng = rng or random.Random()
+        self.tree: PrefixTree[Worker] = PrefixTree()
+
+    def choose(self, candidates: Sequence[Worker], text: str | None) -> Worker:
+        if len(candidates) == 1:
+            chosen = candidates[0]
+        elif not text:
+            return _least_loaded(candidates, self.rng)
+        else:
+            chosen = self._pick(candidates, text)
+        if text:
+            self.tree.insert(text, chosen)
+        return chosen
+
+    def _pick(self, candidates: Sequence[Worker], text: str) -> Worker:
+        cfg = self.config
+        loads = [w.load() for w in candidates]
+        max_load, min_load = max(loads), min(loads)
+        if (
+            max_load - min_load > cfg.balance_abs_threshold
+            and max_load > min_load * cfg.balance_rel_threshold
+        ):
+            return _least_loaded(candidates, self.rng)
+        matched, holders = self.tree.match(text, candidates)
+        if holders and matched / len(text) > cfg.cache_threshold:
+            if len(holders) == 1:
+                return holders[0]
+            return min(holders, key=lambda w: w.load())
+        size = self.tree.size
+        return min(candidates, key=lambda w: (size(w), w.load()))
+
+    def add_worker(self, worker: Worker) -> None:
+        pass
+
+    def remove_worker(self, worker: Worker) -> None:
+        self.tree.remove_tenant(worker)
+
+    def evict(self) -> None:
+        self.tree.evict(self.config.max_tree_size)
+
+
+def make_policy(
+    name: str, config: PolicyConfig | None = None, rng: random.Random | None = None
+) -> Policy:
+    config = config or PolicyConfig()
+    if name == "random":
+        return RandomPolicy(rng)
+    if name == "round_robin":
+        return RoundRobinPolicy()
+    if name == "power_of_two":
+        return PowerOfTwoPolicy(rng)
+    if name == "cache_aware":
+        return CacheAwarePolicy(config, rng)
+    raise ValueError(f"unknown policy {name!r}")
+
+
+class _Evictable(Protocol):
+    def evict(self) -> None: ...
+
+
+async def run_eviction(policy: _Evictable, interval_secs: float) -> None:
+    """Call `policy.evict()` every `interval_secs`, forever (a Fleet works too: it evicts all)."""
+    while True:
+        await trio.sleep(interval_secs)
+        policy.evict()

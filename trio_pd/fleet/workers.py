@@ -1,0 +1,248 @@
+"""The worker registry: who is up, who is loaded, and which worker a request leg goes to.
+
+Pure bookkeeping plus trio timing; nothing here knows HTTP. Not thread-safe: one trio run owns it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import attrs
+import trio
+
+from trio_pd.config import Role, RouterConfig, WorkerSpec
+from trio_pd.fleet.breaker import CircuitBreaker
+from trio_pd.fleet.policies import Policy, make_policy
+
+log = logging.getLogger(__name__)
+
+ROLES: tuple[Role, Role] = ("prefill", "decode")
+
+
+class NoWorkerAvailable(Exception):
+    """No worker of `role` can take a request. `reason` is one of "none_registered",
+    "all_unhealthy", "all_breakers_open", "unavailable" (a mix of the last two)."""
+
+    def __init__(self, role: Role, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.role = role
+        self.reason = reason
+        self.message = message
+
+
+@attrs.define(eq=False)
+class Worker:
+    """One upstream engine. Hashes by identity, so it can key sets and dicts.
+
+    `load()` is the router's own `in_flight` count, raised to the engine's reported load while
+    that report is fresh (younger than `load_fresh_secs`, which the Fleet sets to twice the health
+    interval): the engine also counts requests from other routers, the router's count is exact
+    for its own legs and never stale.
+    """
+
+    spec: WorkerSpec
+    id: str
+    breaker: CircuitBreaker = attrs.field(factory=CircuitBreaker)
+    healthy: bool = False  # unhealthy until the first health pass
+    removed: bool = False
+    in_flight: int = 0
+    reported_load: int | None = None
+    reported_at: float | None = None
+    load_fresh_secs: float = 120.0
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def role(self) -> Role:
+        return self.spec.role
+
+    @property
+    def bootstrap_port(self) -> int | None:
+        return self.spec.bootstrap_port
+
+    def report_load(self, load: int) -> None:
+        """Record the engine's own load figure (e.g. from its /get_load), stamped now."""
+        self.reported_load = load
+        self.reported_at = trio.current_time()
+
+    def load(self) -> int:
+        reported = self.reported_load
+        if (
+            reported is not None
+            and reported > self.in_flight
+            and self.reported_at is not None
+            and trio.current_time() - self.reported_at < self.load_fresh_secs
+        ):
+            return reported
+        return self.in_flight
+
+    def available(self) -> bool:
+        return self.healthy and not self.removed and self.breaker.allows_request()
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "id": self.id,
+            "url": self.url,
+            "worker_type": self.role,
+            "bootstrap_port": self.bootstrap_port,
+            "healthy": self.healthy,
+            "circuit_breaker": self.breaker.state,
+            "load": self.load(),
+            "in_flight": self.in_flight,
+        }
+
+
+class Fleet:
+    """All workers of one router, one selection policy per role.
+
+    Membership changes bump `version` and wake `wait_changed()`; the health checker follows them.
+    """
+
+    def __init__(self, config: RouterConfig, rng: random.Random | None = None) -> None:
+        self.config = config
+        self.rng = rng or random.Random()
+        self.policies: dict[Role, Policy] = {
+            role: make_policy(config.policy.for_role(role), config.policy, self.rng)
+            for role in ROLES
+        }
+        self._workers: dict[str, Worker] = {}
+        self._serial: dict[Role, int] = dict.fromkeys(ROLES, 0)
+        self.version = 0
+        self._changed = trio.Event()
+        for spec in (*config.prefill, *config.decode):
+            self.add(spec)
+
+    # -- membership ----------------------------------------------------------------------------
+
+    def add(self, spec: WorkerSpec) -> Worker:
+        for w in self._workers.values():
+            if w.url == spec.url and w.role == spec.role:
+                raise ValueError(f"{spec.role} worker {spec.url} is already registered as {w.id}")
+        self._serial[spec.role] += 1
+        worker_id = f"{spec.role}-{self._serial[spec.role]}"  # numbers are never reused
+        worker = Worker(
+            spec=spec,
+            id=worker_id,
+            breaker=CircuitBreaker(self.config.breaker),
+            load_fresh_secs=2 * self.config.health.interval_secs,
+        )
+        self._workers[worker_id] = worker
+        self.policies[spec.role].add_worker(worker)
+        self._bump()
+        log.info("worker %s added: %s %s", worker_id, spec.role, spec.url)
+        return worker
+
+    def remove(self, worker_id: str) -> Worker:
+        worker = self._workers.pop(worker_id)  # KeyError if unknown
+        worker.removed = True
+        self.policies[worker.role].remove_worker(worker)
+        self._bump()
+        log.info("worker %s removed: %s %s", worker_id, worker.role, worker.url)
+        return worker
+
+    async def wait_changed(self, seen_version: int) -> int:
+        """Wait until membership differs from `seen_version`; return the current version."""
+        while self.version == seen_version:
+            await self._changed.wait()
+        return self.version
+
+    # -- lookup --------------------------------------------------------------------------------
+
+    def get(self, worker_id: str) -> Worker:
+        return self._workers[worker_id]
+
+    def find(self, url: str, role: Role | None = None) -> Worker | None:
+        url = url.rstrip("/")
+        for w in self._workers.values():
+            if w.url == url and (role is None or w.role == role):
+                return w
+        return None
+
+    def workers(self, role: Role | None = None) -> list[Worker]:
+        if role is None:
+            return list(self._workers.values())
+        return [w for w in self._workers.values() if w.role == role]
+
+    def available(self, role: Role) -> list[Worker]:
+        return [w for w in self._workers.values() if w.role == role and w.available()]
+
+    # -- selection -----------------------------------------------------------------------------
+
+    def select(
+        self, role: Role, text: str | None, avoid: frozenset[Worker] = frozenset()
+    ) -> Worker:
+        candidates = self.available(role)
+        if not candidates:
+            raise self._why_none(role)
+        if avoid:
+            preferred = [w for w in candidates if w not in avoid]
+            if preferred:
+                candidates = preferred
+        return self.policies[role].choose(candidates, text)
+
+    def select_pair(
+        self, text: str | None, avoid: frozenset[Worker] = frozenset()
+    ) -> tuple[Worker, Worker]:
+        """(prefill, decode). Raises NoWorkerAvailable for the first role with nobody up."""
+        prefill = self.select("prefill", text, avoid)
+        decode = self.select("decode", text, avoid)
+        return prefill, decode
+
+    @contextmanager
+    def track(self, worker: Worker) -> Iterator[Worker]:
+        worker.in_flight += 1
+        try:
+            yield worker
+        finally:
+            worker.in_flight -= 1
+
+    def record(self, worker: Worker, ok: bool) -> None:
+        breaker = worker.breaker
+        before = breaker.state
+        if ok:
+            breaker.record_success()
+        else:
+            breaker.record_failure()
+        after = breaker.state
+        if after != before:
+            log.warning(
+                "worker %s (%s) circuit breaker %s -> %s", worker.id, worker.url, before, after
+            )
+
+    def evict(self) -> None:
+        """Periodic cache-tree eviction for every policy; `run_eviction(fleet, secs)` drives it."""
+        for policy in self.policies.values():
+            policy.evict()
+
+    def to_json(self) -> list[dict[str, object]]:
+        return [w.to_json() for w in self._workers.values()]
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _bump(self) -> None:
+        self.version += 1
+        changed, self._changed = self._changed, trio.Event()
+        changed.set()
+
+    def _why_none(self, role: Role) -> NoWorkerAvailable:
+        registered = self.workers(role)
+        if not registered:
+            return NoWorkerAvailable(role, "none_registered", f"no {role} worker is registered")
+        total = len(registered)
+        unhealthy = sum(1 for w in registered if not w.healthy)
+        open_ = sum(1 for w in registered if w.healthy and not w.breaker.allows_request())
+        if unhealthy == total:
+            reason = "all_unhealthy"
+            detail = f"all {total} are unhealthy"
+        elif open_ == total:
+            reason = "all_breakers_open"
+            detail = f"all {total} have their circuit breaker open"
+        else:
+            reason = "unavailable"
+            detail = f"{unhealthy} of {total} unhealthy, {open_} with circuit breaker open"
+        return NoWorkerAvailable(role, reason, f"no available {role} worker: {detail}")
