@@ -9,39 +9,31 @@ from __future__ import annotations
 import logging
 import random
 import uuid
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 import attrs
 import httpx2
-import orjson
 import trio
 
 from trio_pd import payload as shape
+from trio_pd.admin import ADMIN_ROUTES, WORKER_ITEM_ROUTES
+from trio_pd.asgi import (
+    ClientGone,
+    Handler,
+    Receive,
+    Scope,
+    Send,
+    json_reply,
+    read_json_object,
+)
 from trio_pd.config import RouterConfig
 from trio_pd.dispatch import DispatchContext, PDRequest, dispatch
-from trio_pd.errors import (
-    RouterError,
-    bad_request,
-    method_not_allowed,
-    not_found,
-    payload_too_large,
-)
+from trio_pd.errors import RouterError, method_not_allowed, not_found
 from trio_pd.fleet.workers import Fleet
 from trio_pd.logs import current_request_id
-from trio_pd.respond import JSON_HEADERS, Reply, Responder
+from trio_pd.respond import Responder
 from trio_pd.upstream import leg_headers, make_client
 
 log = logging.getLogger("trio_pd.app")
-
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-Handler = Callable[["Router", Scope, Receive, Responder], Awaitable[None]]
-
-
-class ClientGone(Exception):
-    """The client disconnected while we were still reading its body."""
 
 
 @attrs.define(eq=False)
@@ -109,6 +101,8 @@ class Router:
 
     def route(self, method: str, path: str) -> Handler:
         methods = ROUTES.get(path)
+        if methods is None and path.startswith("/workers/"):
+            methods = WORKER_ITEM_ROUTES
         if methods is None:
             raise not_found(path)
         handler = methods.get(method)
@@ -121,13 +115,7 @@ async def handle_generation(
     router: Router, scope: Scope, receive: Receive, responder: Responder
 ) -> None:
     """A PD request: validate, then dispatch inside a scope the client's disconnect cancels."""
-    body = await read_body(scope, receive, router.config.max_payload_size)
-    try:
-        payload = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(payload, dict):
-        raise bad_request("request body must be a JSON object")
+    payload = await read_json_object(scope, receive, router.config.max_payload_size)
     path = scope["path"]
     request = PDRequest(
         path=path,
@@ -161,25 +149,6 @@ async def watch_disconnect(receive: Receive, client_scope: trio.CancelScope) -> 
             return
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    for name, value in scope["headers"]:
-        if name == b"content-length" and value.isdigit() and int(value) > limit:
-            raise payload_too_large(limit)
-    chunks = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise payload_too_large(limit)
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
 def incoming_request_id(headers: list[tuple[bytes, bytes]]) -> str | None:
     found = None
     for name, value in headers:
@@ -188,10 +157,6 @@ def incoming_request_id(headers: list[tuple[bytes, bytes]]) -> str | None:
         if name == b"x-correlation-id" and value:
             found = value.decode("latin-1")
     return found
-
-
-async def json_reply(responder: Responder, status: int, obj: Any) -> None:
-    await responder.reply(Reply(status, JSON_HEADERS, orjson.dumps(obj)))
 
 
 async def handle_liveness(router: Router, scope: Scope, receive: Receive, rsp: Responder) -> None:
@@ -219,6 +184,7 @@ async def handle_health(router: Router, scope: Scope, receive: Receive, rsp: Res
 
 
 ROUTES: dict[str, dict[str, Handler]] = {
+    **ADMIN_ROUTES,
     shape.GENERATE: {"POST": handle_generation},
     shape.COMPLETIONS: {"POST": handle_generation},
     shape.CHAT: {"POST": handle_generation},

@@ -1,0 +1,35 @@
+"""The simulator's frozen configuration (one object per engine process or test engine)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+
+Role = Literal["prefill", "decode"]
+ROLES: tuple[str, ...] = ("prefill", "decode")
+
+
+def _check_role(_inst: object, _attr: attrs.Attribute, value: str) -> None:
+    if value not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, not {value!r}")
+
+
+@attrs.frozen
+class EngineConfig:
+    """Everything an engine needs; port 0 / bootstrap_port 0 mean "pick an ephemeral port"."""
+
+    role: Role = attrs.field(validator=_check_role)
+    host: str = "127.0.0.1"
+    port: int = 0
+    bootstrap_port: int | None = 0  # prefill only; ignored by decode
+    waiting_timeout: float = 300.0  # decode: WaitingForInput limit (SGLang's default)
+    bootstrap_timeout: float = 30.0  # prefill: how long to wait for the decode's registration
+    prefill_ms_per_token: float = 0.0
+    inter_token_ms: float = 0.0
+    max_running: int = 64
+    disconnect_poll_secs: float = 4.0
+    faults: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    events_path: str | None = None
+    model: str = "sim-model"
+    keep_alive_secs: float = 5.0  # must stay above the router's client keep-alive expiry

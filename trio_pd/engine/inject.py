@@ -1,0 +1,46 @@
+"""Firing a terminal fault on a request (the timing is decided by the role flows)."""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from trio_pd.engine.faults import Fault
+from trio_pd.engine.responses import error_body
+from trio_pd.engine.state import Call
+
+log = logging.getLogger("trio_pd.engine")
+
+
+async def fire(call: Call, fault: Fault) -> None:
+    call.emit("fault", spec=fault.spec, kind=fault.kind, status=fault.status)
+    message = f"simulated {call.engine.role} fault {fault.spec!r}"
+    stream = call.workload.stream
+    if fault.kind == "status":
+        assert fault.status is not None
+        if call.resp.started:  # a stream already answered 200: the status can only go in-band
+            await call.resp.error(fault.status, message)
+        else:
+            await call.resp.json(fault.status, error_body(message, fault.status))
+    elif fault.kind == "sse_error":
+        if stream:
+            await call.resp.event(error_body(message, 500))
+            await call.resp.done()
+        else:
+            await call.resp.json(200, error_body(message, 500))
+    elif fault.kind == "abort":
+        if stream:
+            await call.resp.event(call.shaper.abort_event(message))
+            await call.resp.done()
+        else:
+            await call.resp.json(200, call.shaper.full(abort=message))
+    elif fault.kind == "close":
+        call.ended = "closed"
+        if not await call.engine.connections.drop(call.client):
+            log.warning("%s: close fault: connection %s not found", call.rid, call.client)
+    elif fault.kind == "hang":
+        call.ended = "hang"
+        await trio.sleep_forever()  # until the client goes away (work_scope is cancelled)
+    else:  # pragma: no cover - slow/refuse never reach here
+        raise AssertionError(fault.kind)

@@ -1,0 +1,73 @@
+"""The prefill role: wait for the decode's registration, "compute", send the KV, answer 1 token.
+
+Fault timing: 4xx faults fire at once (validation, before any registration); every other fault
+fires once the rooms' decode registrations arrived (or the bootstrap timeout passed), plus the
+spec's `@MS` delay. A fault never marks the KV as sent, so the decode side keeps waiting.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from trio_pd.engine.inject import fire
+from trio_pd.engine.state import Call
+
+
+async def run_prefill(call: Call) -> None:
+    w = call.workload
+    if not w.rooms:
+        await call.resp.error(400, "bootstrap_room is required by a prefill engine (PD mode)")
+        return
+    fault = call.plan.terminal
+    if fault is not None and fault.is_client_error:
+        await trio.sleep(fault.delay)
+        await fire(call, fault)
+        return
+    if w.stream and not (fault is not None and fault.kind == "status"):
+        await call.resp.start_stream()  # like SGLang: 200 + SSE headers before any work
+    table = call.engine.rooms
+    rooms = list(dict.fromkeys(w.rooms))
+    states = [table.acquire(room) for room in rooms]
+    try:
+        with trio.move_on_after(call.config.bootstrap_timeout):
+            for room, state in zip(rooms, states, strict=True):
+                await state.registered.wait()
+                call.emit("room_registered", room=room)
+        missing = [r for r, s in zip(rooms, states, strict=True) if not s.registered.is_set()]
+        if fault is not None:
+            await trio.sleep(fault.delay)
+            await fire(call, fault)
+            return
+        if missing:
+            call.emit("bootstrap_timeout", missing=missing)
+            await call.resp.error(
+                500,
+                f"bootstrap timeout: no decode registered room(s) {missing} "
+                f"within {call.config.bootstrap_timeout}s",
+            )
+            return
+        await trio.sleep(call.plan.slow)
+        tokens = sum(len(i) for i in w.inputs)
+        await trio.sleep(call.config.prefill_ms_per_token * tokens / 1000.0)
+        for room, state in zip(rooms, states, strict=True):
+            state.kv.set()
+            call.emit("kv_sent", room=room)
+        await answer(call)
+    finally:
+        for room in rooms:
+            table.release(room)
+
+
+async def answer(call: Call) -> None:
+    """Prefill's own answer: a one-token generation (stream: one event per item, then [DONE])."""
+    shaper = call.shaper
+    if not call.workload.stream:
+        await call.resp.json(200, shaper.full())
+        return
+    for event in shaper.stream_start():
+        await call.resp.event(event)
+    for index in range(call.workload.size):
+        await call.resp.event(shaper.token_event(index, 1))
+    for event in shaper.stream_end():
+        await call.resp.event(event)
+    await call.resp.done()

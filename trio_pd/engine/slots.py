@@ -1,0 +1,70 @@
+"""Decode slots (max_running, FIFO queue beyond) and the periodic disconnect-poll tick."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import trio
+
+
+class SlotPool:
+    """A FIFO counting semaphore that reports how many slots are taken and how many wait.
+
+    A released slot is handed straight to the oldest waiter, so later arrivals never overtake.
+    """
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError("max_running must be at least 1")
+        self.size = size
+        self.running = 0
+        self._waiters: collections.deque[trio.Event] = collections.deque()
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiters)
+
+    async def acquire(self) -> None:
+        if self.running < self.size and not self._waiters:
+            self.running += 1
+            await trio.lowlevel.checkpoint()
+            return
+        granted = trio.Event()
+        self._waiters.append(granted)
+        try:
+            await granted.wait()
+        except BaseException:
+            if granted.is_set():  # handed over, but we are leaving: pass it on
+                self.release()
+            else:
+                self._waiters.remove(granted)
+            raise
+
+    def release(self) -> None:
+        if self._waiters:
+            self._waiters.popleft().set()  # the slot changes hands; `running` stays
+        else:
+            self.running -= 1
+
+
+class DisconnectTicker:
+    """SGLang checks for closed client connections periodically, not at once.
+
+    We model one global tick every `interval` seconds since engine start: a disconnected
+    request is aborted at the next multiple of the interval, so the delay is in (0, interval].
+    """
+
+    def __init__(self, interval: float, start: float | None = None) -> None:
+        self.interval = interval
+        self.start = trio.current_time() if start is None else start
+
+    def next_tick(self, now: float | None = None) -> float:
+        now = trio.current_time() if now is None else now
+        if self.interval <= 0:
+            return now
+        ticks = math.floor((now - self.start) / self.interval) + 1
+        return self.start + ticks * self.interval
+
+    async def wait_next_tick(self) -> None:
+        await trio.sleep_until(self.next_tick())
