@@ -30,10 +30,12 @@ from trio_pd.dispatch import DispatchContext, PDRequest, dispatch
 from trio_pd.errors import RouterError, method_not_allowed, not_found
 from trio_pd.fleet.workers import Fleet
 from trio_pd.logs import current_request_id
-from trio_pd.respond import Responder
+from trio_pd.metrics import RouterMetrics
+from trio_pd.respond import Reply, Responder
 from trio_pd.upstream import leg_headers, make_client
 
 log = logging.getLogger("trio_pd.app")
+CLIENT_GONE_STATUS = 499  # nginx's convention for "the client closed the request"
 
 
 @attrs.define(eq=False)
@@ -48,6 +50,7 @@ class Router:
     rng: random.Random = attrs.field(factory=random.Random)
     client: httpx2.AsyncClient | None = None
     context: DispatchContext | None = None
+    metrics: RouterMetrics = attrs.field(factory=RouterMetrics)
 
     @fleet.default
     def _default_fleet(self) -> Fleet:
@@ -65,7 +68,8 @@ class Router:
         message = await receive()
         assert message["type"] == "lifespan.startup"
         self.client = make_client()
-        self.context = DispatchContext(self.client, self.fleet, self.config, self.rng)
+        self.context = DispatchContext(self.client, self.fleet, self.config, self.rng, self.metrics)
+        self.metrics.attach(self.fleet, self.client)
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.background)
@@ -90,14 +94,21 @@ class Router:
         request_id = incoming_request_id(scope["headers"]) or uuid.uuid4().hex
         current_request_id.set(request_id)
         responder = Responder(send, request_id.encode())
+        path = scope["path"]
+        label = path if path in ROUTES else "other"
+        started_at = trio.current_time()
         try:
-            handler = self.route(scope["method"], scope["path"])
+            handler = self.route(scope["method"], path)
             await handler(self, scope, receive, responder)
         except RouterError as error:
             if not responder.started:
                 await responder.error(error)
         except ClientGone:
             log.info("client went away before its body arrived")
+        finally:
+            status = responder.status if responder.finished else CLIENT_GONE_STATUS
+            self.metrics.requests.labels(label, str(status)).inc()
+            self.metrics.latency.labels(label).observe(trio.current_time() - started_at)
 
     def route(self, method: str, path: str) -> Handler:
         methods = ROUTES.get(path)
@@ -183,6 +194,11 @@ async def handle_health(router: Router, scope: Scope, receive: Receive, rsp: Res
         await json_reply(rsp, 200, {"status": "ok"})
 
 
+async def handle_metrics(router: Router, scope: Scope, receive: Receive, rsp: Responder) -> None:
+    body = router.metrics.render()
+    await rsp.reply(Reply(200, [(b"content-type", b"text/plain; version=0.0.4")], body))
+
+
 ROUTES: dict[str, dict[str, Handler]] = {
     **ADMIN_ROUTES,
     shape.GENERATE: {"POST": handle_generation},
@@ -191,4 +207,5 @@ ROUTES: dict[str, dict[str, Handler]] = {
     "/health": {"GET": handle_health},
     "/readiness": {"GET": handle_health},
     "/liveness": {"GET": handle_liveness},
+    "/metrics": {"GET": handle_metrics},
 }

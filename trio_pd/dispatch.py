@@ -30,6 +30,7 @@ from trio_pd.config import RouterConfig
 from trio_pd.errors import RouterError, gateway_timeout, no_worker
 from trio_pd.fleet.retry import RETRYABLE_STATUSES, attempts, backoff_delay
 from trio_pd.fleet.workers import Fleet, NoWorkerAvailable, Worker
+from trio_pd.metrics import RouterMetrics
 from trio_pd.relay import (
     data_failure,
     error_frame,
@@ -355,6 +356,7 @@ class DispatchContext:
     fleet: Fleet
     config: RouterConfig
     rng: random.Random
+    metrics: RouterMetrics
 
 
 async def dispatch(ctx: DispatchContext, request: PDRequest, responder: Responder) -> None:
@@ -392,8 +394,11 @@ async def dispatch(ctx: DispatchContext, request: PDRequest, responder: Responde
             track_prefill=partial(ctx.fleet.track, prefill),
             track_decode=partial(ctx.fleet.track, decode),
         )
+        if number > 1:
+            ctx.metrics.retries.inc()
         await attempt.run()
         record_outcome(ctx.fleet, prefill, decode, attempt)
+        count_failures(ctx.metrics, attempt)
         if responder.started:
             if not responder.finished:  # the deadline cut a stream that had started
                 await responder.finish_stream(
@@ -414,6 +419,12 @@ async def dispatch(ctx: DispatchContext, request: PDRequest, responder: Responde
                 continue
         await responder.reply(reply)
         return
+
+
+def count_failures(metrics: RouterMetrics, attempt: Attempt) -> None:
+    for role, result in (("prefill", attempt.prefill_result), ("decode", attempt.decode_result)):
+        if isinstance(result, LegFailure):
+            metrics.leg_failures.labels(role, result.kind).inc()
 
 
 def record_outcome(fleet: Fleet, prefill: Worker, decode: Worker, attempt: Attempt) -> None:

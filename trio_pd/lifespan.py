@@ -10,6 +10,8 @@ from trio_pd.fleet.health import run_health_checks
 from trio_pd.fleet.policies import run_eviction
 from trio_pd.fleet.workers import Worker
 
+STARTUP_POLL_SECS = 0.01
+
 if TYPE_CHECKING:
     from trio_pd.app import Router
 
@@ -27,4 +29,17 @@ async def run_background(router: Router, *, task_status: trio.TaskStatus[None]) 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run_health_checks, router.fleet, health, probe)
         nursery.start_soon(run_eviction, router.fleet, router.config.policy.eviction_interval_secs)
+        await wait_for_first_pair(router, health.timeout_secs)
         task_status.started()
+
+
+async def wait_for_first_pair(router: Router, limit_secs: float) -> None:
+    """Hold startup until the first health round found a prefill and a decode, or `limit_secs`.
+
+    Workers start unhealthy; without this the first requests after a start would get 503 while
+    the first probes are still in flight. A fleet that stays down does not block startup.
+    """
+    fleet = router.fleet
+    with trio.move_on_after(limit_secs):
+        while not (fleet.available("prefill") and fleet.available("decode")):
+            await trio.sleep(STARTUP_POLL_SECS)  # noqa: ASYNC110 (startup only; flips send no event)

@@ -34,9 +34,11 @@ class Responder:
     request_id: bytes
     started: bool = False
     finished: bool = False
+    status: int | None = None
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
+        self.status = status
         await self.send_message(
             {
                 "type": "http.response.start",

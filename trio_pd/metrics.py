@@ -1,0 +1,84 @@
+"""Prometheus metrics of one router, in a registry of its own (two routers can share a process).
+
+Fleet gauges are read at scrape time from the Fleet itself, so the hot path only bumps counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    import httpx2
+
+    from trio_pd.fleet.workers import Fleet
+
+BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "trio_pd_requests",
+            "Client requests answered, by path and status (499: client went away).",
+            ["path", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "trio_pd_request_duration_seconds",
+            "Time from request start to the end of the response.",
+            ["path"],
+            registry=self.registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+        )
+        self.leg_failures = Counter(
+            "trio_pd_leg_failures",
+            "Failed legs by role and kind (status, inband, transport, timeout).",
+            ["role", "kind"],
+            registry=self.registry,
+        )
+        self.retries = Counter(
+            "trio_pd_retries", "Attempts beyond the first.", registry=self.registry
+        )
+
+    def attach(self, fleet: Fleet, client: httpx2.AsyncClient) -> None:
+        """Add the scrape-time fleet and pool gauges (once the client exists)."""
+        self.registry.register(FleetCollector(fleet, client))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class FleetCollector(Collector):
+    def __init__(self, fleet: Fleet, client: httpx2.AsyncClient) -> None:
+        self.fleet = fleet
+        self.client = client
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        from trio_pd.upstream import pool_connections
+
+        labels = ["worker", "role", "url"]
+        in_flight = GaugeMetricFamily("trio_pd_worker_in_flight", "Active legs.", labels=labels)
+        healthy = GaugeMetricFamily("trio_pd_worker_healthy", "1 if healthy.", labels=labels)
+        breaker = GaugeMetricFamily(
+            "trio_pd_worker_breaker_state", "0 closed, 1 half-open, 2 open.", labels=labels
+        )
+        for worker in self.fleet.workers():
+            key = [worker.id, worker.role, worker.url]
+            in_flight.add_metric(key, worker.in_flight)
+            healthy.add_metric(key, 1.0 if worker.healthy else 0.0)
+            breaker.add_metric(key, BREAKER_STATES.get(worker.breaker.state, -1))
+        pool = GaugeMetricFamily(
+            "trio_pd_upstream_connections", "Pooled upstream connections.", labels=["state"]
+        )
+        counts: dict[str, int] = {}
+        for _, state in pool_connections(self.client):
+            counts[state] = counts.get(state, 0) + 1
+        for state, count in counts.items():
+            pool.add_metric([state], count)
+        yield from (in_flight, healthy, breaker, pool)
