@@ -41,5 +41,6 @@ async def wait_for_first_pair(router: Router, limit_secs: float) -> None:
     """
     fleet = router.fleet
     with trio.move_on_after(limit_secs):
-        while not (fleet.available("prefill") and fleet.available("decode")):
-            await trio.sleep(STARTUP_POLL_SECS)  # noqa: ASYNC110 (startup only; flips send no event)
+        # Polling, startup only: health flips carry no event to wait on.
+        while not (fleet.available("prefill") and fleet.available("decode")):  # noqa: ASYNC110
+            await trio.sleep(STARTUP_POLL_SECS)
