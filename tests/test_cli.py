@@ -1,0 +1,99 @@
+"""The real command line: `python -m trio_pd serve` as a separate process, one and two workers."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+
+import httpx2
+import pytest
+import trio
+
+from tests.conftest import start_engine
+from tests.router.helpers import generate_body
+from trio_pd.cli import build_parser, router_config
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_flags_follow_sglang_router() -> None:
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--prefill", "http://10.0.0.1:30000", "8998",
+            "--prefill", "http://[::1]:30000/", "none",
+            "--prefill", "http://10.0.0.3:30000",
+            "--decode", "http://10.0.0.2:30000",
+            "--policy", "power_of_two",
+            "--disable-retries",
+            "--cb-failure-threshold", "4",
+        ]
+    )  # fmt: skip
+    config = router_config(args)
+    assert [(w.url, w.bootstrap_port) for w in config.prefill] == [
+        ("http://10.0.0.1:30000", 8998),
+        ("http://[::1]:30000", None),
+        ("http://10.0.0.3:30000", None),
+    ]
+    assert [w.url for w in config.decode] == ["http://10.0.0.2:30000"]
+    assert config.port == 30000
+    assert config.host == "0.0.0.0"
+    assert config.policy.policy == "power_of_two"
+    assert config.retry.enabled is False
+    assert config.breaker.failure_threshold == 4
+    assert config.request_timeout_secs == 1800
+    assert config.max_payload_size == 536_870_912
+
+
+def test_bad_worker_url_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--prefill", "ftp://x", "--decode", "http://y"])
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_serve_command_routes_and_stops_on_sigint(
+    nursery: trio.Nursery, workers: int
+) -> None:
+    prefill = await start_engine(nursery, "prefill")
+    decode = await start_engine(nursery, "decode")
+    port = free_port()
+    command = [
+        sys.executable, "-m", "trio_pd", "serve",
+        "--prefill", prefill.url, str(prefill.bootstrap_port),
+        "--decode", decode.url,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--workers", str(workers), "--log-level", "warning",
+    ]  # fmt: skip
+    process = await trio.lowlevel.open_process(command, stdout=subprocess.DEVNULL)
+    try:
+        async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            with trio.fail_after(30):
+                while True:
+                    try:
+                        if (await client.get("/health")).status_code == 200:
+                            break
+                    except httpx2.TransportError:
+                        pass
+                    await trio.sleep(0.1)
+            for _ in range(6):
+                response = await client.post("/generate", json=generate_body())
+                assert response.status_code == 200
+            failed = await client.post("/generate", json=generate_body(sim_fault="prefill:500@100"))
+            assert failed.status_code == 502
+            rid = failed.headers["x-request-id"]
+            await decode.events.wait_for("connection_closed", timeout=5, rid=rid)
+        process.send_signal(signal.SIGINT)
+        with trio.fail_after(20):
+            code = await process.wait()
+        assert code == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert len(decode.events.find("slot_freed", reason="finished")) == 6
