@@ -198,7 +198,11 @@ class Demo:
         if fault is None:
             line("prefill fault", "not found in the prefill event log")
             return
-        line("decode events (from its log)", "")
+        attempts = sum(
+            1 for r in read_events(self.prefill_events) if r["event"] == "fault" and r["rid"] == rid
+        )
+        line("attempts that hit the fault", f"{attempts} (the router retries a 5xx prefill)")
+        line("decode events (from its log)", "first attempt")
         if closed is not None:
             ms = (closed["t"] - fault["t"]) * 1000
             line("  prefill failure -> decode closed", f"{ms:8.1f} ms  (connection_closed)")

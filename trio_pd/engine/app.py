@@ -95,6 +95,7 @@ class EngineApp:
         rid = header(scope, b"x-request-id") or engine.new_rid()
         path = scope["path"]
         started = time.monotonic()
+        hdrs = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
 
         def on_start(status: int) -> None:
             engine.events.emit("response_start", rid=rid, room=room, status=status)
@@ -117,7 +118,9 @@ class EngineApp:
         except (orjson.JSONDecodeError, BadRequest, FaultError) as exc:
             bad_json = isinstance(exc, orjson.JSONDecodeError)
             message = f"invalid JSON: {exc}" if bad_json else str(exc)
-            engine.events.emit("request_start", rid=rid, room=None, path=path, stream=None)
+            engine.events.emit(
+                "request_start", rid=rid, room=None, path=path, stream=None, body=None, headers=hdrs
+            )
             await resp.error(400, message)
             engine.events.emit("request_end", rid=rid, room=None, status=400)
             return
@@ -138,6 +141,8 @@ class EngineApp:
             stream=workload.stream,
             rooms=list(workload.rooms) if workload.rooms else None,
             batch=workload.is_batch,
+            body=body,  # as received: lets router tests check injection and pass-through
+            headers=hdrs,
         )
         tokens = sum(len(i) for i in workload.inputs) + workload.max_new_tokens * workload.size
         engine.inflight += 1

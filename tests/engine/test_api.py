@@ -1,0 +1,81 @@
+"""Info endpoints, error answers, the event log and its file."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+import trio
+
+from trio_pd.engine import EventLog
+
+from .helpers import new_room, pd_body, pd_post, start_engine
+
+
+async def test_info_endpoints(pair, client):
+    prefill, decode = pair
+    for engine in (prefill, decode):
+        assert (await client.get(engine.url + "/health")).status_code == 200
+        assert (await client.get(engine.url + "/health_generate")).status_code == 200
+        assert (await client.post(engine.url + "/flush_cache")).status_code == 200
+        info = (await client.get(engine.url + "/get_model_info")).json()
+        assert info == {
+            "model_path": "sim-model",
+            "tokenizer_path": "sim-model",
+            "is_generation": True,
+        }
+        assert (await client.get(engine.url + "/v1/models")).json()["data"][0]["id"] == "sim-model"
+        server = (await client.get(engine.url + "/get_server_info")).json()
+        assert server["disaggregation_mode"] == engine.role
+        load = (await client.get(engine.url + "/get_load")).json()
+        assert load == {"num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+    assert prefill.bootstrap_port and decode.bootstrap_port is None
+    assert prefill.url == f"http://127.0.0.1:{prefill.port}"
+
+
+async def test_error_answers(pair, client):
+    prefill, decode = pair
+    r = await client.get(decode.url + "/nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404
+    r = await client.post(decode.url + "/generate", content=b"{not json")
+    assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"]
+    r = await client.post(decode.url + "/generate", content=b"[1, 2]")
+    assert r.status_code == 400
+    r = await client.get(decode.url + "/generate")
+    assert r.status_code == 405
+    r = await client.post(prefill.url + "/v1/chat/completions", json=pd_body(prefill, 1))
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+
+
+async def test_event_log_file_and_queries(nursery, client, tmp_path):
+    path = tmp_path / "decode.jsonl"
+    prefill = await start_engine(nursery, "prefill")
+    decode = await start_engine(nursery, "decode", events_path=str(path))
+    room = new_room()
+    await pd_post(client, prefill, decode, "/generate", pd_body(prefill, room, text="a"))
+    end = await decode.events.wait_for("request_end", room=room)
+    lines = [orjson.loads(line) for line in path.read_bytes().splitlines()]
+    assert [r["event"] for r in lines] == [r["event"] for r in decode.events.records]
+    assert lines[-1] == end
+    for record in lines:
+        assert {"event", "t", "wall", "role", "rid", "room"} <= record.keys()
+        assert record["role"] == "decode"
+    assert decode.events.find(event="slot_freed", room=room, reason="finished")
+    assert not decode.events.find(event="slot_freed", room=room + 1)
+    with pytest.raises(trio.TooSlowError):
+        await decode.events.wait_for("slot_freed", timeout=0.05, room=room + 1)
+
+
+async def test_event_log_wait_for_future_record():
+    log = EventLog("decode", maxlen=3)
+
+    async def later():
+        await trio.sleep(0.01)
+        log.emit("x", room=1)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(later)
+        record = await log.wait_for("x", timeout=2, room=1)
+    assert record["event"] == "x" and record["role"] == "decode"
+    for i in range(5):
+        log.emit("y", room=i)
+    assert len(log.records) == 3  # bounded
