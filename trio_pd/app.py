@@ -140,23 +140,28 @@ async def handle_generation(
     assert router.context is not None, "the lifespan has not started"
     with trio.CancelScope() as client_scope:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(watch_disconnect, receive, client_scope)
+            nursery.start_soon(watch_disconnect, receive, responder, client_scope)
             await dispatch(router.context, request, responder)
             nursery.cancel_scope.cancel()
     if client_scope.cancelled_caught:
         log.info("client disconnected; every leg of the request was cancelled")
 
 
-async def watch_disconnect(receive: Receive, client_scope: trio.CancelScope) -> None:
-    """Cancel the request when the client goes away.
+async def watch_disconnect(
+    receive: Receive, responder: Responder, client_scope: trio.CancelScope
+) -> None:
+    """Cancel the request when the client goes away before its response is complete.
 
     Hypercorn never cancels an app on disconnect and its send() keeps succeeding afterwards,
-    so without this task a gone client would keep both upstream connections busy.
+    so without this task a gone client would keep both upstream connections busy. Hypercorn also
+    reports `http.disconnect` right after a complete response: that one is no client gone (the
+    attempt may still be waiting for prefill's end to record its outcome).
     """
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            client_scope.cancel()
+            if not responder.finished:
+                client_scope.cancel()
             return
 
 

@@ -158,6 +158,9 @@ async def test_both_succeed_stream(cluster: Cluster) -> None:
     data = [e for e in events if e != "[DONE]"]
     assert len(data) == 6
     assert data[-1]["meta_info"]["completion_tokens"] == 6
+    # The end of a complete response is no client disconnect: both outcomes get recorded.
+    for worker in cluster.router.fleet.workers():
+        await settle(lambda w=worker: w.breaker.total_successes == 1)
 
 
 async def test_client_disconnect_during_prefill_cancels_both(cluster: Cluster) -> None:
@@ -234,3 +237,39 @@ async def test_nothing_leaks_after_many_failures(cluster: Cluster) -> None:
     await settle(lambda: "active" not in cluster.upstream_connections(cluster.prefill))
     assert cluster.router.fleet.workers("decode")[0].in_flight == 0
     assert cluster.router.fleet.workers("prefill")[0].in_flight == 0
+
+
+@pytest.mark.parametrize(
+    ("fault", "status"), [("prefill:500@400+kv", 502), ("prefill:400@400+kv", 400)]
+)
+async def test_decode_answer_is_held_until_prefill_is_known(
+    cluster: Cluster, fault: str, status: int
+) -> None:
+    """Decode finished first (the KV had arrived); prefill then failed: the client gets the error."""
+    response = await cluster.client.post("/generate", json=generate_body(sim_fault=fault))
+    assert response.status_code == status
+    rid = response.headers["x-request-id"]
+    finished = cluster.decode.events.find("request_end", rid=rid)[0]
+    failed = cluster.prefill.events.find("fault", rid=rid)[0]
+    assert finished["status"] == 200
+    assert finished["t"] < failed["t"]  # decode's answer really came first and was held
+    assert cluster.decode.events.find("slot_freed", rid=rid)[0]["reason"] == "finished"
+
+
+async def test_prefill_failing_after_the_stream_started_does_not_cut_it(
+    nursery: trio.Nursery,
+) -> None:
+    """Decode's first token proves the KV arrived; a later prefill error only counts against
+    prefill's breaker, and the client's stream runs to its end."""
+    cluster = await start_cluster(nursery, decode={"inter_token_ms": 20.0})
+    body = generate_body(stream=True, max_new_tokens=40, sim_fault="prefill:500@200+kv")
+    async with cluster.client.stream("POST", "/generate", json=body) as response:
+        assert response.status_code == 200
+        events = await read_sse(response)
+        rid = response.headers["x-request-id"]
+    assert events[-1] == "[DONE]"
+    assert len(events) == 41
+    assert cluster.prefill.events.find("fault", rid=rid)
+    breaker = cluster.router.fleet.workers("prefill")[0].breaker
+    await settle(lambda: breaker.total_failures == 1)  # recorded once the attempt's nursery closed
+    await cluster.client.aclose()

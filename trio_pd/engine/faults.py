@@ -1,7 +1,8 @@
-"""Fault specs: `[ROLE:]KIND[:ARG][@MS]`, from the --fault flag or a request's `sim_fault` field.
+"""Fault specs: `[ROLE:]KIND[:ARG][@MS][+kv]`, from --fault or a request's `sim_fault` field.
 
 KIND is an HTTP status (`500`, `429`, ...), `sse_error`, `abort`, `close`, `hang`, `slow:MS`, or
-(engine level only) `refuse`. `@MS` delays the firing by MS milliseconds.
+(engine level only) `refuse`. `@MS` delays the firing by MS milliseconds. `+kv` (prefill only)
+fires the fault after the KV cache was sent, so decode can answer before prefill fails.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Fault:
     status: int | None = None  # kind == "status"
     arg_ms: float = 0.0  # kind == "slow"
     delay_ms: float = 0.0  # the `@MS` suffix
+    after_kv: bool = False  # the `+kv` suffix
 
     @property
     def is_client_error(self) -> bool:
@@ -41,6 +43,13 @@ def parse_fault(spec: str) -> Fault:
     if not isinstance(spec, str) or not spec.strip():
         raise FaultError(f"fault spec must be a non-empty string, got {spec!r}")
     text = spec.strip()
+    after_kv = text.endswith("+kv")
+    text = text.removesuffix("+kv")
+    fault = _parse_plain(spec, text)
+    return attrs.evolve(fault, after_kv=after_kv) if after_kv else fault
+
+
+def _parse_plain(spec: str, text: str) -> Fault:
     delay_ms = 0.0
     if "@" in text:
         text, _, delay = text.rpartition("@")

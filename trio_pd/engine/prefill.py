@@ -2,7 +2,8 @@
 
 Fault timing: 4xx faults fire at once (validation, before any registration); every other fault
 fires once the rooms' decode registrations arrived (or the bootstrap timeout passed), plus the
-spec's `@MS` delay. A fault never marks the KV as sent, so the decode side keeps waiting.
+spec's `@MS` delay. A fault never marks the KV as sent, so the decode side keeps waiting, except
+a `+kv` fault, which fires after the KV was sent (decode then finishes normally).
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ async def run_prefill(call: Call) -> None:
         await call.resp.error(400, "bootstrap_room is required by a prefill engine (PD mode)")
         return
     fault = call.plan.terminal
+    if fault is not None and fault.after_kv:
+        fault, late_fault = None, fault
+    else:
+        late_fault = None
     if fault is not None and fault.is_client_error:
         await trio.sleep(fault.delay)
         await fire(call, fault)
@@ -52,6 +57,10 @@ async def run_prefill(call: Call) -> None:
         for room, state in zip(rooms, states, strict=True):
             state.kv.set()
             call.emit("kv_sent", room=room)
+        if late_fault is not None:
+            await trio.sleep(late_fault.delay)
+            await fire(call, late_fault)
+            return
         await answer(call)
     finally:
         for room in rooms:
