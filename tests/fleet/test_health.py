@@ -68,9 +68,12 @@ async def test_unhealthy_until_first_pass_even_if_late(autojump_clock):
     fleet = fleet_of("http://d:1")
     (w,) = fleet.workers()
     probe = FakeProbe()
-    probe.scripts[w.url] = [False, False, False, False, True]
-    states = await watch(fleet, probe, w, until=50)
-    assert states == [False, False, False, False, True]
+    probe.scripts[w.url] = [False] * 8 + [True, False]
+    states = await watch(fleet, probe, w, until=30)
+    # Never passed yet: probed every JOIN_PROBE_SECS (1 s), not every interval (10 s), so an
+    # engine that boots after the router joins within a second; then the interval applies.
+    assert probe.times(w.id) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 18, 28]
+    assert states == [False, True, True]
 
 
 async def test_timeout_and_exception_count_as_failures(autojump_clock):

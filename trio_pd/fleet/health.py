@@ -2,7 +2,9 @@
 
 Rules (SMG's thresholds, with one exception for new workers):
 - a worker starts unhealthy; its first check runs at once (at start, or when added at runtime),
-  then every `interval_secs` (measured start to start);
+  then every `interval_secs` (measured start to start); until it has passed once it is probed
+  every `JOIN_PROBE_SECS` at most, so a router started before its engines (or a worker added
+  before its engine is up) picks them up within a second, not after a whole interval;
 - until a worker has passed once, a single pass makes it healthy (a booting engine joins as soon
   as it answers); after that, `success_threshold` consecutive passes bring it back up;
 - `failure_threshold` consecutive failures take it down; a probe that raises or outlives
@@ -23,6 +25,7 @@ from trio_pd.fleet.workers import Fleet, Worker
 log = logging.getLogger(__name__)
 
 Probe = Callable[[Worker], Awaitable[bool]]
+JOIN_PROBE_SECS = 1.0
 
 
 async def probe_once(worker: Worker, config: HealthConfig, probe: Probe) -> bool:
@@ -64,7 +67,8 @@ async def check_worker(worker: Worker, config: HealthConfig, probe: Probe) -> No
                     worker.url,
                     failures,
                 )
-        await trio.sleep_until(started + config.interval_secs)
+        period = config.interval_secs if ever_passed else min(config.interval_secs, JOIN_PROBE_SECS)
+        await trio.sleep_until(started + period)
 
 
 async def run_health_checks(fleet: Fleet, config: HealthConfig, probe: Probe) -> None:
