@@ -245,7 +245,7 @@ async def test_nothing_leaks_after_many_failures(cluster: Cluster) -> None:
 async def test_decode_answer_is_held_until_prefill_is_known(
     cluster: Cluster, fault: str, status: int
 ) -> None:
-    """Decode answered first (the KV had arrived), prefill failed later: the client gets the error."""
+    """Decode answered first (the KV had arrived), prefill failed later: the client gets it."""
     response = await cluster.client.post("/generate", json=generate_body(sim_fault=fault))
     assert response.status_code == status
     rid = response.headers["x-request-id"]
