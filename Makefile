@@ -28,5 +28,20 @@ format: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/trio-pd demo
 
+# Benchmarks (bench/README.md). BENCH_ARGS passes extra flags, e.g. BENCH_ARGS=--quick.
+bench: $(STAMP)
+	@command -v wrk >/dev/null 2>&1 || apt-get install -y -qq wrk >/dev/null 2>&1 \
+		|| (apt-get update -qq && apt-get install -y -qq wrk) >/dev/null 2>&1 \
+		|| echo "wrk unavailable: the Python load generator runs alone"
+	$(BIN)/python -m bench run --quick $(BENCH_ARGS)
+
+bench-peers: $(STAMP)
+	@command -v wrk >/dev/null 2>&1 || apt-get install -y -qq wrk >/dev/null 2>&1 \
+		|| (apt-get update -qq && apt-get install -y -qq wrk) >/dev/null 2>&1 \
+		|| echo "wrk unavailable: the Python load generator runs alone"
+	test -x bench/.peers/bin/python || $(PYTHON) -m venv bench/.peers
+	bench/.peers/bin/python -m pip install -q 'sglang-router==0.3.2'
+	$(BIN)/python -m bench run --peers $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,133 @@
+"""Entry point: `python -m bench run [--quick] [--routers ...] [--scenarios ...] [--repeat N]`.
+
+Runs every selected scenario for every selected router, alternating routers inside each
+repetition (so slow drifts of a shared machine hit all of them alike), writes one JSON per
+scenario run plus a combined `bench-*.json`, prints the per-scenario tables and, with more than one
+router, one side-by-side table of medians with ratios to trio_pd, and the storm PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+import traceback
+from typing import Any
+
+from bench import common, overhead, soak, storm, stream, teardown
+from bench.common import print_flush
+from bench.report import plot_storm, side_by_side
+
+SCENARIOS: dict[str, Any] = {
+    "overhead": (overhead.run, overhead.summary, overhead.COLUMNS),
+    "stream": (stream.run, stream.summary, stream.COLUMNS["stream"]),
+    "stream-paced": (stream.run_paced, stream.summary, stream.COLUMNS["stream-paced"]),
+    "teardown": (teardown.run, teardown.summary, teardown.COLUMNS),
+    "storm": (storm.run, storm.summary, storm.COLUMNS),
+    "soak": (soak.run, soak.summary, ("router", "requests", "ok", "rss_start_mb", "rss_end_mb",
+                                     "rss_idle_mb", "fds_max", "fds_idle", "tcp_max", "tcp_idle")),
+}  # fmt: skip
+DEFAULT_SCENARIOS = ("overhead", "stream", "stream-paced", "teardown", "storm", "soak")
+PEER_SCENARIOS = ("overhead", "stream", "stream-paced", "teardown", "storm")
+
+
+def run(args: argparse.Namespace) -> int:
+    routers = args.routers.split(",") if args.routers else ["trio_pd"]
+    scenarios = args.scenarios.split(",") if args.scenarios else list(DEFAULT_SCENARIOS)
+    for name in scenarios:
+        if name not in SCENARIOS:
+            raise SystemExit(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
+    for router in routers:
+        if router not in common.ROUTERS:
+            raise SystemExit(f"unknown router {router!r}; choose from {', '.join(common.ROUTERS)}")
+    if any(r in ("smg", "mini_lb") for r in routers) and not common.peers_available():
+        print_flush("bench/.peers is missing (make bench-peers installs it): skipping smg, mini_lb")
+        routers = [r for r in routers if r not in ("smg", "mini_lb")]
+    started = time.monotonic()
+    print_flush(
+        f"trio_pd bench: routers {routers}, scenarios {scenarios}, repeat {args.repeat}, "
+        f"quick={args.quick}; {common.meta()}"
+    )
+    wrk = shutil.which("wrk") or "not installed"
+    print_flush(
+        f"load generator: Python raw-socket clients (bench/httpc.py); wrk cross-check: {wrk}"
+    )
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {
+        s: {r: [] for r in routers} for s in scenarios
+    }
+    summaries: dict[str, list[dict[str, Any]]] = {
+        r: [{} for _ in range(args.repeat)] for r in routers
+    }
+    failures = []
+    for rep in range(args.repeat):
+        for name in scenarios:
+            runner = SCENARIOS[name][0]
+            order = routers if rep % 2 == 0 else list(reversed(routers))
+            for router in order:
+                print_flush(f"[rep {rep + 1}/{args.repeat}] {name} / {router} ...")
+                t0 = time.monotonic()
+                try:
+                    result = runner(router, args.quick)
+                except Exception as exc:  # one broken router/scenario must not sink the run
+                    traceback.print_exc()
+                    failures.append(f"{name}/{router} rep {rep + 1}: {exc!r}")
+                    continue
+                result["elapsed_s"] = round(time.monotonic() - t0, 1)
+                result["repetition"] = rep + 1
+                common.write_result(f"{name}-{router}", result)
+                results[name][router].append(result)
+                summaries[router][rep].update(SCENARIOS[name][1](result))
+    print_flush("")
+    for name in scenarios:
+        rows = [row for r in routers for res in results[name][r] for row in res["rows"]]
+        if rows:
+            print_flush(common.table(rows, SCENARIOS[name][2], f"== {name} =="))
+            print_flush("")
+    combined: dict[str, Any] = {
+        "routers": routers,
+        "scenarios": scenarios,
+        "repeat": args.repeat,
+        "quick": args.quick,
+        "summaries": summaries,
+        "failures": failures,
+    }
+    if len(routers) > 1 or args.repeat > 1:
+        text, rows = side_by_side(summaries, reference=routers[0])
+        print_flush(text)
+        combined["side_by_side"] = rows
+    if "storm" in scenarios:
+        last = {r: results["storm"][r][-1] for r in routers if results["storm"][r]}
+        if last:
+            print_flush("storm plot:", plot_storm(last))
+    print_flush("results:", common.write_result("bench", combined))
+    print_flush(f"total {time.monotonic() - started:.0f} s")
+    for failure in failures:
+        print_flush("FAILED:", failure)
+    return 1 if failures else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("run", help="run scenarios")
+    p.add_argument("--quick", action="store_true", help="short runs (make bench)")
+    p.add_argument("--routers", default="trio_pd", help=f"comma list of {','.join(common.ROUTERS)}")
+    p.add_argument("--scenarios", default=None, help=f"comma list of {','.join(SCENARIOS)}")
+    p.add_argument("--repeat", type=int, default=None, help="default 1 (--peers: 3)")
+    p.add_argument(
+        "--peers",
+        action="store_true",
+        help="all four routers, scenarios 1-4, 3 repetitions (make bench-peers)",
+    )
+    args = parser.parse_args(argv)
+    if args.peers:
+        args.routers = args.routers if args.routers != "trio_pd" else ",".join(common.ROUTERS)
+        args.scenarios = args.scenarios or ",".join(PEER_SCENARIOS)
+    if args.repeat is None:
+        args.repeat = 3 if args.peers else 1
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

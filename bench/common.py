@@ -1,0 +1,439 @@
+"""Shared plumbing of the benchmarks: processes (engines, routers), CPU accounting, statistics,
+tables and the JSON results files."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import orjson
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+RESULTS = BENCH / "results"
+PEERS = BENCH / ".peers"
+VENV_BIN = Path(sys.executable).parent
+HOST = "127.0.0.1"  # the only valid load target
+
+ROUTERS = ("trio_pd", "trio_pd_w2", "smg", "mini_lb")
+
+
+# ---- machine / run metadata -----------------------------------------------------------------
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+        )
+        return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except OSError:
+        return "unknown"
+
+
+def meta() -> dict[str, Any]:
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "nproc": os.cpu_count(),
+        "commit": git_commit(),
+        "python": sys.version.split()[0],
+        "loadavg": os.getloadavg(),
+    }
+
+
+def write_result(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = RESULTS / f"{name}-{stamp}.json"
+    data = {"meta": meta(), **payload}
+    path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
+    return path
+
+
+# ---- statistics -----------------------------------------------------------------------------
+def pct(values: Sequence[float], q: float) -> float | None:
+    """q-th percentile (0..100) by nearest rank; None for no data."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = max(0, min(len(ordered) - 1, round(q / 100.0 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def median(values: Iterable[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000.0, 3)
+
+
+def fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def table(rows: list[dict[str, Any]], columns: Sequence[str], title: str = "") -> str:
+    cells = [[fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    lines = []
+    if title:
+        lines.append(title)
+    lines.append("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True)))
+    lines.append("  ".join("-" * w for w in widths))
+    for row in cells:
+        lines.append("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)))
+    return "\n".join(lines)
+
+
+# ---- CPU accounting -------------------------------------------------------------------------
+def tree_cpu(pid: int) -> float:
+    """User+system CPU seconds of a process and all its live descendants."""
+    try:
+        proc = psutil.Process(pid)
+        procs = [proc, *proc.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
+
+
+def tree_procs(pid: int) -> list[psutil.Process]:
+    try:
+        proc = psutil.Process(pid)
+        return [proc, *proc.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def machine_busy() -> float:
+    """Busy CPU seconds of the whole machine so far (all cores)."""
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + t.irq + t.softirq + getattr(t, "steal", 0.0)
+
+
+class CpuMeter:
+    """CPU seconds used between start() and stop() by some process trees and the machine."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.before: dict[str, float] = {}
+        self.result: dict[str, float] = {}
+        self.t0 = 0.0
+        self.wall = 0.0
+
+    def start(self) -> None:
+        self.t0 = time.monotonic()
+        self.before = {name: tree_cpu(pid) for name, pid in self.pids.items()}
+        self.before["machine"] = machine_busy()
+
+    def stop(self) -> dict[str, float]:
+        self.wall = time.monotonic() - self.t0
+        now = {name: tree_cpu(pid) for name, pid in self.pids.items()}
+        now["machine"] = machine_busy()
+        self.result = {k: round(now[k] - self.before[k], 4) for k in now}
+        return self.result
+
+
+# ---- processes ------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def http_get(port: int, path: str, timeout: float = 2.0) -> int:
+    try:
+        with urllib.request.urlopen(f"http://{HOST}:{port}{path}", timeout=timeout) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (OSError, ValueError):
+        return 0
+
+
+def http_post(port: int, path: str, body: dict[str, Any], timeout: float = 5.0) -> int:
+    req = urllib.request.Request(
+        f"http://{HOST}:{port}{path}",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            resp.read()
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (OSError, ValueError):
+        return 0
+
+
+class Proc:
+    """A child process with its output in a log file; stop() terminates its whole tree."""
+
+    def __init__(self, name: str, argv: list[str], logdir: Path) -> None:
+        self.name = name
+        self.argv = argv
+        self.log = logdir / f"{name}.log"
+        self._out = open(self.log, "ab")  # noqa: SIM115
+        self.popen = subprocess.Popen(
+            argv, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, timeout: float = 5.0) -> None:
+        procs = tree_procs(self.pid)
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout)
+        for p in procs[1:]:  # descendants that outlived their parent (same session)
+            with contextlib.suppress(psutil.Error):
+                if p.is_running():
+                    p.kill()
+        self._out.close()
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def wait_until(check: Any, timeout: float, what: str, proc: Proc | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        if proc is not None and not proc.alive():
+            raise RuntimeError(f"{what}: process exited\n{proc.tail()}")
+        time.sleep(0.05)
+    raise RuntimeError(f"{what}: not ready after {timeout}s" + (f"\n{proc.tail()}" if proc else ""))
+
+
+@attrs.define
+class Engine:
+    role: str
+    port: int
+    proc: Proc
+    events_path: Path
+    bootstrap_port: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def events(self) -> list[dict[str, Any]]:
+        try:
+            data = self.events_path.read_bytes()
+        except OSError:
+            return []
+        out = []
+        for line in data.splitlines():
+            with contextlib.suppress(orjson.JSONDecodeError):
+                out.append(orjson.loads(line))
+        return out
+
+
+def trio_pd_bin() -> str:
+    return str(VENV_BIN / "trio-pd")
+
+
+def start_engine(
+    role: str, logdir: Path, *, port: int | None = None, bootstrap_port: int | None = None,
+    args: Sequence[str] = (), name: str | None = None, wait: bool = True,
+) -> Engine:  # fmt: skip
+    port = port or free_port()
+    events = logdir / f"{name or role}.events.jsonl"
+    argv = [trio_pd_bin(), "engine", "--role", role, "--host", HOST, "--port", str(port)]
+    if role == "prefill":
+        bootstrap_port = bootstrap_port or free_port()
+        argv += ["--bootstrap-port", str(bootstrap_port)]
+    argv += ["--events", str(events), "--log-level", "warning", *args]
+    proc = Proc(name or role, argv, logdir)
+    engine = Engine(role, port, proc, events, bootstrap_port)
+    if wait and "refuse" not in " ".join(args):
+        wait_until(lambda: http_get(port, "/health") == 200, 20, f"{role} engine", proc)
+    return engine
+
+
+def router_argv(
+    kind: str, prefills: Sequence[Engine], decode: Engine, port: int, extra: Sequence[str] = ()
+) -> list[str]:
+    common = []
+    for prefill in prefills:
+        common += ["--prefill", prefill.url, str(prefill.bootstrap_port)]
+    common += ["--decode", decode.url, "--host", HOST, "--port", str(port)]
+    if kind in ("trio_pd", "trio_pd_w2"):
+        argv = [trio_pd_bin(), "serve", *common, "--log-level", "warning"]
+        argv += ["--policy", "round_robin"]
+        if kind == "trio_pd_w2":
+            argv += ["--workers", "2"]
+        return argv + list(extra)
+    python = str(PEERS / "bin" / "python")
+    argv = [python, "-m", "sglang_router.launch_router", "--pd-disaggregation", *common]
+    if kind == "smg":
+        return [*argv, "--policy", "round_robin", "--log-level", "warn", *extra]
+    if kind == "mini_lb":
+        return [*argv, "--mini-lb", "--policy", "random", *extra]
+    raise ValueError(f"unknown router {kind!r}")
+
+
+def peers_available() -> bool:
+    return (PEERS / "bin" / "python").exists()
+
+
+@attrs.define
+class Cluster:
+    """One prefill engine, one decode engine and (optionally) a router in front of them."""
+
+    logdir: Path
+    prefill: Engine
+    decode: Engine
+    router_kind: str | None = None
+    router: Proc | None = None
+    router_port: int = 0
+    keep_logs: bool = False
+    prefill2: Engine | None = None
+
+    @property
+    def target_port(self) -> int:
+        return self.router_port
+
+    def pids(self) -> dict[str, int]:
+        out = {"prefill": self.prefill.proc.pid, "decode": self.decode.proc.pid}
+        if self.router is not None:
+            out["router"] = self.router.pid
+        return out
+
+    def router_tree(self) -> list[psutil.Process]:
+        return tree_procs(self.router.pid) if self.router else []
+
+    def stop(self) -> None:
+        extra = self.prefill2.proc if self.prefill2 else None
+        for proc in (self.router, self.prefill.proc, self.decode.proc, extra):
+            if proc is not None:
+                with contextlib.suppress(Exception):
+                    proc.stop()
+        if not self.keep_logs:
+            shutil.rmtree(self.logdir, ignore_errors=True)
+
+
+def probe_body() -> dict[str, Any]:
+    return {"text": "warm up", "sampling_params": {"max_new_tokens": 1}}
+
+
+def start_router(cluster: Cluster, kind: str, extra: Sequence[str] = ()) -> None:
+    port = free_port()
+    prefills = [cluster.prefill] + ([cluster.prefill2] if cluster.prefill2 else [])
+    argv = router_argv(kind, prefills, cluster.decode, port, extra)
+    cluster.router = Proc(f"router-{kind}", argv, cluster.logdir)
+    cluster.router_kind = kind
+    cluster.router_port = port
+    wait_until(lambda: http_get(port, "/health") == 200, 60, f"router {kind}", cluster.router)
+    # a real PD request must succeed (SMG and trio_pd start with unchecked workers)
+    wait_until(
+        lambda: http_post(port, "/generate", probe_body()) == 200,
+        60,
+        f"router {kind} first request",
+        cluster.router,
+    )
+    if kind == "trio_pd_w2":  # both worker processes must be up: a few more probes
+        for _ in range(8):
+            http_post(port, "/generate", probe_body())
+
+
+@contextlib.contextmanager
+def cluster(
+    router: str | None,
+    *,
+    prefill_args: Sequence[str] = (),
+    decode_args: Sequence[str] = (),
+    router_args: Sequence[str] = (),
+    keep_logs: bool = False,
+    prefill2_args: Sequence[str] | None = None,
+) -> Iterator[Cluster]:
+    logdir = Path(tempfile.mkdtemp(prefix="trio-pd-bench-"))
+    prefill = decode = None
+    c = None
+    try:
+        prefill = start_engine("prefill", logdir, args=prefill_args)
+        decode = start_engine("decode", logdir, args=decode_args)
+        c = Cluster(logdir, prefill, decode, keep_logs=keep_logs)
+        if prefill2_args is not None:
+            c.prefill2 = start_engine("prefill", logdir, args=prefill2_args, name="prefill2")
+        if router is not None:
+            start_router(c, router, router_args)
+        yield c
+    finally:
+        if c is not None:
+            c.stop()
+        else:
+            for engine in (prefill, decode):
+                if engine is not None:
+                    engine.proc.stop()
+            shutil.rmtree(logdir, ignore_errors=True)
+
+
+def failure_router_args(kind: str) -> list[str]:
+    """Teardown and storm measure one attempt per request: no retries, no breaker (all routers
+    take the same flags; mini_lb has neither feature)."""
+    return ["--disable-retries", "--disable-circuit-breaker"]
+
+
+def router_rss(c: Cluster) -> dict[str, Any]:
+    rss = fds = conns = 0
+    for p in c.router_tree():
+        with contextlib.suppress(psutil.Error):
+            rss += p.memory_info().rss
+            fds += p.num_fds()
+            conns += len(p.net_connections(kind="tcp"))
+    return {"rss_mb": round(rss / 2**20, 2), "fds": fds, "tcp": conns}
+
+
+def print_flush(*args: Any) -> None:
+    print(*args, flush=True)
+
+
+def selected(names: Iterable[str] | None, default: Sequence[str]) -> list[str]:
+    return list(names) if names else list(default)
