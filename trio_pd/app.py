@@ -32,7 +32,7 @@ from trio_pd.fleet.workers import Fleet
 from trio_pd.logs import current_request_id
 from trio_pd.metrics import RouterMetrics
 from trio_pd.respond import Reply, Responder
-from trio_pd.upstream import leg_headers, make_client
+from trio_pd.upstream import UpstreamPool, leg_headers, make_client
 
 log = logging.getLogger("trio_pd.app")
 CLIENT_GONE_STATUS = 499  # nginx's convention for "the client closed the request"
@@ -48,7 +48,8 @@ class Router:
     config: RouterConfig
     fleet: Fleet = attrs.field()
     rng: random.Random = attrs.field(factory=random.Random)
-    client: httpx2.AsyncClient | None = None
+    client: httpx2.AsyncClient | None = None  # control plane: health probes, fan-out
+    pool: UpstreamPool = attrs.field(factory=UpstreamPool)  # the data plane's two legs
     context: DispatchContext | None = None
     metrics: RouterMetrics = attrs.field(factory=RouterMetrics)
 
@@ -68,8 +69,8 @@ class Router:
         message = await receive()
         assert message["type"] == "lifespan.startup"
         self.client = make_client()
-        self.context = DispatchContext(self.client, self.fleet, self.config, self.rng, self.metrics)
-        self.metrics.attach(self.fleet, self.client)
+        self.context = DispatchContext(self.pool, self.fleet, self.config, self.rng, self.metrics)
+        self.metrics.attach(self.fleet, self.pool)
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.background)
@@ -80,6 +81,7 @@ class Router:
         finally:
             with trio.CancelScope(shield=True):
                 await self.client.aclose()
+                await self.pool.aclose()
         await send({"type": "lifespan.shutdown.complete"})
 
     async def background(self, *, task_status: trio.TaskStatus[None]) -> None:
