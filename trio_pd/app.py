@@ -16,6 +16,7 @@ import trio
 
 from trio_pd import payload as shape
 from trio_pd.admin import ADMIN_ROUTES, WORKER_ITEM_ROUTES
+from trio_pd.admission import Admission
 from trio_pd.asgi import (
     ClientGone,
     Handler,
@@ -52,6 +53,12 @@ class Router:
     pool: UpstreamPool = attrs.field(factory=UpstreamPool)  # the data plane's two legs
     context: DispatchContext | None = None
     metrics: RouterMetrics = attrs.field(factory=RouterMetrics)
+    admission: Admission = attrs.field()
+
+    @admission.default
+    def _default_admission(self) -> Admission:
+        c = self.config
+        return Admission(c.max_concurrent_requests, c.queue_size, c.queue_timeout_secs)
 
     @fleet.default
     def _default_fleet(self) -> Fleet:
@@ -143,7 +150,11 @@ async def handle_generation(
     with trio.CancelScope() as client_scope:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch_disconnect, receive, responder, client_scope)
-            await dispatch(router.context, request, responder)
+            try:
+                async with router.admission.slot():
+                    await dispatch(router.context, request, responder)
+            except RouterError as error:  # 429 from admission: answered here, not in a group
+                await responder.error(error)
             nursery.cancel_scope.cancel()
     if client_scope.cancelled_caught:
         log.info("client disconnected; every leg of the request was cancelled")
