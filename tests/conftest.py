@@ -14,7 +14,6 @@ from trio_pd.app import Router
 from trio_pd.config import RetryConfig, RouterConfig, WorkerSpec
 from trio_pd.engine import EngineConfig, EngineHandle, serve_engine
 from trio_pd.server import serve
-from trio_pd.upstream import pool_connections
 
 # Engines poll for disconnects every half second here (SGLang: 4 s) so slot frees are quick to
 # observe; their KV waiting timeout stays long, so a decode nobody cancels would visibly hang.
@@ -46,9 +45,7 @@ class Cluster:
 
     def upstream_connections(self, engine: EngineHandle) -> list[str]:
         """States of the router's pooled connections to one engine."""
-        assert self.router.client is not None
-        origin = engine.url
-        return [state for o, state in pool_connections(self.router.client) if o == origin]
+        return [state for o, state in self.router.pool.connections() if o == engine.url]
 
 
 async def start_engine(nursery: trio.Nursery, role: str, **overrides: Any) -> EngineHandle:

@@ -16,6 +16,7 @@ import trio
 
 from trio_pd import payload as shape
 from trio_pd.admin import ADMIN_ROUTES, WORKER_ITEM_ROUTES
+from trio_pd.admission import Admission
 from trio_pd.asgi import (
     ClientGone,
     Handler,
@@ -32,7 +33,7 @@ from trio_pd.fleet.workers import Fleet
 from trio_pd.logs import current_request_id
 from trio_pd.metrics import RouterMetrics
 from trio_pd.respond import Reply, Responder
-from trio_pd.upstream import leg_headers, make_client
+from trio_pd.upstream import UpstreamPool, leg_headers, make_client
 
 log = logging.getLogger("trio_pd.app")
 CLIENT_GONE_STATUS = 499  # nginx's convention for "the client closed the request"
@@ -48,9 +49,16 @@ class Router:
     config: RouterConfig
     fleet: Fleet = attrs.field()
     rng: random.Random = attrs.field(factory=random.Random)
-    client: httpx2.AsyncClient | None = None
+    client: httpx2.AsyncClient | None = None  # control plane: health probes, fan-out
+    pool: UpstreamPool = attrs.field(factory=UpstreamPool)  # the data plane's two legs
     context: DispatchContext | None = None
     metrics: RouterMetrics = attrs.field(factory=RouterMetrics)
+    admission: Admission = attrs.field()
+
+    @admission.default
+    def _default_admission(self) -> Admission:
+        c = self.config
+        return Admission(c.max_concurrent_requests, c.queue_size, c.queue_timeout_secs)
 
     @fleet.default
     def _default_fleet(self) -> Fleet:
@@ -68,8 +76,8 @@ class Router:
         message = await receive()
         assert message["type"] == "lifespan.startup"
         self.client = make_client()
-        self.context = DispatchContext(self.client, self.fleet, self.config, self.rng, self.metrics)
-        self.metrics.attach(self.fleet, self.client)
+        self.context = DispatchContext(self.pool, self.fleet, self.config, self.rng, self.metrics)
+        self.metrics.attach(self.fleet, self.pool)
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.background)
@@ -80,6 +88,7 @@ class Router:
         finally:
             with trio.CancelScope(shield=True):
                 await self.client.aclose()
+                await self.pool.aclose()
         await send({"type": "lifespan.shutdown.complete"})
 
     async def background(self, *, task_status: trio.TaskStatus[None]) -> None:
@@ -141,7 +150,11 @@ async def handle_generation(
     with trio.CancelScope() as client_scope:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch_disconnect, receive, responder, client_scope)
-            await dispatch(router.context, request, responder)
+            try:
+                async with router.admission.slot():
+                    await dispatch(router.context, request, responder)
+            except RouterError as error:  # 429 from admission: answered here, not in a group
+                await responder.error(error)
             nursery.cancel_scope.cancel()
     if client_scope.cancelled_caught:
         log.info("client disconnected; every leg of the request was cancelled")

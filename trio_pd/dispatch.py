@@ -21,7 +21,6 @@ from functools import partial
 from typing import Any, Literal
 
 import attrs
-import httpx2
 import orjson
 import trio
 
@@ -41,7 +40,7 @@ from trio_pd.relay import (
     split_event,
 )
 from trio_pd.respond import Reply, Responder, error_reply
-from trio_pd.upstream import response_headers
+from trio_pd.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger("trio_pd.dispatch")
 
@@ -96,9 +95,10 @@ LegResult = LegSuccess | LegFailure | None  # None: still running, or cancelled 
 class Attempt:
     """One try of a request on one (prefill, decode) pair, with its own bootstrap room."""
 
-    client: httpx2.AsyncClient
-    prefill_url: str
+    pool: UpstreamPool
+    prefill_url: str  # worker base URLs; both legs POST to the same `path`
     decode_url: str
+    path: str
     body: bytes
     headers: list[tuple[bytes, bytes]]
     stream: bool
@@ -166,24 +166,22 @@ class Attempt:
     async def _prefill_leg(self) -> None:
         with self.prefill_scope, self.track_prefill():
             try:
-                async with self.client.stream(
-                    "POST", self.prefill_url, content=self.body, headers=self.headers
+                async with self.pool.post(
+                    self.prefill_url, self.path, self.headers, self.body
                 ) as response:
                     await self._read_prefill(response)
-            except httpx2.TimeoutException as exc:
-                self._fail_prefill(LegFailure("timeout", describe(exc)))
-            except httpx2.TransportError as exc:
-                self._fail_prefill(LegFailure("transport", describe(exc)))
+            except UpstreamError as exc:
+                self._fail_prefill(LegFailure(exc.kind, str(exc)))
         self.prefill_answer_known.set()  # also when cancelled: decode must not wait for it
 
-    async def _read_prefill(self, response: httpx2.Response) -> None:
-        if not 200 <= response.status_code < 300:
+    async def _read_prefill(self, response: UpstreamResponse) -> None:
+        if not 200 <= response.status < 300:
             self._fail_prefill(await status_failure(response))
             return
         if is_sse(response):
             await self._read_prefill_stream(response)
             return
-        body = await response.aread()
+        body = await response.read()
         answer = parse_json(body)
         message = inband_failure(answer)
         if message is not None:
@@ -191,12 +189,12 @@ class Attempt:
             return
         self.prefill_answer = answer
         self.prefill_answer_known.set()
-        self.prefill_result = LegSuccess(response.status_code, [], b"")
+        self.prefill_result = LegSuccess(response.status, [], b"")
 
-    async def _read_prefill_stream(self, response: httpx2.Response) -> None:
+    async def _read_prefill_stream(self, response: UpstreamResponse) -> None:
         """Read prefill's SSE to its end: any error event fails it; the first one may be merged."""
         buffer = b""
-        async for chunk in response.aiter_raw():
+        async for chunk in response.chunks():
             buffer += chunk
             while (split := split_event(buffer)) is not None:
                 event, buffer = split
@@ -211,7 +209,7 @@ class Attempt:
                     if self.logprobs:
                         self.prefill_answer = parse_json(data)
                     self.prefill_answer_known.set()
-        self.prefill_result = LegSuccess(response.status_code, [], b"")
+        self.prefill_result = LegSuccess(response.status, [], b"")
 
     # -- decode -----------------------------------------------------------------------------
 
@@ -224,44 +222,41 @@ class Attempt:
     async def _decode_leg(self) -> None:
         with self.decode_scope, self.track_decode():
             try:
-                async with self.client.stream(
-                    "POST", self.decode_url, content=self.body, headers=self.headers
+                async with self.pool.post(
+                    self.decode_url, self.path, self.headers, self.body
                 ) as response:
                     await self._read_decode(response)
-            except (httpx2.TimeoutException, httpx2.TransportError) as exc:
-                kind: FailureKind = (
-                    "timeout" if isinstance(exc, httpx2.TimeoutException) else "transport"
-                )
-                self._fail_decode(LegFailure(kind, describe(exc)))
+            except UpstreamError as exc:
+                self._fail_decode(LegFailure(exc.kind, str(exc)))
                 if self.responder.started:
                     await self.responder.finish_stream(
-                        error_frame(f"decode worker failed: {describe(exc)}", "upstream_error", 502)
+                        error_frame(f"decode worker failed: {exc}", "upstream_error", 502)
                     )
 
-    async def _read_decode(self, response: httpx2.Response) -> None:
-        if not 200 <= response.status_code < 300:
+    async def _read_decode(self, response: UpstreamResponse) -> None:
+        if not 200 <= response.status < 300:
             self._fail_decode(await status_failure(response))
             return
-        headers = response_headers(response.headers)
+        headers = response.relayable_headers()
         if self.stream and is_sse(response):
             await self._relay_decode_stream(response, headers)
             return
-        body = await response.aread()
+        body = await response.read()
         message = inband_failure(parse_json(body)) if b"error" in body or b"abort" in body else None
         if message is not None:
             self._fail_decode(LegFailure("inband", message))
             return
-        self.decode_result = LegSuccess(response.status_code, headers, body)
+        self.decode_result = LegSuccess(response.status, headers, body)
 
     async def _relay_decode_stream(
-        self, response: httpx2.Response, headers: list[tuple[bytes, bytes]]
+        self, response: UpstreamResponse, headers: list[tuple[bytes, bytes]]
     ) -> None:
         """Hold decode's stream until its first event, then relay it raw to the client.
 
         The first event proves the KV cache arrived, so only then do the client's headers go out;
         with logprobs it also waits for prefill's first answer to merge into that event.
         """
-        chunks = response.aiter_raw()
+        chunks = response.chunks()
         buffer = b""
         first = None
         async for chunk in chunks:
@@ -285,12 +280,12 @@ class Attempt:
         if self.prefill_failed:
             # Prefill failed while this task held a chunk read before its cancellation landed.
             return
-        await self.responder.start(response.status_code, headers)
+        await self.responder.start(response.status, headers)
         await self.responder.send(event + rest)
         async for chunk in chunks:
             await self.responder.send(chunk)
         await self.responder.finish_stream(b"")
-        self.decode_result = LegSuccess(response.status_code, headers, b"")
+        self.decode_result = LegSuccess(response.status, headers, b"")
 
 
 def merged_event(prefill_answer: Any, decode_data: bytes) -> bytes | None:
@@ -300,21 +295,16 @@ def merged_event(prefill_answer: Any, decode_data: bytes) -> bytes | None:
     return b"data: " + orjson.dumps(decode_answer) + b"\n\n"
 
 
-def is_sse(response: httpx2.Response) -> bool:
-    return response.headers.get("content-type", "").startswith(SSE_TYPE.decode())
+def is_sse(response: UpstreamResponse) -> bool:
+    return (response.header(b"content-type") or b"").startswith(SSE_TYPE)
 
 
-async def status_failure(response: httpx2.Response) -> LegFailure:
+async def status_failure(response: UpstreamResponse) -> LegFailure:
     """A non-2xx answer: keep (a bounded part of) its body and content type to relay it."""
-    body = b""
-    async for chunk in response.aiter_raw():
-        body += chunk
-        if len(body) >= MAX_ERROR_BODY:
-            body = body[:MAX_ERROR_BODY]
-            break
-    content_type = response.headers.get("content-type", "application/json").encode()
-    message = upstream_message(body) or response.reason_phrase or str(response.status_code)
-    return LegFailure("status", message, response.status_code, body, content_type)
+    body = await response.read(limit=MAX_ERROR_BODY)
+    content_type = response.header(b"content-type") or b"application/json"
+    message = upstream_message(body) or f"status {response.status}"
+    return LegFailure("status", message, response.status, body, content_type)
 
 
 def upstream_message(body: bytes) -> str | None:
@@ -328,11 +318,6 @@ def upstream_message(body: bytes) -> str | None:
         if parsed.get("message"):
             return str(parsed["message"])
     return None
-
-
-def describe(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 @attrs.frozen
@@ -352,7 +337,7 @@ class PDRequest:
 class DispatchContext:
     """What dispatch reads from the router: one per process, shared by every request."""
 
-    client: httpx2.AsyncClient
+    pool: UpstreamPool
     fleet: Fleet
     config: RouterConfig
     rng: random.Random
@@ -382,9 +367,10 @@ async def dispatch(ctx: DispatchContext, request: PDRequest, responder: Responde
             ctx.rng,
         )
         attempt = Attempt(
-            client=ctx.client,
-            prefill_url=prefill.url + request.path,
-            decode_url=decode.url + request.path,
+            pool=ctx.pool,
+            prefill_url=prefill.url,
+            decode_url=decode.url,
+            path=request.path,
             body=orjson.dumps(request.payload),
             headers=request.headers,
             stream=request.stream,

@@ -29,8 +29,16 @@ async def run_background(router: Router, *, task_status: trio.TaskStatus[None]) 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run_health_checks, router.fleet, health, probe)
         nursery.start_soon(run_eviction, router.fleet, router.config.policy.eviction_interval_secs)
+        nursery.start_soon(prune_idle_connections, router)
         await wait_for_first_pair(router, health.timeout_secs)
         task_status.started()
+
+
+async def prune_idle_connections(router: Router) -> None:
+    """Close upstream connections idle past their keep-alive, so none lingers after a burst."""
+    while True:
+        await trio.sleep(router.pool.keepalive_expiry)
+        await router.pool.prune()
 
 
 async def wait_for_first_pair(router: Router, limit_secs: float) -> None:

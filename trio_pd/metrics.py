@@ -13,9 +13,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    import httpx2
-
     from trio_pd.fleet.workers import Fleet
+    from trio_pd.upstream import UpstreamPool
 
 BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
 
@@ -46,22 +45,20 @@ class RouterMetrics:
             "trio_pd_retries", "Attempts beyond the first.", registry=self.registry
         )
 
-    def attach(self, fleet: Fleet, client: httpx2.AsyncClient) -> None:
-        """Add the scrape-time fleet and pool gauges (once the client exists)."""
-        self.registry.register(FleetCollector(fleet, client))
+    def attach(self, fleet: Fleet, pool: UpstreamPool) -> None:
+        """Add the scrape-time fleet and pool gauges."""
+        self.registry.register(FleetCollector(fleet, pool))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class FleetCollector(Collector):
-    def __init__(self, fleet: Fleet, client: httpx2.AsyncClient) -> None:
+    def __init__(self, fleet: Fleet, pool: UpstreamPool) -> None:
         self.fleet = fleet
-        self.client = client
+        self.pool = pool
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        from trio_pd.upstream import pool_connections
-
         labels = ["worker", "role", "url"]
         in_flight = GaugeMetricFamily("trio_pd_worker_in_flight", "Active legs.", labels=labels)
         healthy = GaugeMetricFamily("trio_pd_worker_healthy", "1 if healthy.", labels=labels)
@@ -77,7 +74,7 @@ class FleetCollector(Collector):
             "trio_pd_upstream_connections", "Pooled upstream connections.", labels=["state"]
         )
         counts: dict[str, int] = {}
-        for _, state in pool_connections(self.client):
+        for _, state in self.pool.connections():
             counts[state] = counts.get(state, 0) + 1
         for state, count in counts.items():
             pool.add_metric([state], count)

@@ -26,6 +26,9 @@ def hypercorn_config(config: RouterConfig) -> HypercornConfig:
     hc = HypercornConfig()
     host = f"[{config.host}]" if ":" in config.host else config.host
     hc.bind = [f"{host}:{config.port}"]
+    if config.prometheus_port is not None:
+        # The same app on a second port: scrapers reach /metrics there, as with SGLang's router.
+        hc.bind.append(f"{host}:{config.prometheus_port}")
     hc.keep_alive_timeout = KEEP_ALIVE_SECS
     hc.graceful_timeout = GRACEFUL_SECS
     hc.accesslog = None

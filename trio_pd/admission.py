@@ -1,0 +1,60 @@
+"""Admission control: `--max-concurrent-requests` with a bounded FIFO queue in front of it.
+
+Beyond the limit a request waits in line (at most `--queue-size` of them, each at most
+`--queue-timeout-secs`); a full queue or a wait that runs out is answered 429 with Retry-After,
+before any worker is touched. A client that leaves while queued simply leaves the line: its wait
+is cancelled with the rest of its request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import trio
+
+from trio_pd.errors import RouterError
+
+RETRY_AFTER_SECS = b"1"
+
+
+def overloaded(message: str) -> RouterError:
+    return RouterError(
+        429, message, "rate_limit_error", headers=((b"retry-after", RETRY_AFTER_SECS),)
+    )
+
+
+class Admission:
+    def __init__(self, max_concurrent: int, queue_size: int, queue_timeout_secs: float) -> None:
+        self.limiter = trio.CapacityLimiter(max_concurrent) if max_concurrent > 0 else None
+        self.queue_size = queue_size
+        self.queue_timeout_secs = queue_timeout_secs
+        self.waiting = 0
+
+    @asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        """Hold one of the concurrent slots for the block, or raise the 429 to answer."""
+        limiter = self.limiter
+        if limiter is None:
+            yield
+            return
+        try:
+            limiter.acquire_nowait()
+        except trio.WouldBlock:
+            await self._wait_in_line(limiter)
+        try:
+            yield
+        finally:
+            limiter.release()
+
+    async def _wait_in_line(self, limiter: trio.CapacityLimiter) -> None:
+        if self.waiting >= self.queue_size:
+            raise overloaded(f"too many requests: {self.queue_size} already waiting") from None
+        self.waiting += 1
+        try:
+            with trio.move_on_after(self.queue_timeout_secs):
+                await limiter.acquire()
+                return
+        finally:
+            self.waiting -= 1
+        raise overloaded(f"no capacity within {self.queue_timeout_secs:g}s in the queue")
