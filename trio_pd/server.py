@@ -18,7 +18,7 @@ from trio_pd.config import RouterConfig
 from trio_pd.logs import configure as configure_logging
 
 log = logging.getLogger("trio_pd.server")
-KEEP_ALIVE_SECS = 75.0  # clients (and load balancers) reuse connections to the router
+KEEP_ALIVE_SECS = 5.0  # hypercorn holds a closed client socket (CLOSE_WAIT) until this runs out
 GRACEFUL_SECS = 30.0  # in-flight requests get this long to finish on shutdown
 
 

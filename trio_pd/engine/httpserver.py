@@ -100,6 +100,8 @@ async def serve_asgi(
     if not listen:
         sock = stdlib_socket.socket(stdlib_socket.AF_INET, stdlib_socket.SOCK_STREAM)
         try:
+            # Like trio's listeners: rebinding a port whose old connections sit in TIME_WAIT works.
+            sock.setsockopt(stdlib_socket.SOL_SOCKET, stdlib_socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
             task_status.started(sock.getsockname()[1])
             await trio.sleep_forever()
