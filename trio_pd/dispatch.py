@@ -282,8 +282,7 @@ class Attempt:
             return
         await self.responder.start(response.status, headers)
         await self.responder.send(event + rest)
-        async for chunk in chunks:
-            await self.responder.send(chunk)
+        await response.forward(chunks, self.responder.send)
         await self.responder.finish_stream(b"")
         self.decode_result = LegSuccess(response.status, headers, b"")
 

@@ -13,7 +13,8 @@ are trio deadlines; the only timeout here is the connect timeout.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from urllib.parse import urlsplit
 
@@ -108,6 +109,42 @@ class UpstreamResponse:
                 yield chunk
         except (_TIMEOUTS, *_TRANSPORT) as exc:
             raise _upstream_error(exc) from exc
+
+    async def forward(
+        self, chunks: AsyncIterator[bytes], send: Callable[[bytes], Awaitable[None]]
+    ) -> None:
+        """Pass the rest of `chunks` to `send`, joining the chunks that arrived together.
+
+        An upstream write often carries many SSE events, which httpcore2 hands over one HTTP
+        chunk at a time; a reader task drains them into a channel and the caller sends whatever
+        piled up in one piece, so an unpaced stream costs one client write per network read
+        instead of one per event. A paced stream (one event per read) is sent event by event.
+        """
+        failure: UpstreamError | None = None
+        sender, receiver = trio.open_memory_channel[bytes](math.inf)
+
+        async def pump() -> None:
+            nonlocal failure
+            async with sender:
+                try:
+                    async for chunk in chunks:
+                        sender.send_nowait(chunk)
+                except UpstreamError as exc:
+                    failure = exc
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pump)
+            async with receiver:
+                async for chunk in receiver:
+                    parts = [chunk]
+                    while True:
+                        try:
+                            parts.append(receiver.receive_nowait())
+                        except (trio.WouldBlock, trio.EndOfChannel):
+                            break
+                    await send(chunk if len(parts) == 1 else b"".join(parts))
+        if failure is not None:
+            raise failure
 
     async def read(self, limit: int | None = None) -> bytes:
         parts = []
