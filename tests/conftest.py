@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import attrs
@@ -75,15 +75,25 @@ async def start_cluster(
 ) -> Cluster:
     prefills = [await start_engine(nursery, "prefill", **(prefill or {})) for _ in range(n_prefill)]
     decodes = [await start_engine(nursery, "decode", **(decode or {})) for _ in range(n_decode)]
+    return await cluster_of(nursery, prefills, decodes, **router_options)
+
+
+async def cluster_of(
+    nursery: trio.Nursery,
+    prefills: Sequence[EngineHandle],
+    decodes: Sequence[EngineHandle],
+    **router_options: Any,
+) -> Cluster:
+    """A router (ready: one health pass done) in front of engines already running."""
     config = RouterConfig(
-        prefill=tuple(WorkerSpec(p.url, "prefill", p.bootstrap_port) for p in prefills),
-        decode=tuple(WorkerSpec(d.url, "decode") for d in decodes),
+        prefill=tuple(WorkerSpec(e.url, "prefill", e.bootstrap_port) for e in prefills),
+        decode=tuple(WorkerSpec(e.url, "decode") for e in decodes),
         **{**ROUTER_DEFAULTS, **router_options},
     )
     router, url = await start_router(nursery, config)
     client = httpx2.AsyncClient(base_url=url, timeout=httpx2.Timeout(20.0))
     await wait_until_ready(client)
-    return Cluster(prefills, decodes, router, url, client)
+    return Cluster(list(prefills), list(decodes), router, url, client)
 
 
 async def wait_until_ready(client: httpx2.AsyncClient) -> None:

@@ -6,11 +6,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
-import httpx2
 import trio
 
-from tests.conftest import ENGINE_DEFAULTS, ROUTER_DEFAULTS, Cluster, start_router, wait_until_ready
-from trio_pd.config import HealthConfig, RouterConfig, WorkerSpec
+from tests.conftest import ENGINE_DEFAULTS, Cluster, cluster_of
+from trio_pd.config import HealthConfig
 from trio_pd.engine import EngineConfig, EngineHandle, serve_engine
 
 # Health checks fast enough for tests over real sockets; bounds on them stay loose (seconds).
@@ -61,24 +60,6 @@ async def build_cluster(
     p = [(await start_stoppable(nursery, "prefill", **o)).handle for o in prefills]
     d = [(await start_stoppable(nursery, "decode", **o)).handle for o in decodes]
     return await cluster_of(nursery, p, d, **router_options)
-
-
-async def cluster_of(
-    nursery: trio.Nursery,
-    prefills: Sequence[EngineHandle],
-    decodes: Sequence[EngineHandle],
-    **router_options: Any,
-) -> Cluster:
-    """A router (ready: one health pass done) in front of engines already running."""
-    config = RouterConfig(
-        prefill=tuple(WorkerSpec(e.url, "prefill", e.bootstrap_port) for e in prefills),
-        decode=tuple(WorkerSpec(e.url, "decode") for e in decodes),
-        **{**ROUTER_DEFAULTS, **router_options},
-    )
-    router, url = await start_router(nursery, config)
-    client = httpx2.AsyncClient(base_url=url, timeout=httpx2.Timeout(20.0))
-    await wait_until_ready(client)
-    return Cluster(list(prefills), list(decodes), router, url, client)
 
 
 def who_started(engines: Sequence[EngineHandle], rid: str) -> list[int]:
