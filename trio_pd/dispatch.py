@@ -113,7 +113,6 @@ class Attempt:
     prefill_answer_known: trio.Event = attrs.field(factory=trio.Event)
     prefill_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     decode_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
-    timed_out: bool = False
 
     async def run(self) -> None:
         """Run both legs to completion; on return the results say what happened."""
@@ -122,7 +121,6 @@ class Attempt:
                 nursery.start_soon(self._prefill_leg)
                 nursery.start_soon(self._decode_leg)
         if deadline_scope.cancelled_caught:
-            self.timed_out = True
             timeout = LegFailure("timeout", "request deadline passed")
             if self.prefill_result is None and not isinstance(self.decode_result, LegFailure):
                 self.prefill_result = timeout
