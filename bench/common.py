@@ -7,6 +7,7 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -33,6 +34,7 @@ VENV_BIN = Path(sys.executable).parent
 HOST = "127.0.0.1"  # the only valid load target
 
 ROUTERS = ("trio_pd", "trio_pd_w2", "smg", "mini_lb")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 # ---- machine / run metadata -----------------------------------------------------------------
@@ -234,10 +236,13 @@ class Proc:
         self._out.close()
 
     def tail(self, lines: int = 20) -> str:
+        """The last lines of the log, without terminal colour codes (SMG writes them even to a
+        file, and this text ends up in exception messages on the console)."""
         try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+            text = ANSI.sub("", self.log.read_text(errors="replace"))
         except OSError:
             return ""
+        return "\n".join(text.splitlines()[-lines:])
 
 
 def wait_until(check: Any, timeout: float, what: str, proc: Proc | None = None) -> None:
@@ -313,7 +318,10 @@ def router_argv(
     python = str(PEERS / "bin" / "python")
     argv = [python, "-m", "sglang_router.launch_router", "--pd-disaggregation", *common]
     if kind == "smg":
-        return [*argv, "--policy", "round_robin", "--log-level", "warn", *extra]
+        # Its Prometheus exporter defaults to 0.0.0.0:29000, and SMG panics at start when that
+        # port is taken (e.g. by a previous SMG still shutting down): give each one its own.
+        metrics = ["--prometheus-host", HOST, "--prometheus-port", str(free_port())]
+        return [*argv, "--policy", "round_robin", "--log-level", "warn", *metrics, *extra]
     if kind == "mini_lb":
         return [*argv, "--mini-lb", "--policy", "random", *extra]
     raise ValueError(f"unknown router {kind!r}")
@@ -346,6 +354,9 @@ class Cluster:
             out["router"] = self.router.pid
         return out
 
+    def engines(self) -> list[Engine]:
+        return [self.prefill, self.decode] + ([self.prefill2] if self.prefill2 else [])
+
     def router_tree(self) -> list[psutil.Process]:
         return tree_procs(self.router.pid) if self.router else []
 
@@ -363,6 +374,31 @@ def probe_body() -> dict[str, Any]:
     return {"text": "warm up", "sampling_params": {"max_new_tokens": 1}}
 
 
+class EngineDied(RuntimeError):
+    """An engine exited while the router was starting; cluster() starts everything again."""
+
+
+def http_get_json(port: int, path: str, timeout: float = 2.0) -> Any:
+    try:
+        with urllib.request.urlopen(f"http://{HOST}:{port}{path}", timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except (OSError, ValueError):
+        return None
+
+
+def smg_workers_registered(port: int, count: int) -> bool:
+    """SMG answers /health before it has registered any worker (registration runs in the
+    background), so the first requests fail with "No prefill workers available"."""
+    data = http_get_json(port, "/workers")
+    return isinstance(data, dict) and len(data.get("workers") or []) >= count
+
+
+def check_engines(cluster: Cluster, what: str) -> None:
+    for engine in cluster.engines():
+        if not engine.proc.alive():
+            raise EngineDied(f"{what}: {engine.proc.name} engine exited\n{engine.proc.tail()}")
+
+
 def start_router(cluster: Cluster, kind: str, extra: Sequence[str] = ()) -> None:
     port = free_port()
     prefills = [cluster.prefill] + ([cluster.prefill2] if cluster.prefill2 else [])
@@ -371,16 +407,37 @@ def start_router(cluster: Cluster, kind: str, extra: Sequence[str] = ()) -> None
     cluster.router_kind = kind
     cluster.router_port = port
     wait_until(lambda: http_get(port, "/health") == 200, 60, f"router {kind}", cluster.router)
+    if kind == "smg":
+        # Registering a worker, SMG probes it over HTTP and over gRPC (HTTP/2 prior knowledge)
+        # at once, so every engine also gets a few short h2 connections. The simulator's
+        # hypercorn h2 code can raise BusyResourceError when such a connection closes, and that
+        # ends the engine process; cluster() then starts engines and router again.
+        wait_until(
+            lambda: smg_workers_registered(port, len(prefills) + 1) or not all_alive(cluster),
+            60,
+            f"router {kind} worker registration",
+            cluster.router,
+        )
+        time.sleep(0.5)  # the gRPC probes' connections wind down
+    check_engines(cluster, f"router {kind} start")
     # a real PD request must succeed (SMG and trio_pd start with unchecked workers)
     wait_until(
-        lambda: http_post(port, "/generate", probe_body()) == 200,
+        lambda: http_post(port, "/generate", probe_body()) == 200 or not all_alive(cluster),
         60,
         f"router {kind} first request",
         cluster.router,
     )
+    check_engines(cluster, f"router {kind} first request")
     if kind == "trio_pd_w2":  # both worker processes must be up: a few more probes
         for _ in range(8):
             http_post(port, "/generate", probe_body())
+
+
+def all_alive(cluster: Cluster) -> bool:
+    return all(engine.proc.alive() for engine in cluster.engines())
+
+
+START_ATTEMPTS = 5
 
 
 @contextlib.contextmanager
@@ -393,19 +450,50 @@ def cluster(
     keep_logs: bool = False,
     prefill2_args: Sequence[str] | None = None,
 ) -> Iterator[Cluster]:
-    logdir = Path(tempfile.mkdtemp(prefix="trio-pd-bench-"))
-    prefill = decode = None
     c = None
+    try:
+        for attempt in range(1, START_ATTEMPTS + 1):
+            c = start_cluster(router, prefill_args, decode_args, router_args, keep_logs,
+                              prefill2_args)  # fmt: skip
+            try:
+                if router is not None:
+                    start_router(c, router, router_args)
+                break
+            except EngineDied as exc:
+                lines = str(exc).splitlines()
+                print_flush(f"  start {attempt}/{START_ATTEMPTS}: {lines[0]} ({lines[-1].strip()})")
+                c.stop()
+                c = None
+                if attempt == START_ATTEMPTS:
+                    raise
+        assert c is not None
+        yield c
+    finally:
+        if c is not None:
+            c.stop()
+
+
+def start_cluster(
+    router: str | None,
+    prefill_args: Sequence[str],
+    decode_args: Sequence[str],
+    router_args: Sequence[str],
+    keep_logs: bool,
+    prefill2_args: Sequence[str] | None,
+) -> Cluster:
+    """Engines only (a fresh log directory, so a failed start leaves nothing in the event logs
+    of the next one)."""
+    logdir = Path(tempfile.mkdtemp(prefix="trio-pd-bench-"))
+    c = None
+    prefill = decode = None
     try:
         prefill = start_engine("prefill", logdir, args=prefill_args)
         decode = start_engine("decode", logdir, args=decode_args)
         c = Cluster(logdir, prefill, decode, keep_logs=keep_logs)
         if prefill2_args is not None:
             c.prefill2 = start_engine("prefill", logdir, args=prefill2_args, name="prefill2")
-        if router is not None:
-            start_router(c, router, router_args)
-        yield c
-    finally:
+        return c
+    except BaseException:
         if c is not None:
             c.stop()
         else:
@@ -413,6 +501,7 @@ def cluster(
                 if engine is not None:
                     engine.proc.stop()
             shutil.rmtree(logdir, ignore_errors=True)
+        raise
 
 
 def failure_router_args(kind: str) -> list[str]:

@@ -21,6 +21,7 @@ from hypercorn.config import Config
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 
+log = logging.getLogger("trio_pd.engine.http")
 ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 
 
@@ -117,6 +118,11 @@ async def serve_asgi(
         peer = registry.add(stream)
         try:
             await TCPServer(wrapped, config, context, {}, stream)
+        except Exception as exc:
+            # One broken connection must not take the engine down: hypercorn 0.18 can raise
+            # trio.BusyResourceError when an HTTP/2 prior-knowledge probe (SGLang's router sends
+            # gRPC health probes) closes mid-send.
+            log.warning("connection from %s ended with %r", peer, exc)
         finally:
             registry.discard(peer)
 
