@@ -15,7 +15,7 @@ import time
 import traceback
 from typing import Any
 
-from bench import common, overhead, soak, storm, stream, teardown
+from bench import common, overhead, soak, storm, stream, teardown, wide
 from bench.common import print_flush
 from bench.report import plot_storm, side_by_side
 
@@ -25,9 +25,11 @@ SCENARIOS: dict[str, Any] = {
     "stream-paced": (stream.run_paced, stream.summary, stream.COLUMNS["stream-paced"]),
     "teardown": (teardown.run, teardown.summary, teardown.COLUMNS),
     "storm": (storm.run, storm.summary, storm.COLUMNS),
+    "wide": (wide.run, wide.summary, wide.COLUMNS),
     "soak": (soak.run, soak.summary, ("router", "requests", "ok", "rss_start_mb", "rss_end_mb",
                                      "rss_idle_mb", "fds_max", "fds_idle", "tcp_max", "tcp_idle")),
 }  # fmt: skip
+# `wide` (1000 concurrent streams) runs on request: `--scenarios wide`.
 DEFAULT_SCENARIOS = ("overhead", "stream", "stream-paced", "teardown", "storm", "soak")
 PEER_SCENARIOS = ("overhead", "stream", "stream-paced", "teardown", "storm")
 
