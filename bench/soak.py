@@ -31,7 +31,7 @@ COLUMNS = ("t", "rss_mb", "fds", "tcp", "requests", "ok")
 
 
 def settings(quick: bool) -> dict[str, Any]:
-    return {"seconds": 30.0 if quick else 600.0, "users": 8, "sample_every": 1.0 if quick else 5.0}
+    return {"seconds": 20.0 if quick else 600.0, "users": 8, "sample_every": 1.0 if quick else 5.0}
 
 
 def make_request(rng: random.Random) -> tuple[str, dict[str, Any]]:

@@ -30,6 +30,7 @@ from trio_pd.config import RouterConfig
 from trio_pd.dispatch import DispatchContext, PDRequest, dispatch
 from trio_pd.errors import RouterError, method_not_allowed, not_found
 from trio_pd.fleet.workers import Fleet
+from trio_pd.lifespan import run_background
 from trio_pd.logs import current_request_id
 from trio_pd.metrics import RouterMetrics
 from trio_pd.respond import Reply, Responder
@@ -93,8 +94,6 @@ class Router:
 
     async def background(self, *, task_status: trio.TaskStatus[None]) -> None:
         """Long-lived tasks of the process; they end when the lifespan nursery is cancelled."""
-        from trio_pd.lifespan import run_background
-
         await run_background(self, task_status=task_status)
 
     # -- http -------------------------------------------------------------------------------
