@@ -3,6 +3,7 @@ tables and the JSON results files."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import json
@@ -526,3 +527,17 @@ def print_flush(*args: Any) -> None:
 
 def selected(names: Iterable[str] | None, default: Sequence[str]) -> list[str]:
     return list(names) if names else list(default)
+
+
+def scenario_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The command line every scenario script shares: `--router` and `--quick`."""
+    parser = argparse.ArgumentParser(description=doc)
+    parser.add_argument("--router", default="trio_pd", choices=ROUTERS)
+    parser.add_argument("--quick", action="store_true")
+    return parser
+
+
+def report(name: str, result: dict[str, Any], columns: Sequence[str], title: str) -> None:
+    """Print a scenario's table and write its JSON under bench/results/."""
+    print_flush(table(result["rows"], columns, title))
+    print_flush("wrote", write_result(name, result))

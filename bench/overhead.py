@@ -9,7 +9,6 @@ load generator (columns wrk_rps, wrk_p50_ms).
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -139,13 +138,9 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--router", default="trio_pd", choices=common.ROUTERS)
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args(argv)
+    args = common.scenario_parser(__doc__).parse_args(argv)
     result = run(args.router, args.quick)
-    print_flush(common.table(result["rows"], COLUMNS, "overhead"))
-    print_flush("wrote", common.write_result(NAME, result))
+    common.report(NAME, result, COLUMNS, "overhead")
 
 
 if __name__ == "__main__":

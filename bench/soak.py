@@ -10,7 +10,6 @@ soak measures 503s).
 
 from __future__ import annotations
 
-import argparse
 import random
 import time
 from typing import Any
@@ -144,16 +143,12 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--router", default="trio_pd", choices=common.ROUTERS)
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args(argv)
+    args = common.scenario_parser(__doc__).parse_args(argv)
     result = run(args.router, args.quick)
     print_flush(common.table(result["series"], COLUMNS, "soak samples"))
-    keys = [k for k in result["rows"][0] if k != "statuses"]
     print_flush("client statuses:", result["rows"][0]["statuses"])
-    print_flush(common.table(result["rows"], keys, "soak"))
-    print_flush("wrote", common.write_result(NAME, result))
+    keys = [k for k in result["rows"][0] if k != "statuses"]
+    common.report(NAME, result, keys, "soak")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ engine's event log), all also as per-second series (by completion second; slots 
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from typing import Any
@@ -202,14 +201,10 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--router", default="trio_pd", choices=common.ROUTERS)
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args(argv)
+    args = common.scenario_parser(__doc__).parse_args(argv)
     result = run(args.router, args.quick)
     print_flush(common.table(result["series"], SERIES_COLUMNS, "storm, per second"))
-    print_flush(common.table(result["rows"], COLUMNS, "storm"))
-    print_flush("wrote", common.write_result(NAME, result))
+    common.report(NAME, result, COLUMNS, "storm")
     from bench.report import plot_storm
 
     print_flush("wrote", plot_storm({args.router: result}))

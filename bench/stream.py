@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 from bench import common
@@ -123,15 +122,12 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--router", default="trio_pd", choices=common.ROUTERS)
-    parser.add_argument("--quick", action="store_true")
+    parser = common.scenario_parser(__doc__)
     parser.add_argument("--paced", action="store_true", help="run stream-paced instead")
     args = parser.parse_args(argv)
     name = "stream-paced" if args.paced else "stream"
     result = run(args.router, args.quick, name)
-    print_flush(common.table(result["rows"], COLUMNS[name], name))
-    print_flush("wrote", common.write_result(name, result))
+    common.report(name, result, COLUMNS[name], name)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ Retries and circuit breakers are disabled on every router (one attempt per reque
 
 from __future__ import annotations
 
-import argparse
 import time
 from typing import Any
 
@@ -345,13 +344,9 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--router", default="trio_pd", choices=common.ROUTERS)
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args(argv)
+    args = common.scenario_parser(__doc__).parse_args(argv)
     result = run(args.router, args.quick)
-    print_flush(common.table(result["rows"], COLUMNS, "teardown (ms from the failure)"))
-    print_flush("wrote", common.write_result(NAME, result))
+    common.report(NAME, result, COLUMNS, "teardown (ms from the failure)")
 
 
 if __name__ == "__main__":
