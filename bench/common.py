@@ -541,3 +541,23 @@ def report(name: str, result: dict[str, Any], columns: Sequence[str], title: str
     """Print a scenario's table and write its JSON under bench/results/."""
     print_flush(table(result["rows"], columns, title))
     print_flush("wrote", write_result(name, result))
+
+
+def router_and_direct(c: Cluster, **base: Any) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """The same load through the router, then straight at the engines (the client doing both
+    legs itself): the baseline of every comparison. Returns (via, direct, router CPU meter result).
+    """
+    from bench.loadgen import LoadSpec, run_load
+
+    meter = CpuMeter(c.pids())
+    via = run_load(LoadSpec(mode="router", router_port=c.router_port, **base), meter=meter)
+    direct = run_load(
+        LoadSpec(
+            mode="direct",
+            prefill_port=c.prefill.port,
+            decode_port=c.decode.port,
+            bootstrap_port=c.prefill.bootstrap_port,
+            **base,
+        )
+    )
+    return via, direct, meter.result

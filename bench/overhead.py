@@ -15,8 +15,7 @@ import subprocess
 from typing import Any
 
 from bench import common
-from bench.common import CpuMeter, print_flush
-from bench.loadgen import LoadSpec, run_load
+from bench.common import print_flush
 
 NAME = "overhead"
 BODY = {
@@ -42,18 +41,7 @@ def run(router: str, quick: bool = False, wrk: bool = True) -> dict[str, Any]:
             base = dict(
                 path="/generate", body=BODY, concurrency=conc, duration=duration, warmup=warmup
             )
-            meter = CpuMeter(c.pids())
-            via = run_load(LoadSpec(mode="router", router_port=c.router_port, **base), meter=meter)
-            direct = run_load(
-                LoadSpec(
-                    mode="direct",
-                    prefill_port=c.prefill.port,
-                    decode_port=c.decode.port,
-                    bootstrap_port=c.prefill.bootstrap_port,
-                    **base,
-                )
-            )
-            cpu = meter.result
+            via, direct, cpu = common.router_and_direct(c, **base)
             cross = wrk_check(c.router_port, conc, duration) if wrk else None
             row = {
                 "router": router,

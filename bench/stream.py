@@ -12,8 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench import common
-from bench.common import CpuMeter, print_flush
-from bench.loadgen import LoadSpec, run_load
+from bench.common import print_flush
 
 COLUMNS = {
     "stream": (
@@ -49,18 +48,7 @@ def run(router: str, quick: bool = False, name: str = "stream") -> dict[str, Any
             path="/generate", body=body, concurrency=p["c"], duration=p["duration"],
             warmup=2.0 if paced else 1.0, itl=paced,
         )  # fmt: skip
-        meter = CpuMeter(c.pids())
-        via = run_load(LoadSpec(mode="router", router_port=c.router_port, **base), meter=meter)
-        direct = run_load(
-            LoadSpec(
-                mode="direct",
-                prefill_port=c.prefill.port,
-                decode_port=c.decode.port,
-                bootstrap_port=c.prefill.bootstrap_port,
-                **base,
-            )
-        )
-    cpu = meter.result
+        via, direct, cpu = common.router_and_direct(c, **base)
     events = via["events"]
     row = {
         "router": router,
