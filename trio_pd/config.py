@@ -17,11 +17,17 @@ POLICY_NAMES: tuple[str, ...] = ("random", "round_robin", "power_of_two", "cache
 
 @attrs.frozen
 class WorkerSpec:
-    """One upstream engine: its base URL and, for prefill, the bootstrap port (None = no port)."""
+    """One upstream engine: its base URL and, for prefill, the bootstrap port (None = no port).
+
+    ``model_id`` names the model it serves (None: the router's only model); ``api_key`` is sent
+    to this worker as `Authorization: Bearer` instead of the router-wide `--api-key`.
+    """
 
     url: str = attrs.field(converter=lambda u: u.rstrip("/"))
     role: Role
     bootstrap_port: int | None = None
+    model_id: str | None = None
+    api_key: str | None = attrs.field(default=None, repr=False)
 
 
 @attrs.frozen

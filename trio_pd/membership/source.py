@@ -1,0 +1,72 @@
+"""The membership interface every source implements, and the registry it feeds.
+
+A source runs as one long-lived task in the app-lifespan nursery. Whenever its view changes
+(and on a periodic resync) it calls ``registry.reconcile(source, desired)`` with the complete set
+of workers it wants: the registry adds what is missing, removes what is gone (only among the
+workers tagged with that source) and replaces a worker whose spec changed. Level-triggered: a
+missed event is repaired by the next full set, never by replaying deltas.
+
+Stores are the sources the admin API can write to (`POST /workers`, `DELETE /workers/{id}`):
+in-memory for one process, the shared file for `--workers N`, etcd for replicas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Protocol
+
+import attrs
+import trio
+
+from trio_pd.config import WorkerSpec
+
+
+@attrs.frozen
+class WorkerRecord:
+    """One worker as a source wants it.
+
+    ``id`` is agreed by every process and replica reading the same source (allocated by the
+    store, or derived from the source's own names, such as a pod's), so `GET /workers/{id}`
+    means the same worker everywhere. ``meta`` carries the source's own identity of the worker
+    (pod name and uid, etcd key and revision) for `/workers` and logs.
+    """
+
+    id: str
+    spec: WorkerSpec
+    source: str
+    meta: Mapping[str, str] = attrs.field(factory=dict, converter=dict)
+
+
+class Registry(Protocol):
+    """What a source may do to the router's worker registry (the Fleet implements it)."""
+
+    def reconcile(self, source: str, desired: Iterable[WorkerRecord]) -> None:
+        """Make the workers tagged ``source`` exactly ``desired``; never touch other sources'."""
+
+    def source_status(self, source: str, ok: bool, detail: str = "") -> None:
+        """Report whether the source is reachable (readiness and metrics show it)."""
+
+
+class MembershipSource(Protocol):
+    """A long-lived task keeping one source's workers in the registry."""
+
+    name: str
+
+    async def run(self, registry: Registry, *, task_status: trio.TaskStatus[None]) -> None:
+        """Reconcile forever; ``task_status.started()`` once the first attempt to read the
+        source ended (with its workers, or with the source reported unreachable)."""
+
+
+class MembershipStore(Protocol):
+    """A source the admin API writes through (in-memory, shared file, etcd)."""
+
+    name: str
+
+    async def add(self, spec: WorkerSpec) -> WorkerRecord:
+        """Register ``spec`` and return its record; ValueError if the URL and role exist."""
+
+    async def remove(self, worker_id: str) -> WorkerRecord:
+        """Unregister a worker of this store; KeyError if it has no such worker."""
+
+    def records(self) -> Mapping[str, WorkerRecord]:
+        """The store's workers as last read, by id."""
