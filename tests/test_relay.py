@@ -5,6 +5,7 @@ from __future__ import annotations
 import orjson
 
 from trio_pd.relay import (
+    InbandError,
     error_frame,
     event_data,
     inband_failure,
@@ -25,15 +26,28 @@ def test_event_data_joins_data_lines() -> None:
 
 
 def test_inband_failure_kinds() -> None:
-    assert inband_failure({"error": {"message": "boom"}}) == "boom"
-    assert inband_failure({"error": "flat"}) == "flat"
+    assert inband_failure({"error": {"message": "boom"}}) == InbandError("boom")
+    assert inband_failure({"error": "flat"}) == InbandError("flat")
     abort = {"meta_info": {"finish_reason": {"type": "abort", "message": "cut"}}}
-    assert inband_failure(abort) == "cut"
-    assert inband_failure([{"text": "ok"}, abort]) == "cut"
+    assert inband_failure(abort) == InbandError("cut")
+    assert inband_failure([{"text": "ok"}, abort]) == InbandError("cut")
     assert (
         inband_failure({"text": "fine", "meta_info": {"finish_reason": {"type": "length"}}}) is None
     )
     assert inband_failure(None) is None
+
+
+def test_inband_failure_codes_say_whose_fault() -> None:
+    too_long = inband_failure({"error": {"message": "prompt too long", "code": 400}})
+    assert too_long == InbandError("prompt too long", 400)
+    assert too_long.is_client_error
+    abort = {"meta_info": {"finish_reason": {"type": "abort", "message": "m", "status_code": 422}}}
+    assert inband_failure(abort) == InbandError("m", 422)
+    assert inband_failure({"error": {"message": "oom", "code": "503"}}) == InbandError("oom", 503)
+    assert not inband_failure({"error": {"message": "oom", "code": 500}}).is_client_error
+    odd = inband_failure({"error": {"message": "x", "code": "BadRequest"}})
+    assert odd == InbandError("x") and not odd.is_client_error
+    assert inband_failure({"error": {"message": "x", "code": True}}) == InbandError("x")
 
 
 def test_merge_logprobs_puts_prefill_first() -> None:

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
 
-from trio_pd.asgi import Handler, Receive, Scope, json_reply, read_json_object
+from trio_pd.asgi import ControlHandler, Receive, Scope, json_reply, read_json_object
 from trio_pd.config import WorkerSpec
+from trio_pd.control import ControlContext
 from trio_pd.errors import RouterError, bad_request, unauthorized
 from trio_pd.fanout import (
     handle_flush_cache,
@@ -32,17 +33,14 @@ from trio_pd.fanout import (
 )
 from trio_pd.respond import JSON_HEADERS, Reply, Responder
 
-if TYPE_CHECKING:
-    from trio_pd.app import Router
-
 WORKERS_PATH = "/workers"
 ADMIN_BODY_LIMIT = 64 * 1024
 WORKER_TYPES = ("prefill", "decode")
 
 
-def require_api_key(router: Router, scope: Scope) -> None:
+def require_api_key(ctx: ControlContext, scope: Scope) -> None:
     """401 unless the request carries `Authorization: Bearer <config.api_key>` (when one is set)."""
-    key = router.config.api_key
+    key = ctx.config.api_key
     if not key:
         return
     given = b""
@@ -57,12 +55,12 @@ def require_api_key(router: Router, scope: Scope) -> None:
         raise error
 
 
-def admin(handler: Handler) -> Handler:
+def admin(handler: ControlHandler) -> ControlHandler:
     """`handler` behind the API key check."""
 
-    async def guarded(router: Router, scope: Scope, receive: Receive, rsp: Responder) -> None:
-        require_api_key(router, scope)
-        await handler(router, scope, receive, rsp)
+    async def guarded(ctx: ControlContext, scope: Scope, receive: Receive, rsp: Responder) -> None:
+        require_api_key(ctx, scope)
+        await handler(ctx, scope, receive, rsp)
 
     guarded.__name__ = guarded.__qualname__ = handler.__name__
     return guarded
@@ -112,42 +110,44 @@ def check_url(url: object) -> str:
     return url
 
 
-async def add_worker(router: Router, scope: Scope, receive: Receive, rsp: Responder) -> None:
+async def add_worker(ctx: ControlContext, scope: Scope, receive: Receive, rsp: Responder) -> None:
     body = await read_json_object(scope, receive, ADMIN_BODY_LIMIT)
     spec = parse_worker_spec(body)
     try:
-        worker = router.fleet.add(spec)
+        worker = ctx.fleet.add(spec)
     except ValueError as exc:
         raise RouterError(409, str(exc), "conflict") from None
     headers = [*JSON_HEADERS, (b"location", f"{WORKERS_PATH}/{worker.id}".encode())]
     await rsp.reply(Reply(201, headers, orjson.dumps(worker.to_json())))
 
 
-async def list_workers(router: Router, scope: Scope, receive: Receive, rsp: Responder) -> None:
-    workers = router.fleet.to_json()
+async def list_workers(ctx: ControlContext, scope: Scope, receive: Receive, rsp: Responder) -> None:
+    workers = ctx.fleet.to_json()
     await json_reply(rsp, 200, {"workers": workers, "total": len(workers)})
 
 
-def worker_id_of(router: Router, scope: Scope) -> str:
+def worker_id_of(ctx: ControlContext, scope: Scope) -> str:
     worker_id = scope["path"][len(WORKERS_PATH) + 1 :]
     try:
-        router.fleet.get(worker_id)
+        ctx.fleet.get(worker_id)
     except KeyError:
         raise RouterError(404, f"no worker {worker_id!r}", "not_found_error") from None
     return worker_id
 
 
-async def get_worker(router: Router, scope: Scope, receive: Receive, rsp: Responder) -> None:
-    worker = router.fleet.get(worker_id_of(router, scope))
+async def get_worker(ctx: ControlContext, scope: Scope, receive: Receive, rsp: Responder) -> None:
+    worker = ctx.fleet.get(worker_id_of(ctx, scope))
     await json_reply(rsp, 200, worker.to_json())
 
 
-async def delete_worker(router: Router, scope: Scope, receive: Receive, rsp: Responder) -> None:
-    worker = router.fleet.remove(worker_id_of(router, scope))
+async def delete_worker(
+    ctx: ControlContext, scope: Scope, receive: Receive, rsp: Responder
+) -> None:
+    worker = ctx.fleet.remove(worker_id_of(ctx, scope))
     await json_reply(rsp, 200, {**worker.to_json(), "removed": True})
 
 
-ADMIN_ROUTES: dict[str, dict[str, Handler]] = {
+ADMIN_ROUTES: dict[str, dict[str, ControlHandler]] = {
     WORKERS_PATH: {"GET": admin(list_workers), "POST": admin(add_worker)},
     "/flush_cache": {"POST": admin(handle_flush_cache)},
     "/get_loads": {"GET": handle_get_loads},
@@ -156,7 +156,7 @@ ADMIN_ROUTES: dict[str, dict[str, Handler]] = {
     "/get_model_info": {"GET": proxy_from_prefill},
     "/get_server_info": {"GET": proxy_from_prefill},
 }
-WORKER_ITEM_ROUTES: dict[str, Handler] = {
+WORKER_ITEM_ROUTES: dict[str, ControlHandler] = {
     "GET": admin(get_worker),
     "DELETE": admin(delete_worker),
 }

@@ -1,7 +1,9 @@
-"""The router's ASGI callable: route table, body limit, request id, error envelope, lifespan.
+"""The router's ASGI callable: route table, request id, error envelope, lifespan.
 
 A bare ASGI app, no framework: hypercorn calls ``Router.__call__`` for every request and once for
-the lifespan, whose nursery holds every long-lived task (health checks, cache-tree eviction).
+the lifespan, whose nursery holds every long-lived task (`background.py`). Whatever happens
+inside a handler, the client gets the PROTOCOL.md §7 envelope with its `x-request-id` (or, once
+a stream has started, an error event): never hypercorn's empty 500.
 """
 
 from __future__ import annotations
@@ -9,40 +11,37 @@ from __future__ import annotations
 import logging
 import random
 import uuid
+from functools import partial
 
 import attrs
-import httpx2
 import trio
+import trio_parallel
 
-from trio_pd import payload as shape
+from trio_pd import payload
 from trio_pd.admin import ADMIN_ROUTES, WORKER_ITEM_ROUTES
 from trio_pd.admission import Admission
-from trio_pd.asgi import (
-    ClientGone,
-    Handler,
-    Receive,
-    Scope,
-    Send,
-    json_reply,
-    read_json_object,
-)
+from trio_pd.asgi import ClientGone, Handler, Receive, Scope, Send, json_reply
+from trio_pd.background import run_background
 from trio_pd.config import RouterConfig
-from trio_pd.dispatch import DispatchContext, PDRequest, dispatch
-from trio_pd.errors import RouterError, method_not_allowed, not_found
+from trio_pd.control import ControlContext
+from trio_pd.dispatch import DispatchContext, PDRequest, RequestCancel, dispatch
+from trio_pd.errors import RouterError, internal_error, method_not_allowed, not_found
 from trio_pd.fleet.workers import Fleet
-from trio_pd.lifespan import run_background
+from trio_pd.intake import inspect, read_request_body
 from trio_pd.logs import current_request_id
 from trio_pd.metrics import RouterMetrics
+from trio_pd.relay import error_frame
 from trio_pd.respond import Reply, Responder
 from trio_pd.upstream import UpstreamPool, leg_headers, make_client
 
 log = logging.getLogger("trio_pd.app")
 CLIENT_GONE_STATUS = 499  # nginx's convention for "the client closed the request"
+GENERATION_PATHS = (payload.GENERATE, payload.COMPLETIONS, payload.CHAT)
 
 
 @attrs.define(eq=False)
 class Router:
-    """One router: its config, fleet and (from lifespan startup on) its pooled upstream client.
+    """One router: its config, fleet and (from lifespan startup on) its upstream clients.
 
     State lives here, not in module globals, so a test can run two routers in one process.
     """
@@ -50,20 +49,36 @@ class Router:
     config: RouterConfig
     fleet: Fleet = attrs.field()
     rng: random.Random = attrs.field(factory=random.Random)
-    client: httpx2.AsyncClient | None = None  # control plane: health probes, fan-out
     pool: UpstreamPool = attrs.field(factory=UpstreamPool)  # the data plane's two legs
-    context: DispatchContext | None = None
     metrics: RouterMetrics = attrs.field(factory=RouterMetrics)
     admission: Admission = attrs.field()
+    control: ControlContext = attrs.field()
+    generation: GenerationContext = attrs.field()
+    routes: dict[str, dict[str, Handler]] = attrs.field()
+
+    @fleet.default
+    def _default_fleet(self) -> Fleet:
+        return Fleet(self.config)
 
     @admission.default
     def _default_admission(self) -> Admission:
         c = self.config
         return Admission(c.max_concurrent_requests, c.queue_size, c.queue_timeout_secs)
 
-    @fleet.default
-    def _default_fleet(self) -> Fleet:
-        return Fleet(self.config)
+    @control.default
+    def _default_control(self) -> ControlContext:
+        return ControlContext(self.config, self.fleet, self.rng)
+
+    @generation.default
+    def _default_generation(self) -> GenerationContext:
+        dispatch_context = DispatchContext(
+            self.pool, self.fleet, self.config, self.rng, self.metrics
+        )
+        return GenerationContext(self.config, self.admission, dispatch_context)
+
+    @routes.default
+    def _default_routes(self) -> dict[str, dict[str, Handler]]:
+        return route_table(self)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -76,25 +91,23 @@ class Router:
     async def lifespan(self, receive: Receive, send: Send) -> None:
         message = await receive()
         assert message["type"] == "lifespan.startup"
-        self.client = make_client()
-        self.context = DispatchContext(self.pool, self.fleet, self.config, self.rng, self.metrics)
+        self.control.client = make_client()
         self.metrics.attach(self.fleet, self.pool)
         try:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(self.background)
-                await send({"type": "lifespan.startup.complete"})
-                message = await receive()
-                assert message["type"] == "lifespan.shutdown"
-                nursery.cancel_scope.cancel()
+            async with trio_parallel.open_worker_context() as parsers:
+                self.generation.parsers = parsers
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(run_background, self)
+                    await send({"type": "lifespan.startup.complete"})
+                    message = await receive()
+                    assert message["type"] == "lifespan.shutdown"
+                    nursery.cancel_scope.cancel(reason="lifespan shutdown")
         finally:
+            self.generation.parsers = None
             with trio.CancelScope(shield=True):
-                await self.client.aclose()
+                await self.control.http.aclose()
                 await self.pool.aclose()
         await send({"type": "lifespan.shutdown.complete"})
-
-    async def background(self, *, task_status: trio.TaskStatus[None]) -> None:
-        """Long-lived tasks of the process; they end when the lifespan nursery is cancelled."""
-        await run_background(self, task_status=task_status)
 
     # -- http -------------------------------------------------------------------------------
 
@@ -103,25 +116,37 @@ class Router:
         current_request_id.set(request_id)
         responder = Responder(send, request_id.encode())
         path = scope["path"]
-        label = path if path in ROUTES else "other"
+        label = path if path in self.routes else "other"
         started_at = trio.current_time()
         try:
-            handler = self.route(scope["method"], path)
-            await handler(self, scope, receive, responder)
-        except RouterError as error:
+            await self.route(scope["method"], path)(scope, receive, responder)
+        except* RouterError as group:
             if not responder.started:
-                await responder.error(error)
-        except ClientGone:
+                await responder.error(first_leaf(group))
+        except* ClientGone:
             log.info("client went away before its body arrived")
+        except* Exception as group:
+            await self.internal_error(group, responder)
         finally:
             status = responder.status if responder.finished else CLIENT_GONE_STATUS
             self.metrics.requests.labels(label, str(status)).inc()
             self.metrics.latency.labels(label).observe(trio.current_time() - started_at)
 
+    async def internal_error(self, group: BaseExceptionGroup, responder: Responder) -> None:
+        """A bug or an unforeseen input: logged with its traceback, answered with the envelope."""
+        log.error("internal error", exc_info=group)
+        self.metrics.internal_errors.inc()
+        with trio.CancelScope(shield=True):
+            if not responder.started:
+                await responder.error(internal_error())
+            elif not responder.finished:
+                frame = error_frame("internal router error", "internal_error", 500)
+                await responder.finish_stream(frame)
+
     def route(self, method: str, path: str) -> Handler:
-        methods = ROUTES.get(path)
+        methods = self.routes.get(path)
         if methods is None and path.startswith("/workers/"):
-            methods = WORKER_ITEM_ROUTES
+            methods = self.routes["/workers/{id}"]
         if methods is None:
             raise not_found(path)
         handler = methods.get(method)
@@ -130,38 +155,55 @@ class Router:
         return handler
 
 
+def first_leaf(group: BaseExceptionGroup) -> RouterError:
+    """The first RouterError in a (possibly nested) group `except*` caught."""
+    error = group.exceptions[0]
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    assert isinstance(error, RouterError)
+    return error
+
+
+@attrs.define(eq=False)
+class GenerationContext:
+    """What the generation routes read: config, admission, dispatch, the body parsers."""
+
+    config: RouterConfig
+    admission: Admission
+    dispatch: DispatchContext
+    parsers: trio_parallel.WorkerContext | None = None  # opened by the lifespan
+
+
 async def handle_generation(
-    router: Router, scope: Scope, receive: Receive, responder: Responder
+    gen: GenerationContext, scope: Scope, receive: Receive, rsp: Responder
 ) -> None:
-    """A PD request: validate, then dispatch inside a scope the client's disconnect cancels."""
-    payload = await read_json_object(scope, receive, router.config.max_payload_size)
-    path = scope["path"]
-    request = PDRequest(
-        path=path,
-        payload=payload,
-        headers=leg_headers(scope["headers"], responder.request_id.decode()),
-        stream=shape.wants_stream(payload),
-        logprobs=shape.wants_logprobs(path, payload),
-        batch=shape.batch_size(path, payload),
-        text=shape.routing_text(path, payload),
+    """A PD request: read and inspect the body, then dispatch in a scope the client's
+    disconnect cancels."""
+    config = gen.config
+    raw = await read_request_body(
+        scope, receive, config.max_payload_size, config.timeouts.client_body_secs
     )
-    assert router.context is not None, "the lifespan has not started"
-    with trio.CancelScope() as client_scope:
+    owned = payload.BOOTSTRAP_KEYS
+    inspected = await inspect(scope["path"], raw, config.max_batch_size, owned, gen.parsers)
+    request = PDRequest(
+        scope["path"], inspected, leg_headers(scope["headers"], rsp.request_id.decode())
+    )
+    cancel = RequestCancel()
+    with cancel.scope:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(watch_disconnect, receive, responder, client_scope)
+            nursery.start_soon(watch_disconnect, receive, rsp, cancel)
             try:
-                async with router.admission.slot():
-                    await dispatch(router.context, request, responder)
-            except RouterError as error:  # 429 from admission: answered here, not in a group
-                await responder.error(error)
+                async with gen.admission.slot():
+                    await dispatch(gen.dispatch, request, rsp, cancel)
+            except RouterError as error:  # 429 from admission, 413 with the router's fields
+                if not rsp.started:
+                    await rsp.error(error)
             nursery.cancel_scope.cancel()
-    if client_scope.cancelled_caught:
-        log.info("client disconnected; every leg of the request was cancelled")
+    if cancel.scope.cancelled_caught:
+        log.info("request cancelled (%s); every leg of it was closed", cancel.cause)
 
 
-async def watch_disconnect(
-    receive: Receive, responder: Responder, client_scope: trio.CancelScope
-) -> None:
+async def watch_disconnect(receive: Receive, responder: Responder, cancel: RequestCancel) -> None:
     """Cancel the request when the client goes away before its response is complete.
 
     Hypercorn never cancels an app on disconnect and its send() keeps succeeding afterwards,
@@ -173,7 +215,7 @@ async def watch_disconnect(
         message = await receive()
         if message["type"] == "http.disconnect":
             if not responder.finished:
-                client_scope.cancel()
+                cancel.cancel("client_gone")
             return
 
 
@@ -187,42 +229,45 @@ def incoming_request_id(headers: list[tuple[bytes, bytes]]) -> str | None:
     return found
 
 
-async def handle_liveness(router: Router, scope: Scope, receive: Receive, rsp: Responder) -> None:
+async def handle_liveness(scope: Scope, receive: Receive, rsp: Responder) -> None:
     await json_reply(rsp, 200, {"status": "alive"})
 
 
-async def handle_health(router: Router, scope: Scope, receive: Receive, rsp: Responder) -> None:
-    """200 only when at least one prefill and one decode can take traffic."""
-    missing = [role for role in ("prefill", "decode") if not router.fleet.available(role)]
+async def handle_health(fleet: Fleet, scope: Scope, receive: Receive, rsp: Responder) -> None:
+    """200 only when a prefill and a decode can take traffic (breakers aside: see
+    `Fleet.select`'s panic routing)."""
+    missing = [role for role in ("prefill", "decode") if not fleet.routable(role)]
     if missing:
-        await json_reply(
-            rsp,
-            503,
-            {
-                "status": "unavailable",
-                "error": {
-                    "message": f"no available {' or '.join(missing)} worker",
-                    "type": "service_unavailable",
-                    "code": 503,
-                },
-            },
-        )
+        error = {
+            "message": f"no available {' or '.join(missing)} worker",
+            "type": "service_unavailable",
+            "code": 503,
+        }
+        await json_reply(rsp, 503, {"status": "unavailable", "error": error})
     else:
         await json_reply(rsp, 200, {"status": "ok"})
 
 
-async def handle_metrics(router: Router, scope: Scope, receive: Receive, rsp: Responder) -> None:
-    body = router.metrics.render()
+async def handle_metrics(
+    metrics: RouterMetrics, scope: Scope, receive: Receive, rsp: Responder
+) -> None:
+    body = metrics.render()
     await rsp.reply(Reply(200, [(b"content-type", b"text/plain; version=0.0.4")], body))
 
 
-ROUTES: dict[str, dict[str, Handler]] = {
-    **ADMIN_ROUTES,
-    shape.GENERATE: {"POST": handle_generation},
-    shape.COMPLETIONS: {"POST": handle_generation},
-    shape.CHAT: {"POST": handle_generation},
-    "/health": {"GET": handle_health},
-    "/readiness": {"GET": handle_health},
-    "/liveness": {"GET": handle_liveness},
-    "/metrics": {"GET": handle_metrics},
-}
+def route_table(router: Router) -> dict[str, dict[str, Handler]]:
+    """Every route, each handler bound to the narrow context it needs."""
+    control = router.control
+    table: dict[str, dict[str, Handler]] = {
+        path: {method: partial(handler, control) for method, handler in methods.items()}
+        for path, methods in ADMIN_ROUTES.items()
+    }
+    table["/workers/{id}"] = {m: partial(h, control) for m, h in WORKER_ITEM_ROUTES.items()}
+    for path in GENERATION_PATHS:
+        table[path] = {"POST": partial(handle_generation, router.generation)}
+    health = partial(handle_health, router.fleet)
+    table["/health"] = {"GET": health}
+    table["/readiness"] = {"GET": health}
+    table["/liveness"] = {"GET": handle_liveness}
+    table["/metrics"] = {"GET": partial(handle_metrics, router.metrics)}
+    return table

@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import orjson
 
-from trio_pd.errors import bad_request, payload_too_large
+from trio_pd.body import parse_object
+from trio_pd.errors import payload_too_large
 from trio_pd.respond import JSON_HEADERS, Reply, Responder
 
 if TYPE_CHECKING:
-    from trio_pd.app import Router
+    from trio_pd.control import ControlContext
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
-Handler = Callable[["Router", Scope, Receive, Responder], Awaitable[None]]
+# A route's handler, bound to the narrow context it needs (see app.route_table).
+Handler: TypeAlias = Callable[[Scope, Receive, Responder], Awaitable[None]]
+# The control plane's handlers before binding: admin and fan-out routes.
+ControlHandler: TypeAlias = Callable[["ControlContext", Scope, Receive, Responder], Awaitable[None]]
 
 
 class ClientGone(Exception):
@@ -44,15 +48,8 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
 
 
 async def read_json_object(scope: Scope, receive: Receive, limit: int) -> dict[str, Any]:
-    """The body parsed as a JSON object, or a 400 saying what is wrong with it."""
-    body = await read_body(scope, receive, limit)
-    try:
-        payload = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(payload, dict):
-        raise bad_request("request body must be a JSON object")
-    return payload
+    """The (small, control-plane) body parsed as a JSON object, or a 400 saying what is wrong."""
+    return parse_object(await read_body(scope, receive, limit))
 
 
 async def json_reply(responder: Responder, status: int, obj: Any) -> None:

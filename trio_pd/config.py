@@ -58,6 +58,19 @@ class HealthConfig:
 
 
 @attrs.frozen
+class TimeoutConfig:
+    """Idle timeouts (seconds), in the spirit of AIBrix's decode watchdog. Each ends the request
+    with the PROTOCOL.md §4 answer (504 before headers, an error frame after) and closes both
+    legs; the request deadline (`--request-timeout-secs`) still bounds the whole."""
+
+    first_token_secs: float = 60.0  # stream: dispatch -> decode's first event
+    stream_idle_secs: float = 120.0  # stream: longest silence of decode once it started
+    prefill_hold_secs: float = 30.0  # prefill may still run this long after decode answered
+    client_body_secs: float = 60.0  # the client's whole body must arrive within this
+    stream_stall_secs: float = 30.0  # the client has not drained the stream for this long
+
+
+@attrs.frozen
 class PolicyConfig:
     policy: PolicyName = "cache_aware"
     prefill_policy: PolicyName | None = None  # None: use `policy`
@@ -82,6 +95,7 @@ class RouterConfig:
     workers: int = 1  # hypercorn worker processes
     request_timeout_secs: float = 1800.0
     max_payload_size: int = 536_870_912
+    max_batch_size: int = 1024  # list lengths and chat `n`, checked before any work
     max_concurrent_requests: int = -1  # -1: unbounded
     queue_size: int = 100
     queue_timeout_secs: float = 60.0
@@ -92,3 +106,4 @@ class RouterConfig:
     breaker: BreakerConfig = BreakerConfig()
     health: HealthConfig = HealthConfig()
     policy: PolicyConfig = PolicyConfig()
+    timeouts: TimeoutConfig = TimeoutConfig()

@@ -63,3 +63,7 @@ def no_worker(message: str) -> RouterError:
 
 def gateway_timeout(message: str) -> RouterError:
     return RouterError(504, message, "timeout_error")
+
+
+def internal_error() -> RouterError:
+    return RouterError(500, "internal router error (logged with this request id)", "internal_error")

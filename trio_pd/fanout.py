@@ -20,7 +20,7 @@ Every upstream call uses the router's pooled client under a trio timeout of
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import httpx2
@@ -28,13 +28,11 @@ import orjson
 import trio
 
 from trio_pd.asgi import Receive, Scope, json_reply
+from trio_pd.control import ControlContext
 from trio_pd.errors import RouterError, no_worker
 from trio_pd.fleet.workers import ROLES, Worker
 from trio_pd.respond import Reply, Responder
 from trio_pd.upstream import FORWARDED_HEADERS
-
-if TYPE_CHECKING:
-    from trio_pd.app import Router
 
 log = logging.getLogger("trio_pd.fanout")
 
@@ -62,16 +60,15 @@ def upstream_headers(scope: Scope, responder: Responder) -> list[tuple[bytes, by
 
 
 async def call_worker(
-    router: Router,
+    ctx: ControlContext,
     worker: Worker,
     method: str,
     path: str,
     headers: list[tuple[bytes, bytes]],
 ) -> Call:
     """One request to one worker under the health timeout; failures become `Call.error`."""
-    client = router.client
-    assert client is not None, "the lifespan has not started"
-    timeout = router.config.health.timeout_secs
+    client = ctx.http
+    timeout = ctx.config.health.timeout_secs
     with trio.move_on_after(timeout):
         try:
             async with client.stream(method, worker.url + path, headers=headers) as response:
@@ -118,7 +115,7 @@ def upstream_error_text(call: Call) -> str:
 
 
 async def fan_out(
-    router: Router,
+    ctx: ControlContext,
     workers: list[Worker],
     method: str,
     path: str,
@@ -128,7 +125,7 @@ async def fan_out(
     results: list[Call] = [Call(error="not called")] * len(workers)
 
     async def one(index: int, worker: Worker) -> None:
-        results[index] = await call_worker(router, worker, method, path, headers)
+        results[index] = await call_worker(ctx, worker, method, path, headers)
 
     async with trio.open_nursery() as nursery:
         for index, worker in enumerate(workers):
@@ -140,17 +137,17 @@ async def fan_out(
 
 
 async def proxy_from_prefill(
-    router: Router, scope: Scope, receive: Receive, responder: Responder
+    ctx: ControlContext, scope: Scope, receive: Receive, responder: Responder
 ) -> None:
     """Relay one available prefill worker's answer to the same GET."""
-    candidates = router.fleet.available("prefill")
+    candidates = ctx.fleet.available("prefill")
     if not candidates:
         raise no_worker("no available prefill worker to answer " + scope["path"])
-    router.rng.shuffle(candidates)
+    ctx.rng.shuffle(candidates)
     headers = upstream_headers(scope, responder)
     failures = []
     for worker in candidates:
-        call = await call_worker(router, worker, "GET", scope["path"], headers)
+        call = await call_worker(ctx, worker, "GET", scope["path"], headers)
         if call.status is not None:
             content_type = call.content_type.encode("latin-1")
             await responder.reply(Reply(call.status, [(b"content-type", content_type)], call.body))
@@ -166,16 +163,16 @@ async def proxy_from_prefill(
 
 
 async def handle_health_generate(
-    router: Router, scope: Scope, receive: Receive, responder: Responder
+    ctx: ControlContext, scope: Scope, receive: Receive, responder: Responder
 ) -> None:
     pair: list[Worker] = []
     for role in ROLES:
-        candidates = router.fleet.available(role)
+        candidates = ctx.fleet.available(role)
         if not candidates:
             raise no_worker(f"no available {role} worker for /health_generate")
-        pair.append(router.rng.choice(candidates))
+        pair.append(ctx.rng.choice(candidates))
     headers = upstream_headers(scope, responder)
-    calls = await fan_out(router, pair, "GET", "/health_generate", headers)
+    calls = await fan_out(ctx, pair, "GET", "/health_generate", headers)
     ok = all(c.ok for c in calls)
     body: dict[str, Any] = {"status": "ok" if ok else "unhealthy"}
     for worker, call in zip(pair, calls, strict=True):
@@ -194,21 +191,21 @@ async def handle_health_generate(
 
 
 async def handle_flush_cache(
-    router: Router, scope: Scope, receive: Receive, responder: Responder
+    ctx: ControlContext, scope: Scope, receive: Receive, responder: Responder
 ) -> None:
-    workers = router.fleet.workers()
+    workers = ctx.fleet.workers()
     headers = upstream_headers(scope, responder)
-    calls = await fan_out(router, workers, "POST", "/flush_cache", headers)
+    calls = await fan_out(ctx, workers, "POST", "/flush_cache", headers)
     items = [entry(w, c) for w, c in zip(workers, calls, strict=True)]
     await json_reply(responder, 200, summary(items))
 
 
 async def handle_get_loads(
-    router: Router, scope: Scope, receive: Receive, responder: Responder
+    ctx: ControlContext, scope: Scope, receive: Receive, responder: Responder
 ) -> None:
-    workers = router.fleet.workers()
+    workers = ctx.fleet.workers()
     headers = upstream_headers(scope, responder)
-    calls = await fan_out(router, workers, "GET", "/get_load", headers)
+    calls = await fan_out(ctx, workers, "GET", "/get_load", headers)
     items = []
     for worker, call in zip(workers, calls, strict=True):
         item = entry(worker, call)

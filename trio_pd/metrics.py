@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -44,6 +44,31 @@ class RouterMetrics:
         self.retries = Counter(
             "trio_pd_retries", "Attempts beyond the first.", registry=self.registry
         )
+        self.legs_cancelled = Counter(
+            "trio_pd_legs_cancelled",
+            "Legs cancelled while their request was out, by role and cause (prefill_failed, "
+            "decode_failed, client_gone, deadline, stall, shutdown).",
+            ["role", "cause"],
+            registry=self.registry,
+        )
+        self.teardown = Histogram(
+            "trio_pd_leg_teardown_seconds",
+            "From the decision to cancel a leg to its upstream connection being closed.",
+            ["role"],
+            registry=self.registry,
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
+        )
+        self.internal_errors = Counter(
+            "trio_pd_internal_errors",
+            "Unexpected exceptions inside the router, answered 500 (or an error frame).",
+            registry=self.registry,
+        )
+        self.background_restarts = Counter(
+            "trio_pd_background_restarts",
+            "Long-lived tasks restarted after an unexpected exception, by task.",
+            ["task"],
+            registry=self.registry,
+        )
 
     def attach(self, fleet: Fleet, pool: UpstreamPool) -> None:
         """Add the scrape-time fleet and pool gauges."""
@@ -58,7 +83,7 @@ class FleetCollector(Collector):
         self.fleet = fleet
         self.pool = pool
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         labels = ["worker", "role", "url"]
         in_flight = GaugeMetricFamily("trio_pd_worker_in_flight", "Active legs.", labels=labels)
         healthy = GaugeMetricFamily("trio_pd_worker_healthy", "1 if healthy.", labels=labels)
@@ -78,4 +103,11 @@ class FleetCollector(Collector):
             counts[state] = counts.get(state, 0) + 1
         for state, count in counts.items():
             pool.add_metric([state], count)
-        yield from (in_flight, healthy, breaker, pool)
+        panics = CounterMetricFamily(
+            "trio_pd_panic_selections",
+            "Workers chosen while every healthy worker of the role had its breaker open.",
+            labels=["role"],
+        )
+        for role, count in self.fleet.panics.items():
+            panics.add_metric([role], count)
+        yield from (in_flight, healthy, breaker, pool, panics)

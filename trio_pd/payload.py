@@ -1,20 +1,102 @@
-"""What the router needs to know about a client's JSON body, read without a schema.
+"""What the router reads of a client's JSON body, without a schema, and the bounds it enforces.
 
-The router never re-serializes from a model: it reads a few keys and leaves the rest untouched.
+The router never re-serializes a client's body: `inspect_body` validates it, reads the few keys
+routing needs, and hands back the client's own bytes, into which `injection.splice` writes the
+router's fields. Only a body that already carries router-owned keys (`bootstrap_*`, `rid`, the DP
+rank fields when the router picks ranks) is rewritten without them, so the legs never see a key
+twice.
+
+Everything here is a pure function of the bytes and runs before any leg starts. Its cost is
+bounded: list lengths are capped (`--max-batch-size`) before the router builds a room per item,
+and the routing text is cut to `ROUTING_TEXT_LIMIT` characters. Parsing itself costs time in
+proportion to the body (up to ~0.3 µs per JSON value), so `app.py` runs this function in a worker
+process for bodies of `OFFLOAD_BYTES` or more: a large body never stalls the event loop that
+relays everyone else's tokens. That is why the result is a plain picklable value.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from itertools import islice
 from typing import Any
+
+import attrs
+
+from trio_pd import body as json_body
+from trio_pd.errors import RouterError, bad_request
 
 GENERATE = "/generate"
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
-GENERATION_PATHS = (GENERATE, COMPLETIONS, CHAT)
+# Prefix matching beyond this many characters changes no routing decision worth its memory.
+ROUTING_TEXT_LIMIT = 32_768
+ROUTING_MESSAGE_LIMIT = 1_024  # messages (and content parts) looked at for the routing text
+OFFLOAD_BYTES = 32 * 1024  # bodies this large are inspected off the event loop
+BOOTSTRAP_KEYS = frozenset(("bootstrap_host", "bootstrap_port", "bootstrap_room"))
 
 
-def batch_size(path: str, payload: dict[str, Any]) -> int | None:
-    """The number of sequences a request carries, or None for a single one (scalar bootstrap)."""
+@attrs.frozen
+class Inspected:
+    """What routing needs to know of a valid client body, and the bytes the legs start from."""
+
+    body: bytes  # the client's bytes, or the client's object less the router-owned keys
+    empty: bool  # `{}`: the injected fields need no leading comma
+    stream: bool
+    logprobs: bool
+    batch: int | None  # None: a single sequence (scalar bootstrap fields)
+    text: str | None  # the routing text, capped
+    model: str | None
+    rid: Any  # the client's own `rid` (str, list or None); the router owns the key on the legs
+
+
+@attrs.frozen
+class Refused:
+    """A body refused with a 4xx, as a picklable value (crosses the worker-process boundary)."""
+
+    status: int
+    message: str
+    error_type: str
+
+    def error(self) -> RouterError:
+        return RouterError(self.status, self.message, self.error_type)
+
+
+def inspect_body(
+    path: str, raw: bytes, max_batch: int, owned_keys: frozenset[str]
+) -> Inspected | Refused:
+    """Validate `raw` for `path` and read what routing needs; never raises for bad input."""
+    try:
+        payload = json_body.parse_object(raw)
+        batch = batch_size(path, payload, max_batch)
+    except RouterError as error:
+        return Refused(error.status, error.message, error.error_type)
+    present = owned_keys.intersection(payload)
+    if present:
+        raw = json_body.dump({k: v for k, v in payload.items() if k not in present})
+    model = payload.get("model")
+    return Inspected(
+        body=raw,
+        empty=len(payload) == len(present),
+        stream=payload.get("stream") is True,
+        logprobs=wants_logprobs(path, payload),
+        batch=batch,
+        text=routing_text(path, payload),
+        model=model if isinstance(model, str) else None,
+        rid=payload.get("rid"),
+    )
+
+
+def batch_size(path: str, payload: dict[str, Any], limit: int) -> int | None:
+    """Sequences a request carries (None: a single one, scalar bootstrap fields); a batch over
+    `limit` is refused with 400 before the router spends anything on it."""
+    size = _batch_size(path, payload)
+    if size is not None and size > limit:
+        what = "n" if path == CHAT else "the batch size"
+        raise bad_request(f"{what} is {size}, more than this router's --max-batch-size {limit}")
+    return size
+
+
+def _batch_size(path: str, payload: dict[str, Any]) -> int | None:
     if path == GENERATE:
         text = payload.get("text")
         if isinstance(text, list):
@@ -36,36 +118,40 @@ def batch_size(path: str, payload: dict[str, Any]) -> int | None:
 
 
 def routing_text(path: str, payload: dict[str, Any]) -> str | None:
-    """The text a cache-aware policy matches prefixes on: prompt, text or the conversation."""
-    if path == GENERATE:
-        value = payload.get("text")
-    elif path == COMPLETIONS:
-        value = payload.get("prompt")
+    """The text a cache-aware policy matches prefixes on: prompt, text or the conversation,
+    at most `ROUTING_TEXT_LIMIT` characters. Values of unexpected types are skipped: the
+    engines judge the request, the router only needs a routing hint."""
+    if path == CHAT:
+        text = _conversation(payload.get("messages"))
     else:
-        messages = payload.get("messages")
-        if not isinstance(messages, list):
-            return None
-        parts = []
-        for message in messages:
-            if isinstance(message, dict):
-                content = message.get("content")
-                if isinstance(content, str):
-                    parts.append(content)
-                elif isinstance(content, list):
-                    parts.extend(p["text"] for p in content if isinstance(p, dict) and "text" in p)
-        return "\n".join(parts) or None
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and value and isinstance(value[0], str):
-        return value[0]
-    return None
+        value = payload.get("text" if path == GENERATE else "prompt")
+        if isinstance(value, list) and value:
+            value = value[0]
+        text = value if isinstance(value, str) else None
+    return text[:ROUTING_TEXT_LIMIT] if text else None
+
+
+def _conversation(messages: Any) -> str | None:
+    if not isinstance(messages, list):
+        return None
+    parts: list[str] = []
+    for message in _first(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            for part in _first(content):
+                text = part.get("text") if isinstance(part, dict) else None
+                if isinstance(text, str):
+                    parts.append(text)
+    return "\n".join(parts) or None
+
+
+def _first(items: list[Any]) -> Iterable[Any]:
+    return islice(items, ROUTING_MESSAGE_LIMIT)
 
 
 def wants_logprobs(path: str, payload: dict[str, Any]) -> bool:
     if path == GENERATE:
         return bool(payload.get("return_logprob"))
     return bool(payload.get("logprobs"))
-
-
-def wants_stream(payload: dict[str, Any]) -> bool:
-    return payload.get("stream") is True

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import orjson
 
 DONE_FRAME = b"data: [DONE]\n\n"
@@ -44,30 +45,54 @@ def parse_json(data: bytes) -> Any:
         return None
 
 
-def inband_failure(obj: Any) -> str | None:
-    """The failure message carried inside a 2xx answer: an `error` object or an aborted finish."""
+@attrs.frozen
+class InbandError:
+    """A failure carried inside a 2xx answer. ``code`` is its HTTP-like status when the worker
+    gave one (the error object's `code`, an abort's `status_code`): a 4xx there is the client's
+    request being refused (PROTOCOL.md §4), anything else the worker's failure."""
+
+    message: str
+    code: int | None = None
+
+    @property
+    def is_client_error(self) -> bool:
+        return self.code is not None and 400 <= self.code < 500
+
+
+def inband_failure(obj: Any) -> InbandError | None:
+    """The failure carried inside a 2xx answer: an `error` object or an aborted finish."""
     if isinstance(obj, list):
         for item in obj:
-            message = inband_failure(item)
-            if message is not None:
-                return message
+            found = inband_failure(item)
+            if found is not None:
+                return found
         return None
     if not isinstance(obj, dict):
         return None
     error = obj.get("error")
     if error:
         if isinstance(error, dict):
-            return str(error.get("message") or error)
-        return str(error)
+            return InbandError(str(error.get("message") or error), status_code(error.get("code")))
+        return InbandError(str(error), status_code(obj.get("code")))
     meta = obj.get("meta_info")
     if isinstance(meta, dict):
         finish = meta.get("finish_reason")
         if isinstance(finish, dict) and finish.get("type") == "abort":
-            return str(finish.get("message") or "request aborted")
+            message = str(finish.get("message") or "request aborted")
+            return InbandError(message, status_code(finish.get("status_code")))
     return None
 
 
-def data_failure(data: bytes) -> str | None:
+def status_code(value: Any) -> int | None:
+    """An HTTP status from an error's `code`: an int or a numeric string in 100..599."""
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and 100 <= value <= 599:
+        return value
+    return None
+
+
+def data_failure(data: bytes) -> InbandError | None:
     """In-band failure in one SSE data payload; cheap when there is none (no JSON parse)."""
     if b"error" not in data and b"abort" not in data:
         return None

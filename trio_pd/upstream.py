@@ -13,8 +13,7 @@ are trio deadlines; the only timeout here is the connect timeout.
 
 from __future__ import annotations
 
-import math
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from urllib.parse import urlsplit
 
@@ -92,6 +91,7 @@ class UpstreamResponse:
     status: int
     headers: list[tuple[bytes, bytes]]
     _raw: httpcore2.Response
+    _connection: httpcore2.AsyncHTTP11Connection
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.headers:
@@ -103,48 +103,23 @@ class UpstreamResponse:
         """Headers less hop-by-hop ones, those the server sets itself and the request id."""
         return [(k, v) for k, v in self.headers if k.lower() not in DROPPED_RESPONSE_HEADERS]
 
+    def close_now(self) -> None:
+        """Close the connection under this response at once, from any task (a task reading it
+        gets an error). For a stream whose relay is stuck writing to a client that stopped
+        reading: the engine must see the disconnect now, not when the write returns."""
+        stream = getattr(self._connection, "_network_stream", None)
+        raw = getattr(stream, "_stream", None)
+        raw = getattr(raw, "transport_stream", raw)
+        sock = getattr(raw, "socket", None)
+        if sock is not None:
+            sock.close()
+
     async def chunks(self) -> AsyncIterator[bytes]:
         try:
             async for chunk in self._raw.aiter_stream():
                 yield chunk
         except (_TIMEOUTS, *_TRANSPORT) as exc:
             raise _upstream_error(exc) from exc
-
-    async def forward(
-        self, chunks: AsyncIterator[bytes], send: Callable[[bytes], Awaitable[None]]
-    ) -> None:
-        """Pass the rest of `chunks` to `send`, joining the chunks that arrived together.
-
-        An upstream write often carries many SSE events, which httpcore2 hands over one HTTP
-        chunk at a time; a reader task drains them into a channel and the caller sends whatever
-        piled up in one piece, so an unpaced stream costs one client write per network read
-        instead of one per event. A paced stream (one event per read) is sent event by event.
-        """
-        failure: UpstreamError | None = None
-        sender, receiver = trio.open_memory_channel[bytes](math.inf)
-
-        async def pump() -> None:
-            nonlocal failure
-            async with sender:
-                try:
-                    async for chunk in chunks:
-                        sender.send_nowait(chunk)
-                except UpstreamError as exc:
-                    failure = exc
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(pump)
-            async with receiver:
-                async for chunk in receiver:
-                    parts = [chunk]
-                    while True:
-                        try:
-                            parts.append(receiver.receive_nowait())
-                        except (trio.WouldBlock, trio.EndOfChannel):
-                            break
-                    await send(chunk if len(parts) == 1 else b"".join(parts))
-        if failure is not None:
-            raise failure
 
     async def read(self, limit: int | None = None) -> bytes:
         parts = []
@@ -209,7 +184,7 @@ class UpstreamPool:
                 raw = await connection.handle_async_request(request)
             except (_TIMEOUTS, *_TRANSPORT) as exc:
                 raise _upstream_error(exc) from exc
-            yield UpstreamResponse(raw.status, raw.headers, raw)
+            yield UpstreamResponse(raw.status, raw.headers, raw, connection)
         finally:
             del self._busy[connection]
             with trio.CancelScope(shield=True):
@@ -223,13 +198,25 @@ class UpstreamPool:
     async def _checkout(
         self, url: str, origin: httpcore2.Origin
     ) -> httpcore2.AsyncHTTP11Connection:
+        """The most recently used live idle connection to `url`, or a new one.
+
+        Stale connections met on the way are taken off the stack first and closed afterwards,
+        shielded: nothing awaits while the stack is being decided (httpcore's split between
+        assigning connections and closing them).
+        """
         stack = self._idle.get(url)
+        stale = []
+        found = None
         while stack:
             connection = stack.pop()  # LIFO: the most recently used is the least likely stale
             if connection.has_expired():  # past keep-alive, or the server closed it
-                await connection.aclose()
+                stale.append(connection)
             else:
-                return connection
+                found = connection
+                break
+        await _close_all(stale)
+        if found is not None:
+            return found
         try:
             stream = await self._backend.connect_tcp(
                 origin.host.decode("ascii"), origin.port, timeout=self.connect_timeout
@@ -239,29 +226,37 @@ class UpstreamPool:
         return httpcore2.AsyncHTTP11Connection(origin, stream, self.keepalive_expiry)
 
     async def prune(self) -> None:
-        """Close idle connections past their keep-alive (the lifespan calls this periodically)."""
+        """Close idle connections past their keep-alive (the lifespan calls this periodically).
+
+        Decided in one synchronous pass (no connection can be returned or taken meanwhile),
+        then closed under a shield.
+        """
+        expired = []
         for stack in self._idle.values():
             keep = []
             for connection in stack:
-                if connection.has_expired():
-                    await connection.aclose()
-                else:
-                    keep.append(connection)
+                (expired if connection.has_expired() else keep).append(connection)
             stack[:] = keep
+        await _close_all(expired)
 
     async def aclose(self) -> None:
-        for stack in self._idle.values():
-            for connection in stack:
-                await connection.aclose()
-            stack.clear()
-        for connection in list(self._busy):
-            await connection.aclose()
+        """Close every connection, idle or busy (the lifespan's end)."""
+        doomed = [c for stack in self._idle.values() for c in stack]
+        self._idle.clear()
+        doomed.extend(self._busy)
+        await _close_all(doomed)
 
     def connections(self) -> list[tuple[str, str]]:
         """(worker URL, "idle" | "active") of every connection we hold: for metrics and tests."""
         result = [(url, "idle") for url, stack in self._idle.items() for _ in stack]
         result.extend((url, "active") for url in self._busy.values())
         return result
+
+
+async def _close_all(connections: list[httpcore2.AsyncHTTP11Connection]) -> None:
+    with trio.CancelScope(shield=True):
+        for connection in connections:
+            await connection.aclose()
 
 
 def leg_headers(

@@ -3,7 +3,8 @@ import random
 import pytest
 
 from trio_pd.config import RetryConfig
-from trio_pd.fleet.retry import RETRYABLE_STATUSES, attempts, backoff_delay
+from trio_pd.fleet.retry import attempts, backoff_delay
+from trio_pd.outcome import RETRYABLE_STATUSES
 
 NO_JITTER = RetryConfig(
     initial_backoff_ms=100, max_backoff_ms=1000, backoff_multiplier=2.0, jitter_factor=0.0

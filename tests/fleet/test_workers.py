@@ -89,19 +89,18 @@ async def test_no_worker_available_messages(autojump_clock):
     d1.healthy = d2.healthy = True
     fleet.record(d1, ok=False)
     fleet.record(d2, ok=False)
-    with pytest.raises(NoWorkerAvailable) as e:
-        fleet.select("decode", None)
-    assert e.value.reason == "all_breakers_open"
-    assert "circuit breaker open" in str(e.value)
+    assert fleet.available("decode") == []
+    # Every breaker open: panic routing among the healthy ones, counted, instead of a 503.
+    assert {fleet.select("decode", None) for _ in range(20)} == {d1, d2}
+    assert fleet.panics["decode"] == 20
 
     d1.healthy = False
-    with pytest.raises(NoWorkerAvailable) as e:
-        fleet.select("decode", None)
-    assert e.value.reason == "unavailable"
-    assert "1 of 2 unhealthy, 1 with circuit breaker open" in str(e.value)
+    assert fleet.select("decode", None) is d2  # unhealthy workers stay out, even in a panic
 
     await trio.sleep(fleet.config.breaker.timeout_duration_secs)  # d2 goes half-open
+    assert fleet.available("decode") == [d2]
     assert fleet.select("decode", None) is d2
+    assert fleet.panics["decode"] == 21
 
 
 def test_avoid_prefers_others_but_falls_back():

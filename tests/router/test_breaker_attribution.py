@@ -129,7 +129,7 @@ async def test_client_disconnect_records_nothing(nursery: trio.Nursery) -> None:
     await cluster.client.aclose()
 
 
-async def test_prefill_burst_opens_only_the_prefill_breaker(nursery: trio.Nursery) -> None:
+async def test_prefill_burst_opens_only_the_prefill_breaker_and_panic_routes(nursery: trio.Nursery) -> None:
     cluster = await start_cluster(
         nursery, breaker=BreakerConfig(failure_threshold=3, timeout_duration_secs=60)
     )
@@ -142,16 +142,16 @@ async def test_prefill_burst_opens_only_the_prefill_breaker(nursery: trio.Nurser
     assert decode.breaker.consecutive_failures == decode.breaker.total_failures == 0
     assert decode.breaker.total_successes == 0
 
-    # Open breaker: nobody is selected, so 503 and neither engine sees the request.
+    # Its breaker is open, but it is the only prefill: panic routing keeps it in rotation
+    # (a breaker never takes a role's last workers out), so requests still get through.
     for stream in (False, True):
         response = await cluster.client.post("/generate", json=generate_body(stream=stream))
-        assert response.status_code == 503
-        assert "circuit breaker" in response.json()["error"]["message"]
+        assert response.status_code == 200
         rid = response.headers["x-request-id"]
-        assert not cluster.prefill.events.find("request_start", rid=rid)
-        assert not cluster.decode.events.find("request_start", rid=rid)
-    assert (await cluster.client.get("/health")).status_code == 503
-    assert prefill.breaker.total_failures == 3
+        assert cluster.prefill.events.find("request_start", rid=rid)
+    assert cluster.router.fleet.panics["prefill"] == 2
+    assert (await cluster.client.get("/health")).status_code == 200
+    assert prefill.breaker.state == "open"  # still reported as it is
     await cluster.client.aclose()
 
 

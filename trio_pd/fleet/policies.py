@@ -101,7 +101,8 @@ class CacheAwarePolicy:
        cache_threshold (ties: least loaded); else the candidate with the smallest tree (ties:
        least loaded, then candidate order). The text is inserted for the chosen worker.
     3. No text (None or ""): the least loaded candidate; the tree is not touched.
-    Trees grow between evictions; `evict()` trims every worker to max_tree_size characters.
+    Trees grow between evictions; `evict()` trims every worker to max_tree_size characters, and a
+    worker whose tree passes twice that is trimmed at once on insert.
     """
 
     name = "cache_aware"
@@ -120,6 +121,10 @@ class CacheAwarePolicy:
             chosen = self._pick(candidates, text)
         if text:
             self.tree.insert(text, chosen)
+            if self.tree.size(chosen) > 2 * self.config.max_tree_size:
+                # A flood of long prompts must not grow the tree without bound between two
+                # periodic evictions; trimming one tenant costs only the nodes it drops.
+                self.tree.evict_tenant(chosen, self.config.max_tree_size)
         return chosen
 
     def _pick(self, candidates: Sequence[Worker], text: str) -> Worker:

@@ -1,7 +1,7 @@
 """Retry arithmetic, as SMG counts it: `max_retries` is the total number of attempts.
 
-Only the numbers live here; the dispatcher decides what may be retried (never once bytes
-reached the client, PROTOCOL.md §8) and sleeps with `trio.sleep(backoff_delay(...))`.
+Only the numbers live here; `outcome.py` says what may be retried (never once bytes reached the
+client, PROTOCOL.md §8) and the dispatcher sleeps with `trio.sleep(backoff_delay(...))`.
 """
 
 from __future__ import annotations
@@ -9,12 +9,6 @@ from __future__ import annotations
 import random
 
 from trio_pd.config import RetryConfig
-
-RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
-
-
-def is_retryable_status(status: int) -> bool:
-    return status in RETRYABLE_STATUSES
 
 
 def attempts(config: RetryConfig) -> int:

@@ -23,8 +23,8 @@ ROLES: tuple[Role, Role] = ("prefill", "decode")
 
 
 class NoWorkerAvailable(Exception):
-    """No worker of `role` can take a request. `reason` is one of "none_registered",
-    "all_unhealthy", "all_breakers_open", "unavailable" (a mix of the last two)."""
+    """No worker of `role` can take a request. `reason` is "none_registered" or
+    "all_unhealthy" (open breakers alone never leave a role without workers: panic routing)."""
 
     def __init__(self, role: Role, reason: str, message: str) -> None:
         super().__init__(message)
@@ -114,6 +114,7 @@ class Fleet:
         self._serial: dict[Role, int] = dict.fromkeys(ROLES, 0)
         self.version = 0
         self._changed = trio.Event()
+        self.panics: dict[Role, int] = dict.fromkeys(ROLES, 0)  # selections in panic routing
         for spec in (*config.prefill, *config.decode):
             self.add(spec)
 
@@ -156,29 +157,40 @@ class Fleet:
     def get(self, worker_id: str) -> Worker:
         return self._workers[worker_id]
 
-    def find(self, url: str, role: Role | None = None) -> Worker | None:
-        url = url.rstrip("/")
-        for w in self._workers.values():
-            if w.url == url and (role is None or w.role == role):
-                return w
-        return None
-
     def workers(self, role: Role | None = None) -> list[Worker]:
         if role is None:
             return list(self._workers.values())
         return [w for w in self._workers.values() if w.role == role]
 
     def available(self, role: Role) -> list[Worker]:
+        """Workers of `role` that take traffic: healthy, registered, breaker allowing."""
         return [w for w in self._workers.values() if w.role == role and w.available()]
+
+    def routable(self, role: Role) -> list[Worker]:
+        """Workers of `role` a request can go to at all: healthy and registered (breakers aside,
+        see `select`). Readiness is this list being non-empty for both roles."""
+        return [w for w in self._workers.values() if w.role == role and w.healthy and not w.removed]
 
     # -- selection -----------------------------------------------------------------------------
 
     def select(
         self, role: Role, text: str | None, avoid: frozenset[Worker] = frozenset()
     ) -> Worker:
+        """Choose a worker of `role` for a leg.
+
+        Candidates are the healthy workers whose breaker allows traffic, preferably not in
+        `avoid`. When every healthy worker's breaker is open, they are all candidates anyway
+        (panic routing, as Envoy does below its panic threshold): a breaker must never take the
+        last workers of a role out of rotation, or a handful of poisonous requests would turn
+        into an outage for everyone. A worker that is really dead fails its health checks and
+        leaves rotation that way.
+        """
         candidates = self.available(role)
         if not candidates:
-            raise self._why_none(role)
+            candidates = self.routable(role)
+            if not candidates:
+                raise self._why_none(role)
+            self.panics[role] += 1
         if avoid:
             preferred = [w for w in candidates if w not in avoid]
             if preferred:
@@ -233,16 +245,5 @@ class Fleet:
         registered = self.workers(role)
         if not registered:
             return NoWorkerAvailable(role, "none_registered", f"no {role} worker is registered")
-        total = len(registered)
-        unhealthy = sum(1 for w in registered if not w.healthy)
-        open_ = sum(1 for w in registered if w.healthy and not w.breaker.allows_request())
-        if unhealthy == total:
-            reason = "all_unhealthy"
-            detail = f"all {total} are unhealthy"
-        elif open_ == total:
-            reason = "all_breakers_open"
-            detail = f"all {total} have their circuit breaker open"
-        else:
-            reason = "unavailable"
-            detail = f"{unhealthy} of {total} unhealthy, {open_} with circuit breaker open"
-        return NoWorkerAvailable(role, reason, f"no available {role} worker: {detail}")
+        detail = f"all {len(registered)} are unhealthy"
+        return NoWorkerAvailable(role, "all_unhealthy", f"no available {role} worker: {detail}")

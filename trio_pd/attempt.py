@@ -1,0 +1,398 @@
+"""One PD attempt: the prefill and decode legs as siblings in one trio nursery.
+
+This module is the outcome table of PROTOCOL.md §4 in code:
+
+- prefill fails (status, transport, timeout, in-band) -> the decode leg is cancelled at once; its
+  connection is closed by cancellation, not by an explicit drop;
+- decode fails first -> the prefill leg is cancelled at once;
+- decode answers 2xx first -> its answer is held until prefill is known (at most
+  `prefill_hold_secs` more);
+- the deadline, the first-token timeout, a silent decode stream or a client that stopped reading
+  end the legs that still run;
+- the client goes away -> an enclosing scope is cancelled and ``Cancelled`` simply propagates.
+
+Nothing an attempt starts outlives it: when ``Attempt.run`` returns (or raises), both
+connections are either back in the pool, fully read, or closed. Each leg remembers whether it
+was cancelled after its request went out, and why, so the caller can count it and ask the
+engine to free the request at once (`Leg.cancel_cause`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import attrs
+import orjson
+import trio
+
+from trio_pd.config import Role, TimeoutConfig
+from trio_pd.outcome import LegFailure, LegResult, LegSuccess
+from trio_pd.relay import (
+    data_failure,
+    event_data,
+    inband_failure,
+    merge_logprobs,
+    parse_json,
+    split_event,
+)
+from trio_pd.respond import Reply, Responder
+from trio_pd.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+
+log = logging.getLogger("trio_pd.attempt")
+
+SSE_TYPE = b"text/event-stream"
+MAX_ERROR_BODY = 1 << 20  # an upstream error body we relay is read up to this size
+MAX_ANSWER_BODY = 256 << 20  # a non-streamed answer larger than this fails the leg
+
+
+@attrs.define(eq=False)
+class Leg:
+    """One side of an attempt: its worker, its cancel scope and how it ended.
+
+    ``cancel_cause`` is set when the leg was cancelled while its request was out ("prefill_failed",
+    "decode_failed", "client_gone", "deadline", "stall", "shutdown"): the engine may still hold
+    the request, which is what the caller's abort is for.
+    """
+
+    role: Role
+    url: str
+    body: bytes
+    headers: list[tuple[bytes, bytes]]
+    track: Callable[[], AbstractContextManager[Any]]  # load accounting while the leg runs
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    result: LegResult = None
+    posted: bool = False  # the request was (being) sent: the engine may hold it
+    cancel_cause: str | None = None
+    cancelled_at: float | None = None
+    ended_at: float | None = None  # its connection released (pooled or closed)
+
+    def cancel(self, cause: str) -> None:
+        """Cancel the leg unless it already ended; the first cause wins."""
+        if self.result is not None or self.ended_at is not None or self.cancel_cause is not None:
+            return
+        self.cancel_cause = cause
+        self.cancelled_at = trio.current_time()
+        self.scope.cancel()
+
+    def note_outer_cancel(self, cause: str, at: float) -> None:
+        """The leg ended by an enclosing scope's cancellation (client gone, shutdown, deadline)."""
+        if self.result is None and self.cancel_cause is None and self.posted:
+            self.cancel_cause = cause
+            self.cancelled_at = at
+
+    @property
+    def failed(self) -> bool:
+        return isinstance(self.result, LegFailure)
+
+
+@attrs.define
+class StreamClock:
+    """What the stream watchdog reads: when decode last sent bytes, when a send started."""
+
+    last_chunk_at: float
+    sending_since: float | None = None
+
+
+@attrs.define(eq=False)
+class Attempt:
+    """One try of a request on one (prefill, decode) pair, with its own bootstrap room."""
+
+    pool: UpstreamPool
+    path: str
+    prefill: Leg
+    decode: Leg
+    stream: bool
+    logprobs: bool
+    responder: Responder
+    deadline: float
+    timeouts: TimeoutConfig
+    outer_cause: Callable[[], tuple[str, float]]  # why an enclosing scope cancelled us, and when
+    prefill_answer: Any = None  # prefill's first answer, parsed only when logprobs are merged
+    prefill_answer_known: trio.Event = attrs.field(factory=trio.Event)
+    stalled: bool = False  # the client stopped reading: nothing more can be sent to it
+
+    async def run(self) -> None:
+        """Run both legs to completion; on return the legs' results say what happened."""
+        ended = False
+        try:
+            with trio.CancelScope(deadline=self.deadline) as deadline_scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._prefill_leg)
+                    nursery.start_soon(self._decode_leg)
+            ended = True
+        finally:
+            if not ended:  # an enclosing scope cancelled us (client gone, shutdown)
+                cause, at = self.outer_cause()
+                self.prefill.note_outer_cancel(cause, at)
+                self.decode.note_outer_cancel(cause, at)
+        if deadline_scope.cancelled_caught:
+            now = trio.current_time()
+            self.prefill.note_outer_cancel("deadline", now)
+            self.decode.note_outer_cancel("deadline", now)
+            timeout = LegFailure("timeout", "request deadline passed")
+            if self.prefill.result is None and not self.decode.failed:
+                self.prefill.result = timeout
+            elif self.decode.result is None:
+                self.decode.result = timeout
+
+    def reply(self) -> Reply | None:
+        """The client's answer once the attempt ran, or None when it was streamed already."""
+        if self.responder.started:
+            return None
+        if isinstance(self.prefill.result, LegFailure):
+            return self.prefill.result.client_reply("prefill")
+        if isinstance(self.decode.result, LegFailure):
+            return self.decode.result.client_reply("decode")
+        decode = self.decode.result
+        assert isinstance(decode, LegSuccess), "both legs finished without a failure"
+        body = decode.body
+        if self.logprobs and self.prefill_answer is not None:
+            merged = parse_json(body)
+            if merge_logprobs(self.prefill_answer, merged):
+                body = orjson.dumps(merged)
+        return Reply(decode.status, decode.headers, body)
+
+    def culprit(self) -> Leg | None:
+        """The leg whose failure decided the attempt (prefill's comes first, PROTOCOL.md §4)."""
+        if self.prefill.failed:
+            return self.prefill
+        if self.decode.failed:
+            return self.decode
+        return None
+
+    # -- prefill ----------------------------------------------------------------------------
+
+    def _fail_prefill(self, failure: LegFailure) -> None:
+        self.prefill.result = failure
+        self.prefill_answer_known.set()
+        if not self.responder.started:
+            self.decode.cancel("prefill_failed")  # the heart of trio_pd: decode closes now
+        log.info("prefill failed (%s): %s", failure.kind, failure.message)
+
+    async def _prefill_leg(self) -> None:
+        leg = self.prefill
+        with leg.scope, leg.track():
+            try:
+                leg.posted = True
+                async with self.pool.post(leg.url, self.path, leg.headers, leg.body) as response:
+                    await self._read_prefill(response)
+            except UpstreamError as exc:
+                self._fail_prefill(LegFailure(exc.kind, str(exc)))
+            finally:
+                leg.ended_at = trio.current_time()
+        if leg.scope.cancelled_caught and leg.cancel_cause is None and leg.result is None:
+            # Not cancelled by its sibling: the hold deadline set once decode had answered.
+            hold = self.timeouts.prefill_hold_secs
+            self._fail_prefill(
+                LegFailure("timeout", f"prefill did not finish within {hold:g}s of decode's answer")
+            )
+        self.prefill_answer_known.set()  # also when cancelled: decode must not wait for it
+
+    def _hold_prefill(self) -> None:
+        """Decode has answered (or streamed its first event): prefill gets a bounded while."""
+        if self.prefill.result is None and self.prefill.ended_at is None:
+            deadline = trio.current_time() + self.timeouts.prefill_hold_secs
+            self.prefill.scope.deadline = min(self.prefill.scope.deadline, deadline)
+
+    async def _read_prefill(self, response: UpstreamResponse) -> None:
+        if not 200 <= response.status < 300:
+            self._fail_prefill(await status_failure(response))
+            return
+        if is_sse(response):
+            await self._read_prefill_stream(response)
+            return
+        answer = parse_json(await response.read(limit=MAX_ANSWER_BODY))
+        found = inband_failure(answer)
+        if found is not None:
+            self._fail_prefill(LegFailure("inband", found.message, found.code))
+            return
+        self.prefill_answer = answer
+        self.prefill_answer_known.set()
+        self.prefill.result = LegSuccess(response.status, [], b"")
+
+    async def _read_prefill_stream(self, response: UpstreamResponse) -> None:
+        """Read prefill's SSE to its end: any error event fails it; the first one may be merged."""
+        buffer = b""
+        async for chunk in response.chunks():
+            buffer += chunk
+            while (split := split_event(buffer)) is not None:
+                event, buffer = split
+                data = event_data(event)
+                if data is None or data == b"[DONE]":
+                    continue
+                found = data_failure(data)
+                if found is not None:
+                    self._fail_prefill(LegFailure("inband", found.message, found.code))
+                    return
+                if not self.prefill_answer_known.is_set():
+                    if self.logprobs:
+                        self.prefill_answer = parse_json(data)
+                    self.prefill_answer_known.set()
+        self.prefill.result = LegSuccess(response.status, [], b"")
+
+    # -- decode -----------------------------------------------------------------------------
+
+    def _fail_decode(self, failure: LegFailure) -> None:
+        self.decode.result = failure
+        self.prefill.cancel("decode_failed")
+        log.info("decode failed (%s): %s", failure.kind, failure.message)
+
+    async def _decode_leg(self) -> None:
+        leg = self.decode
+        first_token = self.timeouts.first_token_secs if self.stream else math.inf
+        with leg.scope, leg.track():
+            # Streams: decode's first event must come within `first_token_secs` of the start;
+            # the relay lifts this deadline once it has arrived.
+            with trio.CancelScope(deadline=trio.current_time() + first_token) as first_scope:
+                try:
+                    leg.posted = True
+                    async with self.pool.post(
+                        leg.url, self.path, leg.headers, leg.body
+                    ) as response:
+                        await self._read_decode(response, first_scope)
+                except UpstreamError as exc:
+                    self._fail_decode(LegFailure(exc.kind, str(exc)))
+                finally:
+                    leg.ended_at = trio.current_time()
+            if first_scope.cancelled_caught:
+                self._fail_decode(LegFailure("timeout", f"no first token within {first_token:g}s"))
+
+    async def _read_decode(self, response: UpstreamResponse, first_scope: trio.CancelScope) -> None:
+        if not 200 <= response.status < 300:
+            self._fail_decode(await status_failure(response))
+            return
+        headers = response.relayable_headers()
+        if self.stream and is_sse(response):
+            await self._relay_decode_stream(response, headers, first_scope)
+            return
+        body = await response.read(limit=MAX_ANSWER_BODY)
+        found = inband_failure(parse_json(body)) if b"error" in body or b"abort" in body else None
+        if found is not None:
+            self._fail_decode(LegFailure("inband", found.message, found.code))
+            return
+        self.decode.result = LegSuccess(response.status, headers, body)
+        self._hold_prefill()
+
+    async def _relay_decode_stream(
+        self,
+        response: UpstreamResponse,
+        headers: list[tuple[bytes, bytes]],
+        first_scope: trio.CancelScope,
+    ) -> None:
+        """Hold decode's stream until its first event, then relay it raw to the client.
+
+        The first event proves the KV cache arrived, so only then do the client's headers go out;
+        with logprobs it also waits for prefill's first answer to merge into that event.
+        """
+        chunks = response.chunks()
+        buffer = b""
+        first = None
+        async for chunk in chunks:
+            buffer += chunk
+            first = split_event(buffer)
+            if first is not None:
+                break
+        if first is None:
+            self._fail_decode(LegFailure("transport", "decode stream ended before any event"))
+            return
+        first_scope.deadline = math.inf
+        event, rest = first
+        data = event_data(event)
+        found = data_failure(data) if data is not None else None
+        if found is not None:
+            self._fail_decode(LegFailure("inband", found.message, found.code))
+            return
+        self._hold_prefill()
+        if self.logprobs:
+            await self.prefill_answer_known.wait()
+            if data is not None and self.prefill_answer is not None:
+                event = merged_event(self.prefill_answer, data) or event
+        if self.prefill.failed:
+            # Prefill failed while this task held a chunk read before its cancellation landed.
+            return
+        await self.responder.start(response.status, headers)
+        clock = StreamClock(trio.current_time())
+        async with trio.open_nursery() as guard:
+            guard.start_soon(self._watch_stream, clock, response)
+            try:
+                await self._send(clock, event + rest)
+                async for chunk in chunks:
+                    clock.last_chunk_at = trio.current_time()
+                    await self._send(clock, chunk)
+            except UpstreamError as exc:  # decode broke mid-stream: dispatch ends it with a frame
+                self._fail_decode(LegFailure(exc.kind, str(exc)))
+                guard.cancel_scope.cancel()
+                return
+            guard.cancel_scope.cancel()
+        await self.responder.finish_stream(b"")
+        self.decode.result = LegSuccess(response.status, headers, b"")
+
+    async def _send(self, clock: StreamClock, chunk: bytes) -> None:
+        clock.sending_since = trio.current_time()
+        await self.responder.send(chunk)
+        clock.sending_since = None
+
+    async def _watch_stream(self, clock: StreamClock, response: UpstreamResponse) -> None:
+        """The stream's watchdog: a client that stopped reading, or a decode gone silent.
+
+        A client write can block for good (hypercorn shields its socket writes; the listening
+        socket's TCP_USER_TIMEOUT ends such a connection in the end), so a stall cannot cancel the
+        relay task itself: the watchdog closes decode's connection under it instead (the engine
+        sees the disconnect at once) and cancels the leg. A silent decode is simply cancelled.
+        """
+        stall, idle = self.timeouts.stream_stall_secs, self.timeouts.stream_idle_secs
+        while True:
+            now = trio.current_time()
+            if clock.sending_since is not None:
+                due = clock.sending_since + stall
+                if now >= due:
+                    log.warning("client stopped reading for %gs: ending the stream", stall)
+                    self.stalled = True
+                    response.close_now()
+                    self.decode.cancel("stall")
+                    self.prefill.cancel("stall")
+                    return
+            else:
+                due = clock.last_chunk_at + idle
+                if now >= due:
+                    self._fail_decode(LegFailure("timeout", f"decode sent nothing for {idle:g}s"))
+                    self.decode.scope.cancel()
+                    return
+            await trio.sleep_until(due)
+
+
+def merged_event(prefill_answer: Any, decode_data: bytes) -> bytes | None:
+    decode_answer = parse_json(decode_data)
+    if not merge_logprobs(prefill_answer, decode_answer):
+        return None
+    return b"data: " + orjson.dumps(decode_answer) + b"\n\n"
+
+
+def is_sse(response: UpstreamResponse) -> bool:
+    return (response.header(b"content-type") or b"").startswith(SSE_TYPE)
+
+
+async def status_failure(response: UpstreamResponse) -> LegFailure:
+    """A non-2xx answer: keep (a bounded part of) its body and content type to relay it."""
+    body = await response.read(limit=MAX_ERROR_BODY)
+    content_type = response.header(b"content-type") or b"application/json"
+    message = upstream_message(body) or f"status {response.status}"
+    return LegFailure("status", message, response.status, body, content_type)
+
+
+def upstream_message(body: bytes) -> str | None:
+    """The human-readable message of an upstream error body, when it has one."""
+    parsed = parse_json(body)
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+        if parsed.get("message"):
+            return str(parsed["message"])
+    return None

@@ -1,0 +1,93 @@
+"""The long-lived tasks of a router process, run in the app-lifespan nursery.
+
+Each runs under `supervised`: an unexpected exception is logged with its traceback, counted
+(`trio_pd_background_restarts_total{task}`) and the task restarted after a capped backoff, so a
+bug in, say, pool pruning can neither end the lifespan nursery (which would close every busy
+connection) nor leave the router serving with health checks silently stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import trio
+
+from trio_pd.fleet.health import run_health_checks
+from trio_pd.fleet.policies import run_eviction
+from trio_pd.fleet.workers import Worker
+from trio_pd.metrics import RouterMetrics
+
+if TYPE_CHECKING:
+    from trio_pd.app import Router
+
+log = logging.getLogger("trio_pd.background")
+STARTUP_POLL_SECS = 0.01
+RESTART_BACKOFF_SECS = (0.1, 30.0)  # first delay, cap (doubling)
+
+
+async def run_background(router: Router, *, task_status: trio.TaskStatus[None]) -> None:
+    """Health checks of every worker, cache-tree eviction and idle-connection pruning."""
+    client = router.control.http
+    health = router.config.health
+    metrics = router.metrics
+
+    async def probe(worker: Worker) -> bool:
+        response = await client.get(worker.url + health.endpoint)
+        return 200 <= response.status_code < 300
+
+    async with trio.open_nursery() as nursery:
+        tasks: dict[str, Callable[[], Awaitable[None]]] = {
+            "health_checks": lambda: run_health_checks(router.fleet, health, probe),
+            "tree_eviction": lambda: run_eviction(
+                router.fleet, router.config.policy.eviction_interval_secs
+            ),
+            "pool_pruning": lambda: prune_idle_connections(router),
+        }
+        for name, task in tasks.items():
+            nursery.start_soon(supervised, name, task, metrics)
+        await wait_for_first_pair(router, health.timeout_secs)
+        task_status.started()
+
+
+async def supervised(
+    name: str, task: Callable[[], Awaitable[None]], metrics: RouterMetrics
+) -> None:
+    """Run `task` forever: restart it (with a doubling, capped backoff) whenever it raises or
+    returns; a run that lasted a minute resets the backoff. Cancellation ends it."""
+    delay, cap = RESTART_BACKOFF_SECS
+    while True:
+        started = trio.current_time()
+        try:
+            await task()
+            problem = "returned"
+        except Exception:
+            log.exception("background task %s crashed", name)
+            problem = "crashed"
+        if trio.current_time() - started > 60:
+            delay = RESTART_BACKOFF_SECS[0]
+        log.error("background task %s %s; restarting it in %.1fs", name, problem, delay)
+        metrics.background_restarts.labels(name).inc()
+        await trio.sleep(delay)
+        delay = min(cap, delay * 2)
+
+
+async def prune_idle_connections(router: Router) -> None:
+    """Close upstream connections idle past their keep-alive, so none lingers after a burst."""
+    while True:
+        await trio.sleep(router.pool.keepalive_expiry)
+        await router.pool.prune()
+
+
+async def wait_for_first_pair(router: Router, limit_secs: float) -> None:
+    """Hold startup until the first health round found a prefill and a decode, or `limit_secs`.
+
+    Workers start unhealthy; without this the first requests after a start would get 503 while
+    the first probes are still in flight. A fleet that stays down does not block startup.
+    """
+    fleet = router.fleet
+    with trio.move_on_after(limit_secs):
+        # Polling, startup only: health flips carry no event to wait on.
+        while not (fleet.routable("prefill") and fleet.routable("decode")):  # noqa: ASYNC110
+            await trio.sleep(STARTUP_POLL_SECS)

@@ -1,0 +1,29 @@
+"""The narrow context of the control-plane handlers (membership, fan-out, info routes)."""
+
+from __future__ import annotations
+
+import random
+
+import attrs
+import httpx2
+
+from trio_pd.config import RouterConfig
+from trio_pd.fleet.workers import Fleet
+
+
+@attrs.define(eq=False)
+class ControlContext:
+    """What admin and fan-out handlers read: config, fleet, and the control-plane client.
+
+    The client is opened by the app's lifespan (it needs a running trio loop) and closed there.
+    """
+
+    config: RouterConfig
+    fleet: Fleet
+    rng: random.Random
+    client: httpx2.AsyncClient | None = None
+
+    @property
+    def http(self) -> httpx2.AsyncClient:
+        assert self.client is not None, "the lifespan has not started"
+        return self.client
