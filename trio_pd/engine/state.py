@@ -16,6 +16,7 @@ from trio_pd.engine.events import EventLog
 from trio_pd.engine.faults import Fault, FaultPlan, parse_many
 from trio_pd.engine.httpserver import ConnectionRegistry
 from trio_pd.engine.responses import Shaper
+from trio_pd.engine.rids import RidTable
 from trio_pd.engine.slots import DisconnectTicker, SlotPool
 from trio_pd.engine.workload import Workload
 
@@ -28,6 +29,7 @@ class EngineState:
         self.faults: tuple[Fault, ...] = parse_many(config.faults)
         self.slots = SlotPool(config.max_running)
         self.rooms = RoomTable()
+        self.rids: RidTable[Call] = RidTable()  # body rids of the requests held (abort, dups)
         self.ticker = DisconnectTicker(config.disconnect_poll_secs)
         self.connections = ConnectionRegistry()
         self.bootstrap_client: httpx2.AsyncClient | None = None  # decode only
@@ -51,7 +53,10 @@ class EngineState:
 
 @attrs.define(eq=False)
 class Call:
-    """One generation request on one engine."""
+    """One generation request on one engine.
+
+    `rid` is the x-request-id header (the event key); `sglang_rids` the body rids, one per item.
+    """
 
     engine: EngineState
     rid: str
@@ -61,11 +66,13 @@ class Call:
     plan: FaultPlan
     resp: Responder
     shaper: Shaper
+    sglang_rids: tuple[str, ...] = ()
     work_scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
     cancel_reason: str | None = None  # why work_scope was cancelled: slot_freed reason
     ended: str | None = None  # a non-status ending: "closed", "aborted_disconnect", ...
     buffered: list[Any] = attrs.Factory(list)  # stream events held while headers are deferred
     defer_headers: bool = False
+    disconnected: bool = False  # the client went away (nothing more can be sent)
 
     @property
     def config(self) -> EngineConfig:
