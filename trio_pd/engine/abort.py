@@ -6,8 +6,8 @@ its decode slots are freed with reason `aborted_request` without waiting for the
 tick, a queued decode item leaves its queue, a prefill request stops waiting for its registration
 or computing. The engine answers 200 whether or not anything matched, because SGLang silently
 drops an abort for a rid it does not (yet) hold. Every named rid logs `abort_request` with
-`sglang_rid`, `matched` and, when matched, the request's event key (`rid`, its x-request-id)
-and room.
+`sglang_rid`, `matched` and, when matched, the request's event key (`rid`, its x-request-id),
+room and dp_rank.
 
 The aborted request, if its client is still connected, ends as an aborted SGLang request does:
 200 with `finish_reason` `{"type": "abort", "message": ...}` (OpenAI routes: `"abort"` in each
@@ -55,7 +55,7 @@ async def handle_abort(engine: EngineState, scope: dict[str, Any], receive: Any,
     for name in names:
         call = engine.rids.get(name)
         if call is None:
-            engine.events.emit("abort_request", sglang_rid=name, matched=False)
+            engine.events.emit("abort_request", sglang_rid=name, matched=False, dp_rank=None)
         else:
             call.emit("abort_request", sglang_rid=name, matched=True)
             call.cancel(ABORTED)
@@ -81,7 +81,9 @@ def _parse(raw: bytes) -> tuple[list[str], bool]:
 def _abort_all(engine: EngineState) -> None:
     calls = engine.rids.owners()
     if not calls:
-        engine.events.emit("abort_request", sglang_rid=None, matched=False, abort_all=True)
+        engine.events.emit(
+            "abort_request", sglang_rid=None, matched=False, abort_all=True, dp_rank=None
+        )
     for call in calls:
         call.emit("abort_request", sglang_rid=call.sglang_rids[0], matched=True, abort_all=True)
         call.cancel(ABORTED)

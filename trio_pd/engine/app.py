@@ -73,7 +73,8 @@ class EngineApp:
                 "model_path": cfg.model,
                 "disaggregation_mode": cfg.role,
                 "disaggregation_bootstrap_port": cfg.bootstrap_port,
-                "max_running_requests": cfg.max_running,
+                "max_running_requests": cfg.max_running,  # per rank
+                "dp_size": cfg.dp_size,
                 "simulator": "trio_pd.engine",
                 "waiting_timeout": cfg.waiting_timeout,
                 "bootstrap_timeout": cfg.bootstrap_timeout,

@@ -35,7 +35,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prefill-ms-per-token", type=float, default=0.0)
     parser.add_argument("--inter-token-ms", type=float, default=0.0)
-    parser.add_argument("--max-running", type=int, default=defaults.max_running)
+    parser.add_argument(
+        "--max-running",
+        type=int,
+        default=defaults.max_running,
+        help="decode slots per data-parallel rank (a FIFO queue beyond them)",
+    )
+    parser.add_argument(
+        "--dp-size",
+        type=int,
+        default=defaults.dp_size,
+        help="data-parallel ranks behind this URL; a request's rank is its routed_dp_rank, "
+        "else bootstrap_room %% dp-size",
+    )
     parser.add_argument(
         "--disconnect-poll-secs",
         type=float,
@@ -66,6 +78,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         prefill_ms_per_token=args.prefill_ms_per_token,
         inter_token_ms=args.inter_token_ms,
         max_running=args.max_running,
+        dp_size=args.dp_size,
         disconnect_poll_secs=args.disconnect_poll_secs,
         faults=tuple(args.fault),
         events_path=args.events,
@@ -83,7 +96,10 @@ def run(args: argparse.Namespace) -> None:
         parse_many(args.fault)
     except FaultError as exc:
         raise SystemExit(f"trio-pd engine: {exc}") from None
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"trio-pd engine: {exc}") from None
     try:
         trio.run(serve_engine, config)
     except* KeyboardInterrupt:  # Ctrl-C: trio delivers it inside an exception group

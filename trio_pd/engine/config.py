@@ -15,6 +15,11 @@ def _check_role(_inst: object, _attr: attrs.Attribute, value: str) -> None:
         raise ValueError(f"role must be one of {ROLES}, not {value!r}")
 
 
+def _at_least_one(_inst: object, attr: attrs.Attribute, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{attr.name} must be at least 1, not {value!r}")
+
+
 @attrs.frozen
 class EngineConfig:
     """Everything an engine needs; port 0 / bootstrap_port 0 mean "pick an ephemeral port"."""
@@ -27,9 +32,10 @@ class EngineConfig:
     bootstrap_timeout: float = 30.0  # prefill: how long to wait for the decode's registration
     prefill_ms_per_token: float = 0.0
     inter_token_ms: float = 0.0
-    max_running: int = 64
+    max_running: int = 64  # decode slots per data-parallel rank
     disconnect_poll_secs: float = 4.0
     faults: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     events_path: str | None = None
     model: str = "sim-model"
     keep_alive_secs: float = 5.0  # must stay above the router's client keep-alive expiry
+    dp_size: int = attrs.field(default=1, validator=_at_least_one)  # data-parallel ranks

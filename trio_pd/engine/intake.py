@@ -1,9 +1,9 @@
 """Admission of one generation request: its Call, or its 4xx answer.
 
 Everything an engine refuses before it touches slots or rooms is refused here: an unreadable or
-invalid body, a bad fault spec, a bad `rid` field, and a body rid the engine already holds
-(SGLang's "Duplicate request ID: <rid>", 400). Every request logs `request_start` here, refused
-or not; a refused one also logs its `request_end`.
+invalid body, a bad fault spec, bad `rid` or rank fields (an out-of-range `routed_dp_rank`), and
+a body rid the engine already holds (SGLang's "Duplicate request ID: <rid>", 400). Every request
+logs `request_start` here, refused or not; a refused one also logs its `request_end`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 
 from trio_pd.engine.asgi import BodyTooLarge, Responder, header, read_body
+from trio_pd.engine.dp import parse_pins, serving_ranks
 from trio_pd.engine.faults import FaultError, parse_many, plan_for
 from trio_pd.engine.responses import Shaper
 from trio_pd.engine.rids import DuplicateRid, parse_rids
@@ -56,9 +57,10 @@ async def admit(
             body=None,
             headers=hdrs,
             sglang_rid=sglang_rid,
+            dp_rank=None,
         )
         await resp.error(400, message)
-        engine.events.emit("request_end", rid=rid, status=400, error=message)
+        engine.events.emit("request_end", rid=rid, status=400, dp_rank=None, error=message)
         return None
     resp.on_start = lambda status: call.emit("response_start", status=status)
     w = call.workload
@@ -71,6 +73,7 @@ async def admit(
         body=body,  # as received: lets router tests check injection and pass-through
         headers=hdrs,
         sglang_rid=body.get("rid"),
+        dp_ranks=list(call.dp_ranks) if w.is_batch else None,
     )
     try:
         engine.rids.claim(call.sglang_rids, call)
@@ -87,6 +90,8 @@ def _build(
     workload = parse_workload(api, body)
     faults = parse_many(body.get("sim_fault"))
     sglang_rids = parse_rids(body.get("rid"), workload.size, workload.is_batch)
+    pins = parse_pins(body)
+    ranks = serving_ranks(workload.rooms, workload.size, pins, engine.config.dp_size)
     given = body.get("rid")
     return Call(
         engine=engine,
@@ -100,4 +105,6 @@ def _build(
             workload, rid, engine.config.model, engine.role, sglang_rids if given else None
         ),
         sglang_rids=sglang_rids,
+        pins=pins,
+        dp_ranks=ranks,
     )

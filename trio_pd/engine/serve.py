@@ -72,7 +72,8 @@ class EngineHandle:
 
     @property
     def rooms(self) -> dict[int, Any]:
-        """Prefill: rooms currently known to the bootstrap server (registered or awaited)."""
+        """Prefill: rooms currently known to the bootstrap server (registered or awaited), each
+        mapped to its entries per data-parallel rank."""
         return self.state.rooms.rooms
 
     def set_faults(self, specs: tuple[str, ...] | list[str]) -> None:
@@ -91,9 +92,8 @@ async def serve_engine(
         async with trio.open_nursery() as nursery:
             bootstrap_port = None
             if config.role == "prefill" and config.bootstrap_port is not None:
-                bootstrap_port = await nursery.start(
-                    _serve_bootstrap, BootstrapApp(state.rooms), config
-                )
+                bootstrap = BootstrapApp(state.rooms, events, config.dp_size)
+                bootstrap_port = await nursery.start(_serve_bootstrap, bootstrap, config)
             else:
                 state.bootstrap_client = bootstrap_client()
             state.ticker = type(state.ticker)(config.disconnect_poll_secs)
