@@ -62,6 +62,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="[ROLE:]KIND[:ARG][@MS], repeatable; KIND: status code, sse_error, abort, close, "
         "hang, slow:MS, refuse",
     )
+    parser.add_argument(
+        "--ssl-certfile", default=None, metavar="FILE", help="serve the HTTP API over HTTPS"
+    )
+    parser.add_argument(
+        "--ssl-keyfile", default=None, metavar="FILE", help="its private key (else in the certfile)"
+    )
+    parser.add_argument(
+        "--ssl-ca-certs",
+        default=None,
+        metavar="FILE",
+        help="require client certificates signed by these CAs (mutual TLS)",
+    )
     parser.add_argument("--events", default=None, metavar="FILE", help="JSON-lines event log")
     parser.add_argument("--model", default=defaults.model)
     parser.add_argument("--log-level", default="info")
@@ -79,6 +91,9 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         inter_token_ms=args.inter_token_ms,
         max_running=args.max_running,
         dp_size=args.dp_size,
+        ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_ca_certs=args.ssl_ca_certs,
         disconnect_poll_secs=args.disconnect_poll_secs,
         faults=tuple(args.fault),
         events_path=args.events,

@@ -39,3 +39,15 @@ class EngineConfig:
     model: str = "sim-model"
     keep_alive_secs: float = 5.0  # must stay above the router's client keep-alive expiry
     dp_size: int = attrs.field(default=1, validator=_at_least_one)  # data-parallel ranks
+    ssl_certfile: str | None = None  # serve the HTTP API over HTTPS (bootstrap stays HTTP)
+    ssl_keyfile: str | None = None  # None: the key is in ssl_certfile
+    ssl_ca_certs: str | None = None  # also require client certificates signed by this CA
+
+    def __attrs_post_init__(self) -> None:
+        if (self.ssl_keyfile or self.ssl_ca_certs) and not self.ssl_certfile:
+            raise ValueError("ssl_keyfile and ssl_ca_certs need ssl_certfile")
+
+    @property
+    def scheme(self) -> str:
+        """Of the HTTP API; the prefill's bootstrap server is always plain HTTP."""
+        return "https" if self.ssl_certfile else "http"

@@ -14,6 +14,7 @@ from trio_pd.engine.config import EngineConfig
 from trio_pd.engine.events import EventLog
 from trio_pd.engine.httpserver import ConnectionRegistry, serve_asgi
 from trio_pd.engine.state import EngineState
+from trio_pd.engine.tls import server_ssl_context
 
 log = logging.getLogger("trio_pd.engine")
 
@@ -40,7 +41,7 @@ class EngineHandle:
         host = self.config.host
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
-        return f"http://{host}:{self.port}"
+        return f"{self.config.scheme}://{host}:{self.port}"
 
     @property
     def events(self) -> EventLog:
@@ -101,8 +102,9 @@ async def serve_engine(
                 _serve_http, EngineApp(state), config, state.connections, not refuse
             )
             log.info(
-                "%s engine on http://%s:%s%s%s",
+                "%s engine on %s://%s:%s%s%s",
                 config.role,
+                config.scheme,
                 config.host,
                 port,
                 f" bootstrap port {bootstrap_port}" if bootstrap_port else "",
@@ -144,5 +146,6 @@ async def _serve_http(
         registry,
         keep_alive_secs=config.keep_alive_secs,
         listen=listen,
+        ssl_context=server_ssl_context(config),
         task_status=task_status,
     )
