@@ -63,6 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "hang, slow:MS, refuse",
     )
     parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health* and /metrics*",
+    )
+    parser.add_argument(
         "--ssl-certfile", default=None, metavar="FILE", help="serve the HTTP API over HTTPS"
     )
     parser.add_argument(
@@ -91,6 +96,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         inter_token_ms=args.inter_token_ms,
         max_running=args.max_running,
         dp_size=args.dp_size,
+        api_key=args.api_key,
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
         ssl_ca_certs=args.ssl_ca_certs,

@@ -39,6 +39,7 @@ class EngineConfig:
     model: str = "sim-model"
     keep_alive_secs: float = 5.0  # must stay above the router's client keep-alive expiry
     dp_size: int = attrs.field(default=1, validator=_at_least_one)  # data-parallel ranks
+    api_key: str | None = None  # every route but /health* and /metrics* needs "Bearer KEY"
     ssl_certfile: str | None = None  # serve the HTTP API over HTTPS (bootstrap stays HTTP)
     ssl_keyfile: str | None = None  # None: the key is in ssl_certfile
     ssl_ca_certs: str | None = None  # also require client certificates signed by this CA

@@ -9,10 +9,11 @@ import attrs
 import trio
 
 from trio_pd.engine.app import EngineApp
+from trio_pd.engine.auth import ApiKeyGate
 from trio_pd.engine.bootstrap import BootstrapApp, bootstrap_client
 from trio_pd.engine.config import EngineConfig
 from trio_pd.engine.events import EventLog
-from trio_pd.engine.httpserver import ConnectionRegistry, serve_asgi
+from trio_pd.engine.httpserver import ASGIApp, ConnectionRegistry, serve_asgi
 from trio_pd.engine.state import EngineState
 from trio_pd.engine.tls import server_ssl_context
 
@@ -98,9 +99,10 @@ async def serve_engine(
             else:
                 state.bootstrap_client = bootstrap_client()
             state.ticker = type(state.ticker)(config.disconnect_poll_secs)
-            port = await nursery.start(
-                _serve_http, EngineApp(state), config, state.connections, not refuse
-            )
+            app: ASGIApp = EngineApp(state)
+            if config.api_key:  # like SGLang, an empty key means none
+                app = ApiKeyGate(app, config.api_key, events)
+            port = await nursery.start(_serve_http, app, config, state.connections, not refuse)
             log.info(
                 "%s engine on %s://%s:%s%s%s",
                 config.role,
@@ -132,7 +134,7 @@ async def _serve_bootstrap(
 
 
 async def _serve_http(
-    app: EngineApp,
+    app: ASGIApp,
     config: EngineConfig,
     registry: ConnectionRegistry,
     listen: bool,
