@@ -99,7 +99,7 @@ class EngineApp:
         try:
             await self._serve(call, receive)
         finally:
-            self.engine.rids.release(call.sglang_rids, call)
+            self.engine.rids.release(call.sglang_rids, call)  # (if _serve did not get to it)
 
     async def _serve(self, call: Call, receive: Any) -> None:
         """Run the role's flow under the request's work scope, watching for a disconnect."""
@@ -115,6 +115,8 @@ class EngineApp:
                     await self._run(call)
                 if call.cancel_reason == ABORTED and not resp.completed:
                     await answer_aborted(call)
+                # before the next checkpoint: a client holding its answer may reuse the rid
+                engine.rids.release(call.sglang_rids, call)
                 nursery.cancel_scope.cancel()
         finally:
             engine.inflight -= 1
