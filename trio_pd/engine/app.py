@@ -1,10 +1,12 @@
-"""The engine's HTTP API (a bare ASGI app): info endpoints and the three generation endpoints.
+"""The engine's HTTP API (a bare ASGI app): info endpoints, the three generation endpoints and
+POST /abort_request (abort.py). A generation request is admitted by intake.py, then runs here.
 
 Disconnects: hypercorn never cancels an app when its client goes away, it only delivers
 `http.disconnect` from receive(). Each generation request therefore runs a watcher task. On a
 disconnect it logs `connection_closed` at once; a prefill request stops at once, a decode request
 is aborted at the engine's next disconnect-poll tick (see slots.DisconnectTicker), which is when
-its slots are freed with reason `aborted_disconnect`.
+its slots are freed with reason `aborted_disconnect`. POST /abort_request cancels the same work
+scope at once (reason `aborted_request`) and the request then answers an abort if it still can.
 """
 
 from __future__ import annotations
@@ -13,16 +15,16 @@ import logging
 import time
 from typing import Any
 
-import orjson
 import trio
 
-from trio_pd.engine.asgi import BodyTooLarge, Responder, header, read_body
+from trio_pd.engine.abort import ABORTED, answer_aborted, handle_abort
+from trio_pd.engine.asgi import Responder
 from trio_pd.engine.decode import run_decode
-from trio_pd.engine.faults import FaultError, parse_many, plan_for
+from trio_pd.engine.intake import admit
+from trio_pd.engine.load import load_report
 from trio_pd.engine.prefill import run_prefill
-from trio_pd.engine.responses import Shaper
 from trio_pd.engine.state import Call, EngineState
-from trio_pd.engine.workload import ENDPOINTS, BadRequest, parse_workload
+from trio_pd.engine.workload import ENDPOINTS
 
 log = logging.getLogger("trio_pd.engine")
 
@@ -44,6 +46,9 @@ class EngineApp:
                 return
             await self.generate(scope, receive, send, ENDPOINTS[path])
             return
+        if path == "/abort_request":
+            await handle_abort(self.engine, scope, receive, send)
+            return
         await self.info(path, method, send)
 
     # ---- info endpoints --------------------------------------------------------------------
@@ -63,16 +68,13 @@ class EngineApp:
                 "object": "list",
                 "data": [{"id": cfg.model, "object": "model", "created": 0, "owned_by": "trio_pd"}],
             },
-            ("GET", "/get_load"): {
-                "num_reqs": engine.running + engine.queued,
-                "num_waiting_reqs": engine.queued,
-                "num_tokens": engine.inflight_tokens,
-            },
+            ("GET", "/get_load"): load_report(engine),
             ("GET", "/get_server_info"): {
                 "model_path": cfg.model,
                 "disaggregation_mode": cfg.role,
                 "disaggregation_bootstrap_port": cfg.bootstrap_port,
-                "max_running_requests": cfg.max_running,
+                "max_running_requests": cfg.max_running,  # per rank
+                "dp_size": cfg.dp_size,
                 "simulator": "trio_pd.engine",
                 "waiting_timeout": cfg.waiting_timeout,
                 "bootstrap_timeout": cfg.bootstrap_timeout,
@@ -91,60 +93,19 @@ class EngineApp:
 
     # ---- generation ------------------------------------------------------------------------
     async def generate(self, scope: dict[str, Any], receive: Any, send: Any, api: str) -> None:
-        engine = self.engine
-        rid = header(scope, b"x-request-id") or engine.new_rid()
-        path = scope["path"]
+        call = await admit(self.engine, scope, receive, send, api)
+        if call is None:
+            return  # refused (and answered) or the client left
+        try:
+            await self._serve(call, receive)
+        finally:
+            self.engine.rids.release(call.sglang_rids, call)  # (if _serve did not get to it)
+
+    async def _serve(self, call: Call, receive: Any) -> None:
+        """Run the role's flow under the request's work scope, watching for a disconnect."""
+        engine, w, resp = self.engine, call.workload, call.resp
         started = time.monotonic()
-        hdrs = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-
-        def on_start(status: int) -> None:
-            engine.events.emit("response_start", rid=rid, room=room, status=status)
-
-        room: int | None = None
-        resp = Responder(send, rid, on_start)
-        try:
-            raw = await read_body(receive)
-        except BodyTooLarge:
-            await resp.error(413, "request body too large")
-            return
-        if raw is None:
-            return  # the client left before sending its body
-        try:
-            body = orjson.loads(raw)
-            if not isinstance(body, dict):
-                raise BadRequest("the request body must be a JSON object")
-            workload = parse_workload(api, body)
-            faults = parse_many(body.get("sim_fault"))
-        except (orjson.JSONDecodeError, BadRequest, FaultError) as exc:
-            bad_json = isinstance(exc, orjson.JSONDecodeError)
-            message = f"invalid JSON: {exc}" if bad_json else str(exc)
-            engine.events.emit(
-                "request_start", rid=rid, room=None, path=path, stream=None, body=None, headers=hdrs
-            )
-            await resp.error(400, message)
-            engine.events.emit("request_end", rid=rid, room=None, status=400)
-            return
-        room = workload.first_room
-        call = Call(
-            engine=engine,
-            rid=rid,
-            path=path,
-            client=scope.get("client"),
-            workload=workload,
-            plan=plan_for(engine.role, (*engine.faults, *faults)),
-            resp=resp,
-            shaper=Shaper(workload, rid, engine.config.model, engine.role),
-        )
-        call.emit(
-            "request_start",
-            path=path,
-            stream=workload.stream,
-            rooms=list(workload.rooms) if workload.rooms else None,
-            batch=workload.is_batch,
-            body=body,  # as received: lets router tests check injection and pass-through
-            headers=hdrs,
-        )
-        tokens = sum(len(i) for i in workload.inputs) + workload.max_new_tokens * workload.size
+        tokens = sum(len(i) for i in w.inputs) + w.max_new_tokens * w.size
         engine.inflight += 1
         engine.inflight_tokens += tokens
         try:
@@ -152,6 +113,10 @@ class EngineApp:
                 nursery.start_soon(self._watch_disconnect, call, receive)
                 with call.work_scope:
                     await self._run(call)
+                if call.cancel_reason == ABORTED and not resp.completed:
+                    await answer_aborted(call)
+                # before the next checkpoint: a client holding its answer may reuse the rid
+                engine.rids.release(call.sglang_rids, call)
                 nursery.cancel_scope.cancel()
         finally:
             engine.inflight -= 1
@@ -161,9 +126,9 @@ class EngineApp:
             log.info(
                 "%s %s %s rooms=%s status=%s%s %.0fms",
                 engine.role,
-                path,
-                rid,
-                workload.rooms,
+                call.path,
+                call.rid,
+                w.rooms,
                 resp.status,
                 f" ({end})" if end else "",
                 (time.monotonic() - started) * 1000,
@@ -185,6 +150,7 @@ class EngineApp:
             pass
         if call.resp.completed:
             return
+        call.disconnected = True
         call.emit("connection_closed", status=call.resp.status)
         if self.engine.role == "prefill":
             call.cancel("aborted_disconnect")

@@ -44,7 +44,10 @@ def header(scope: dict[str, Any], name: bytes) -> str | None:
 
 
 class Responder:
-    """Sends one response; remembers what was sent. Calls `on_start(status)` once."""
+    """Sends one response; remembers what was sent. Calls `on_start(status)` once.
+
+    `on_start` may be replaced before the response starts (once the request's Call exists).
+    """
 
     def __init__(
         self,
@@ -54,7 +57,7 @@ class Responder:
     ) -> None:
         self._send = send
         self._request_id = request_id
-        self._on_start = on_start
+        self.on_start = on_start
         self.status: int | None = None
         self.streaming = False
         self.completed = False
@@ -68,8 +71,8 @@ class Responder:
         if self._request_id:
             headers.append((b"x-request-id", self._request_id.encode("latin-1")))
         self.status = status
-        if self._on_start is not None:
-            self._on_start(status)
+        if self.on_start is not None:
+            self.on_start(status)
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def json(self, status: int, body: Any) -> None:

@@ -5,7 +5,7 @@ The prefill engine runs a tiny HTTP bootstrap server. A decode request registers
 headers (200) at once, which means "registered", and sends the body only when the prefill request
 for that room has "transferred" the KV. The decode side reads the body with no timeout and
 enforces its own waiting timeout by closing the connection. The prefill side sees the
-registration through the shared RoomTable.
+registration through the shared RoomTable, keyed by (room, data-parallel rank).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import attrs
 import httpx2
 import trio
 
-from trio_pd.engine.asgi import Responder
+from trio_pd.engine.asgi import Responder, header
+from trio_pd.engine.events import EventLog
 
 KV_READY = b"kv_ready\n"
 
@@ -27,34 +28,62 @@ class RoomState:
     registered: trio.Event = attrs.Factory(trio.Event)
     kv: trio.Event = attrs.Factory(trio.Event)
     refs: int = 0
+    prefill_rid: str | None = None  # x-request-id of the prefill request serving it, if any
 
 
 class RoomTable:
-    """Rooms known to one prefill engine; an entry lives while any request or poll uses it."""
+    """Rooms known to one prefill engine, per data-parallel rank.
+
+    Rendezvous is keyed by (room, rank), as SGLang's bootstrap server keys decode registrations
+    by DP group: a registration for another rank than the prefill request's never meets it.
+    An entry lives while any request or poll uses it.
+    """
 
     def __init__(self) -> None:
-        self.rooms: dict[int, RoomState] = {}
+        self.rooms: dict[int, dict[int, RoomState]] = {}
 
-    def acquire(self, room: int) -> RoomState:
-        state = self.rooms.get(room)
+    def acquire(self, room: int, rank: int, prefill_rid: str | None = None) -> RoomState:
+        ranks = self.rooms.setdefault(room, {})
+        state = ranks.get(rank)
         if state is None:
-            state = self.rooms[room] = RoomState()
+            state = ranks[rank] = RoomState()
         state.refs += 1
+        if prefill_rid is not None:
+            state.prefill_rid = prefill_rid
         return state
 
-    def release(self, room: int) -> None:
-        state = self.rooms.get(room)
-        if state is not None:
-            state.refs -= 1
-            if state.refs <= 0:
+    def release(self, room: int, rank: int, prefill_rid: str | None = None) -> None:
+        ranks = self.rooms.get(room, {})
+        state = ranks.get(rank)
+        if state is None:
+            return
+        if prefill_rid is not None and state.prefill_rid == prefill_rid:
+            state.prefill_rid = None
+        state.refs -= 1
+        if state.refs <= 0:
+            del ranks[rank]
+            if not ranks:
                 del self.rooms[room]
+
+    def other_ranks(self, room: int, rank: int) -> dict[int, RoomState]:
+        """The entries of `room` on ranks other than `rank` (a rank mismatch when any is live)."""
+        return {r: s for r, s in self.rooms.get(room, {}).items() if r != rank}
 
 
 class BootstrapApp:
-    """ASGI app of the prefill engine's bootstrap server."""
+    """ASGI app of the prefill engine's bootstrap server.
 
-    def __init__(self, table: RoomTable) -> None:
+    `POST /register?room=N[&rank=R]`: R is the prefill rank the decode targets (its
+    disagg_prefill_dp_rank); without it the server picks `room % dp_size`, as an unpinned SGLang
+    decode does after learning the prefill's dp_size. The 200 answer carries the rank used and
+    the prefill's dp_size in `x-dp-rank` / `x-dp-size` headers. A registration for a room whose
+    prefill request runs on another rank logs `rank_mismatch`.
+    """
+
+    def __init__(self, table: RoomTable, events: EventLog, dp_size: int = 1) -> None:
         self.table = table
+        self.events = events
+        self.dp_size = dp_size
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -70,26 +99,42 @@ class BootstrapApp:
         query = parse_qs(scope.get("query_string", b"").decode())
         try:
             room = int(query["room"][0])
+            rank = int(query["rank"][0]) if "rank" in query else room % self.dp_size
         except (KeyError, ValueError):
-            await resp.error(400, "room query parameter (int) required")
+            await resp.error(400, "room (and optional rank) query parameters must be integers")
             return
-        state = self.table.acquire(room)
+        if not 0 <= rank < self.dp_size:
+            await resp.error(400, f"prefill rank {rank} out of range (dp_size {self.dp_size})")
+            return
+        self._check_rank(room, rank, header(scope, b"x-request-id"))
+        state = self.table.acquire(room, rank)
         try:
             state.registered.set()
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(b"content-type", b"text/plain")],
-                }
-            )
+            headers = [
+                (b"content-type", b"text/plain"),
+                (b"x-dp-rank", str(rank).encode()),
+                (b"x-dp-size", str(self.dp_size).encode()),
+            ]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
                 await state.kv.wait()
                 await send({"type": "http.response.body", "body": KV_READY})
                 nursery.cancel_scope.cancel()
         finally:
-            self.table.release(room)
+            self.table.release(room, rank)
+
+    def _check_rank(self, room: int, rank: int, decode_request_id: str | None) -> None:
+        for other, state in self.table.other_ranks(room, rank).items():
+            if state.prefill_rid is not None:
+                self.events.emit(
+                    "rank_mismatch",
+                    rid=state.prefill_rid,
+                    room=room,
+                    dp_rank=other,
+                    registered_rank=rank,
+                    decode_request_id=decode_request_id,
+                )
 
 
 async def _cancel_on_disconnect(receive: Any, scope: trio.CancelScope) -> None:
@@ -122,20 +167,28 @@ async def register_room(
     *,
     connect_timeout: float,
     request_id: str | None = None,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    prefill_rank: int | None = None,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Register `room`; report started once registered; set kv_ready when the KV arrives."""
+    """Register `room` with prefill rank `prefill_rank` (None: the server's `room % dp_size`).
+
+    Reports started with the prefill rank used once registered; sets kv_ready when the KV arrives.
+    """
     url = f"http://{host}:{port}/register"
     timeout = httpx2.Timeout(connect=connect_timeout, read=None, write=connect_timeout, pool=None)
     headers = {"x-request-id": request_id} if request_id else {}
     where = f"bootstrap server {host}:{port} (room {room})"
+    params = {"room": str(room)}
+    if prefill_rank is not None:
+        params["rank"] = str(prefill_rank)
     try:
         async with client.stream(
-            "POST", url, params={"room": str(room)}, headers=headers, timeout=timeout
+            "POST", url, params=params, headers=headers, timeout=timeout
         ) as response:
             if response.status_code != 200:
-                raise BootstrapError(f"{where} answered {response.status_code}")
-            task_status.started()
+                detail = (await response.aread()).decode(errors="replace")[:200]
+                raise BootstrapError(f"{where} answered {response.status_code}: {detail}")
+            task_status.started(int(response.headers.get("x-dp-rank", prefill_rank or 0)))
             data = await response.aread()
     except httpx2.HTTPError as exc:
         raise BootstrapError(f"{where}: {type(exc).__name__}: {exc}") from exc

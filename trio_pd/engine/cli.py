@@ -35,7 +35,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prefill-ms-per-token", type=float, default=0.0)
     parser.add_argument("--inter-token-ms", type=float, default=0.0)
-    parser.add_argument("--max-running", type=int, default=defaults.max_running)
+    parser.add_argument(
+        "--max-running",
+        type=int,
+        default=defaults.max_running,
+        help="decode slots per data-parallel rank (a FIFO queue beyond them)",
+    )
+    parser.add_argument(
+        "--dp-size",
+        type=int,
+        default=defaults.dp_size,
+        help="data-parallel ranks behind this URL; a request's rank is its routed_dp_rank, "
+        "else bootstrap_room %% dp-size",
+    )
     parser.add_argument(
         "--disconnect-poll-secs",
         type=float,
@@ -49,6 +61,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         help="[ROLE:]KIND[:ARG][@MS], repeatable; KIND: status code, sse_error, abort, close, "
         "hang, slow:MS, refuse",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health* and /metrics*",
+    )
+    parser.add_argument(
+        "--ssl-certfile", default=None, metavar="FILE", help="serve the HTTP API over HTTPS"
+    )
+    parser.add_argument(
+        "--ssl-keyfile", default=None, metavar="FILE", help="its private key (else in the certfile)"
+    )
+    parser.add_argument(
+        "--ssl-ca-certs",
+        default=None,
+        metavar="FILE",
+        help="require client certificates signed by these CAs (mutual TLS)",
     )
     parser.add_argument("--events", default=None, metavar="FILE", help="JSON-lines event log")
     parser.add_argument("--model", default=defaults.model)
@@ -66,6 +95,11 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         prefill_ms_per_token=args.prefill_ms_per_token,
         inter_token_ms=args.inter_token_ms,
         max_running=args.max_running,
+        dp_size=args.dp_size,
+        api_key=args.api_key,
+        ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_ca_certs=args.ssl_ca_certs,
         disconnect_poll_secs=args.disconnect_poll_secs,
         faults=tuple(args.fault),
         events_path=args.events,
@@ -83,7 +117,10 @@ def run(args: argparse.Namespace) -> None:
         parse_many(args.fault)
     except FaultError as exc:
         raise SystemExit(f"trio-pd engine: {exc}") from None
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"trio-pd engine: {exc}") from None
     try:
         trio.run(serve_engine, config)
     except* KeyboardInterrupt:  # Ctrl-C: trio delivers it inside an exception group

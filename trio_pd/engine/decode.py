@@ -3,6 +3,10 @@
 Faults fire at once (before registration) unless `@MS` is given; then the request runs normally
 and the fault interrupts it MS after the start (freeing its slots with reason `error`) unless it
 already completed. A status fault on a stream holds the headers back so the status is real.
+
+Data parallel: each item takes a slot of its own rank (Call.dp_ranks; max_running slots and a
+FIFO queue per rank) and registers with the prefill rank named by `disagg_prefill_dp_rank`, else
+the one the prefill's bootstrap server picks (`room % prefill dp_size`, reported back).
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ async def _decode(call: Call) -> None:
     try:
         async with trio.open_nursery() as registrations:
             for room in rooms:
-                await registrations.start(
+                prefill_rank = await registrations.start(
                     partial(
                         register_room,
                         engine.bootstrap_client,
@@ -65,9 +69,10 @@ async def _decode(call: Call) -> None:
                         kv[room],
                         connect_timeout=cfg.bootstrap_timeout,
                         request_id=call.rid,
+                        prefill_rank=call.pins.prefill,
                     )
                 )
-                call.emit("room_registered", room=room)
+                call.emit("room_registered", room=room, prefill_dp_rank=prefill_rank)
             generation = _Generation(call)
             async with trio.open_nursery() as items:
                 for index in range(w.size):
@@ -99,9 +104,10 @@ class _Generation:
 
     async def run_item(self, index: int, kv_ready: trio.Event, failures: list[str]) -> None:
         call = self.call
-        w, cfg, slots = call.workload, call.config, call.engine.slots
+        w, cfg = call.workload, call.config
         assert w.rooms is not None
         room = w.rooms[index]
+        slots = call.engine.slots[call.dp_ranks[index] or 0]
         await slots.acquire()
         call.emit("slot_acquired", room=room, running=slots.running, queued=slots.queued)
         reason = "error"

@@ -6,12 +6,17 @@ response (the `close` fault; raising from an ASGI app makes hypercorn answer 500
 module runs its own accept loop (trio.serve_listeners) and hands each accepted stream to
 hypercorn's per-connection TCPServer, the same object hypercorn.trio.serve uses. Cancelling the
 surrounding scope closes the listener and every connection.
+
+HTTPS: given an SSLContext, each accepted stream is wrapped in a trio.SSLStream before TCPServer
+gets it (TCPServer runs the handshake, and a failed one just ends the connection). The registry
+keeps the raw TCP stream, so `drop` still closes the socket without any TLS goodbye.
 """
 
 from __future__ import annotations
 
 import logging
 import socket as stdlib_socket
+import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -91,6 +96,7 @@ async def serve_asgi(
     *,
     keep_alive_secs: float = 5.0,
     listen: bool = True,
+    ssl_context: ssl.SSLContext | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `app` on host:port (0 = ephemeral); reports the bound port through task_status.
@@ -116,8 +122,11 @@ async def serve_asgi(
 
     async def handle(stream: trio.SocketStream) -> None:
         peer = registry.add(stream)
+        served: trio.abc.Stream = stream
+        if ssl_context is not None:
+            served = trio.SSLStream(stream, ssl_context, server_side=True, https_compatible=True)
         try:
-            await TCPServer(wrapped, config, context, {}, stream)
+            await TCPServer(wrapped, config, context, {}, served)
         except Exception as exc:
             # One broken connection must not take the engine down: hypercorn 0.18 can raise
             # trio.BusyResourceError when an HTTP/2 prior-knowledge probe (SGLang's router sends
@@ -125,6 +134,7 @@ async def serve_asgi(
             log.warning("connection from %s ended with %r", peer, exc)
         finally:
             registry.discard(peer)
+            await stream.aclose()  # TCPServer leaves it open after a failed TLS handshake
 
     try:
         async with trio.open_nursery() as nursery:

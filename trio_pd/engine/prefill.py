@@ -4,6 +4,10 @@ Fault timing: 4xx faults fire at once (validation, before any registration); eve
 fires once the rooms' decode registrations arrived (or the bootstrap timeout passed), plus the
 spec's `@MS` delay. A fault never marks the KV as sent, so the decode side keeps waiting, except
 a `+kv` fault, which fires after the KV was sent (decode then finishes normally).
+
+Data parallel: each room is served on this engine's rank for it (Call.dp_ranks) and meets only a
+decode registration for that same rank; a registration already waiting on another rank of the
+room logs `rank_mismatch` (the bootstrap server logs the opposite order).
 """
 
 from __future__ import annotations
@@ -32,7 +36,10 @@ async def run_prefill(call: Call) -> None:
         await call.resp.start_stream()  # like SGLang: 200 + SSE headers before any work
     table = call.engine.rooms
     rooms = list(dict.fromkeys(w.rooms))
-    states = [table.acquire(room) for room in rooms]
+    ranks = [call.rank_of(room) or 0 for room in rooms]
+    states = [table.acquire(room, rank, call.rid) for room, rank in zip(rooms, ranks, strict=True)]
+    for room, rank in zip(rooms, ranks, strict=True):
+        _check_rank(call, room, rank)
     try:
         with trio.move_on_after(call.config.bootstrap_timeout):
             for room, state in zip(rooms, states, strict=True):
@@ -63,8 +70,15 @@ async def run_prefill(call: Call) -> None:
             return
         await answer(call)
     finally:
-        for room in rooms:
-            table.release(room)
+        for room, rank in zip(rooms, ranks, strict=True):
+            table.release(room, rank, call.rid)
+
+
+def _check_rank(call: Call, room: int, rank: int) -> None:
+    """A decode already registered `room` for another prefill rank: its KV will never come."""
+    for other, state in call.engine.rooms.other_ranks(room, rank).items():
+        if state.registered.is_set():
+            call.emit("rank_mismatch", room=room, dp_rank=rank, registered_rank=other)
 
 
 async def answer(call: Call) -> None:

@@ -40,11 +40,23 @@ def top_triples(ids: list[int] | tuple[int, ...], k: int) -> list[list[list[Any]
 
 
 class Shaper:
-    """Builds every body of one request; `role` decides whose input logprobs are reported."""
+    """Builds every body of one request; `role` decides whose input logprobs are reported.
 
-    def __init__(self, workload: Workload, rid: str, model: str, role: str) -> None:
+    Ids (`meta_info.id`, the OpenAI `id`): the body's rids when the client sent some (one per
+    item, as SGLang reports them), else the x-request-id (`<id>-<index>` for batch items).
+    """
+
+    def __init__(
+        self,
+        workload: Workload,
+        rid: str,
+        model: str,
+        role: str,
+        item_ids: tuple[str, ...] | None = None,
+    ) -> None:
         self.w = workload
-        self.rid = rid
+        self.item_ids = item_ids
+        self.rid = item_ids[0] if item_ids else rid
         self.model = workload.model or model
         self.role = role
         self.created = int(time.time())
@@ -52,6 +64,8 @@ class Shaper:
 
     # ---- helpers -------------------------------------------------------------------------
     def item_id(self, index: int) -> str:
+        if self.item_ids:
+            return self.item_ids[index]
         return f"{self.rid}-{index}" if self.w.is_batch else self.rid
 
     def _input_meta(self, index: int) -> dict[str, Any]:

@@ -9,11 +9,13 @@ import attrs
 import trio
 
 from trio_pd.engine.app import EngineApp
+from trio_pd.engine.auth import ApiKeyGate
 from trio_pd.engine.bootstrap import BootstrapApp, bootstrap_client
 from trio_pd.engine.config import EngineConfig
 from trio_pd.engine.events import EventLog
-from trio_pd.engine.httpserver import ConnectionRegistry, serve_asgi
+from trio_pd.engine.httpserver import ASGIApp, ConnectionRegistry, serve_asgi
 from trio_pd.engine.state import EngineState
+from trio_pd.engine.tls import server_ssl_context
 
 log = logging.getLogger("trio_pd.engine")
 
@@ -40,7 +42,7 @@ class EngineHandle:
         host = self.config.host
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
-        return f"http://{host}:{self.port}"
+        return f"{self.config.scheme}://{host}:{self.port}"
 
     @property
     def events(self) -> EventLog:
@@ -72,7 +74,8 @@ class EngineHandle:
 
     @property
     def rooms(self) -> dict[int, Any]:
-        """Prefill: rooms currently known to the bootstrap server (registered or awaited)."""
+        """Prefill: rooms currently known to the bootstrap server (registered or awaited), each
+        mapped to its entries per data-parallel rank."""
         return self.state.rooms.rooms
 
     def set_faults(self, specs: tuple[str, ...] | list[str]) -> None:
@@ -91,18 +94,19 @@ async def serve_engine(
         async with trio.open_nursery() as nursery:
             bootstrap_port = None
             if config.role == "prefill" and config.bootstrap_port is not None:
-                bootstrap_port = await nursery.start(
-                    _serve_bootstrap, BootstrapApp(state.rooms), config
-                )
+                bootstrap = BootstrapApp(state.rooms, events, config.dp_size)
+                bootstrap_port = await nursery.start(_serve_bootstrap, bootstrap, config)
             else:
                 state.bootstrap_client = bootstrap_client()
             state.ticker = type(state.ticker)(config.disconnect_poll_secs)
-            port = await nursery.start(
-                _serve_http, EngineApp(state), config, state.connections, not refuse
-            )
+            app: ASGIApp = EngineApp(state)
+            if config.api_key:  # like SGLang, an empty key means none
+                app = ApiKeyGate(app, config.api_key, events)
+            port = await nursery.start(_serve_http, app, config, state.connections, not refuse)
             log.info(
-                "%s engine on http://%s:%s%s%s",
+                "%s engine on %s://%s:%s%s%s",
                 config.role,
+                config.scheme,
                 config.host,
                 port,
                 f" bootstrap port {bootstrap_port}" if bootstrap_port else "",
@@ -130,7 +134,7 @@ async def _serve_bootstrap(
 
 
 async def _serve_http(
-    app: EngineApp,
+    app: ASGIApp,
     config: EngineConfig,
     registry: ConnectionRegistry,
     listen: bool,
@@ -144,5 +148,6 @@ async def _serve_http(
         registry,
         keep_alive_secs=config.keep_alive_secs,
         listen=listen,
+        ssl_context=server_ssl_context(config),
         task_status=task_status,
     )
