@@ -346,6 +346,27 @@ async def test_http10_response(nursery, extra, reusable):
     assert connection.is_reusable() is reusable
 
 
+async def test_interim_1xx_then_chunked_with_trailers(nursery):
+    """Neither the 1xx's headers nor the trailers end up in the response's headers, and the
+    headers of an earlier response stay as they were."""
+    final = CHUNKED_HEAD[:-2] + b"Trailer: x-checksum\r\n\r\n" + chunked(b"body")[:-2]
+    pieces = (b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n" + final, b"X-Checksum: 1\r\n\r\n")
+    server = await start_server(nursery, answer(*pieces))
+    connection = await open_to(server)
+    expected = [
+        (b"content-type", b"text/event-stream"),
+        (b"transfer-encoding", b"chunked"),
+        (b"trailer", b"x-checksum"),
+    ]
+    first = await post(connection)
+    assert await first.read() == b"body"
+    assert first.headers == expected
+    second = await post(connection)
+    assert await second.read() == b"body"
+    assert first.headers == expected and second.headers == expected
+    assert connection.is_reusable()
+
+
 async def test_interim_1xx_skipped(nursery):
     pieces = (
         b"HTTP/1.1 100 Continue\r\n\r\n",
@@ -463,7 +484,7 @@ async def test_garbled_answer(nursery, garbage, message):
 
 async def test_bytes_after_a_complete_answer(nursery):
     """An answer followed by more bytes stands; the connection is not reused."""
-    for extra in (b"HTTP/1.1 200 OK\r\n", b"junk"):
+    for extra in (b"HTTP/1.1 200 OK\r\n", b"junk", length_answer(b"stray")):
         server = await start_server(nursery, answer_once(length_answer(b"fine") + extra))
         connection = await open_to(server)
         response = await post(connection)
@@ -626,6 +647,25 @@ async def test_close_now_wakes_a_blocked_reader(nursery):
     with trio.fail_after(2):
         while server.closed < 1:  # the server saw the connection go
             await trio.sleep(0.005)
+
+
+async def test_close_now_wakes_a_blocked_tls_reader(nursery, ca, server_tls):
+    head = OK_HEAD + b"Content-Length: 10\r\n\r\nab"
+    server = await start_server(nursery, answer_once(head), server_tls)
+    client_tls = ssl.create_default_context()
+    ca.configure_trust(client_tls)
+    connection = await open_to(server, ssl_context=client_tls)
+    response = await post(connection)
+
+    async def close_soon() -> None:
+        await trio.testing.wait_all_tasks_blocked()
+        connection.close_now()
+
+    with trio.fail_after(2):
+        async with trio.open_nursery() as inner:
+            inner.start_soon(close_soon)
+            with pytest.raises(TransportError, match="closed"):
+                await response.read()
 
 
 async def test_close_now_while_waiting_for_the_head(nursery):

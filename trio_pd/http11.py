@@ -19,6 +19,7 @@ a caller's mistake (a request on a busy or spent connection, CR/LF in a header).
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import ssl
@@ -82,20 +83,23 @@ async def connect(
     """Open a TCP connection (and complete the TLS handshake when `ssl_context` is given), both
     within `connect_timeout` seconds; TCP_NODELAY is on."""
     where = f"{host}:{port}"
-    tls = None
     try:
         with trio.fail_after(connect_timeout):
             stream = await trio.open_tcp_stream(host, port)
             try:
                 stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
-                if ssl_context is not None:
-                    tls = trio.SSLStream(
-                        stream,
-                        ssl_context,
-                        server_hostname=server_hostname or host,
-                        https_compatible=True,  # EOF without close_notify ends a body, as in HTTPS
-                    )
-                    await tls.do_handshake()
+                if ssl_context is None:
+                    # Plain TCP: take the socket out of trio's SocketStream and drive it directly.
+                    sock = socket.socket(fileno=stream.socket.detach())
+                    sock.setblocking(False)
+                    return Connection(_PlainStream(sock), sock, None, keepalive_expiry)
+                tls = trio.SSLStream(
+                    stream,
+                    ssl_context,
+                    server_hostname=server_hostname or host,
+                    https_compatible=True,  # EOF without close_notify ends a body, as in HTTPS
+                )
+                await tls.do_handshake()
             except BaseException:
                 stream.socket.close()
                 raise
@@ -111,7 +115,55 @@ async def connect(
         raise TransportError(
             "transport", f"cannot connect to {where}: {_connect_reason(exc)}"
         ) from exc
-    return Connection(stream, tls, keepalive_expiry)
+    return Connection(tls, stream.socket, tls, keepalive_expiry)
+
+
+class _PlainStream:
+    """A plain TCP socket driven with trio's low-level waits.
+
+    trio.SocketStream costs a few wrappers and, on every send, a trip through the scheduler;
+    for one request and one response that was a quarter of the client's CPU. The checkpoint
+    rules here: `receive_some` is a cancel point and a schedule point, as in trio;
+    `send_all` is only a cancel point when the socket takes the data at once, which is fine
+    because `Connection.request` always reads next.
+    """
+
+    __slots__ = ("_sock",)
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    async def send_all(self, data: bytes) -> None:
+        sock = self._sock
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            sent = sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        if sent == len(data):
+            return
+        rest = memoryview(data)[sent:]
+        while rest:
+            await trio.lowlevel.wait_writable(sock)
+            with contextlib.suppress(BlockingIOError):
+                rest = rest[sock.send(rest) :]
+
+    async def receive_some(self, max_bytes: int) -> bytes:
+        sock = self._sock
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            data = sock.recv(max_bytes)
+        except BlockingIOError:
+            pass
+        else:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return data
+        while True:
+            await trio.lowlevel.wait_readable(sock)
+            try:
+                return sock.recv(max_bytes)
+            except BlockingIOError:
+                pass
 
 
 class Connection:
@@ -139,11 +191,15 @@ class Connection:
     )
 
     def __init__(
-        self, stream: trio.SocketStream, tls: trio.SSLStream | None, keepalive_expiry: float
+        self,
+        stream: _PlainStream | trio.SSLStream,
+        sock: socket.socket | trio.socket.SocketType,
+        tls: trio.SSLStream | None,
+        keepalive_expiry: float,
     ) -> None:
-        self._stream: trio.abc.Stream = tls if tls is not None else stream
+        self._stream = stream
         self._tls = tls
-        self._socket = stream.socket
+        self._socket = sock  # the stdlib socket (plain TCP) or the trio socket under TLS
         self._poller: select.poll | None = select.poll()
         self._poller.register(self._socket.fileno(), select.POLLIN)
         self._keepalive_expiry = keepalive_expiry
@@ -152,7 +208,7 @@ class Connection:
         self._body: list[bytes] = []
         self.on_body = self._body.append
         self._headers: list[tuple[bytes, bytes]] = []
-        self._trailers: list[tuple[bytes, bytes]] = []  # and 1xx headers: parsed, then dropped
+        self._trailers: list[tuple[bytes, bytes]] = []  # parsed, then dropped
         self._response: Response | None = None
         self._done = True  # the last response (none yet) was read to its end
         self._keep_alive = True  # ...and the connection may carry another request
@@ -236,7 +292,9 @@ class Connection:
         self._keep_alive = False
         self._poller = None
         self._parser = None  # also breaks the parser <-> connection reference cycle
-        self._socket.close()  # trio notifies tasks waiting on the socket first
+        if self._socket.fileno() != -1:
+            trio.lowlevel.notify_closing(self._socket)  # a task waiting on it gets woken
+            self._socket.close()
 
     async def aclose(self) -> None:
         """Close the connection (no TLS close_notify: HTTP framing does not need it, and a
@@ -313,8 +371,9 @@ class Connection:
     # -- httptools callbacks (on_body is the body list's append) ----------------------------
 
     def on_message_begin(self) -> None:
-        if self._done:  # a second response nobody asked for: never reuse this connection
-            self._keep_alive = False
+        if self._done:  # a second response nobody asked for: never reuse this connection, and
+            self._keep_alive = False  # stop before its body joins the one being read
+            raise _StopParsing
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name.lower(), value))
@@ -324,9 +383,9 @@ class Connection:
         if status == 101:
             self._failure = "server switched protocols (101) though nobody asked"
             raise _StopParsing
-        if status < 200:  # 1xx: skipped, the final response follows
+        if status < 200:  # 1xx: skipped (its headers too), the final response follows
             self._interim = True
-            self._headers = self._trailers
+            self._headers = []
             return
         self._response = Response(self, status, self._headers)
         self._headers = self._trailers  # trailers of a chunked body land there
@@ -338,7 +397,6 @@ class Connection:
     def on_message_complete(self) -> None:
         if self._interim:
             self._interim = False
-            self._trailers.clear()
             return
         self._message_complete()
 
