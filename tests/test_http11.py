@@ -702,6 +702,19 @@ async def test_cancel_mid_body_leaves_connection_unusable(nursery):
     await connection.aclose()
 
 
+async def test_iteration_resumes_after_break(nursery):
+    server = await start_server(
+        nursery, answer(OK_HEAD + b"Content-Length: 8\r\n\r\nabcd", b"efgh")
+    )
+    connection = await open_to(server)
+    response = await post(connection)
+    async for chunk in response.chunks():
+        assert chunk == b"abcd"
+        break
+    assert await response.read() == b"efgh"
+    assert response.complete and connection.is_reusable()
+
+
 async def test_unfinished_body_then_aclose(nursery):
     server = await start_server(
         nursery, answer(OK_HEAD + b"Content-Length: 8\r\n\r\nabcd", b"efgh")

@@ -1,9 +1,10 @@
-"""HTTP/1.1 client connections on httptools (llhttp, in C) over trio streams.
+"""HTTP/1.1 client connections on httptools (llhttp, in C) over trio.
 
 One `Connection` carries one request at a time. The caller's task does every read itself: no
-helper task, no channel. A read is one `receive_some(65536)` fed to the parser, whose callbacks
-collect headers and body pieces into lists; a body iterator hands over everything one read
-produced as a single `bytes`, so SSE events that arrived together go on as one piece.
+helper task, no channel. A read is one 64 KiB receive fed to the parser, whose callbacks collect
+headers and body pieces into lists; the body iterator hands over everything one read produced
+as a single `bytes`, so SSE events that arrived together go on as one piece. Plain TCP sockets
+are driven with trio's low-level waits (`_PlainStream`); TLS goes through `trio.SSLStream`.
 
 Ownership stays with the caller (the pool): a connection may carry another request only when
 `is_reusable()` says so, i.e. its last response was read to the end and the server allows
@@ -432,14 +433,20 @@ class Response:
         return f"<Response {self.status} complete={self.complete}>"
 
     def header(self, name: bytes) -> bytes | None:
-        """The first value of header `name` (lower-case), or None."""
+        """The first value of header `name` (give it lower-case), or None."""
         for key, value in self.headers:
             if key == name:
                 return value
         return None
 
     def chunks(self) -> Response:
-        """The body, de-chunked: one item per network read that produced body bytes."""
+        """The body, de-chunked: one item per network read that produced body bytes (the bytes
+        that came with the head are the first item).
+
+        The iterator is the response itself: after a `break`, a later `chunks()` or `read()`
+        goes on where it stopped. After a cancelled or failed read it does not: every further
+        read raises TransportError, and the connection is not reusable.
+        """
         return self
 
     def __aiter__(self) -> Response:
