@@ -40,7 +40,7 @@ from trio_pd.relay import (
     split_event,
 )
 from trio_pd.respond import Reply, Responder
-from trio_pd.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from trio_pd.upstream import UpstreamError, UpstreamPool, UpstreamResponse, relayable_headers
 
 log = logging.getLogger("trio_pd.attempt")
 
@@ -265,7 +265,7 @@ class Attempt:
         if not 200 <= response.status < 300:
             self._fail_decode(await status_failure(response))
             return
-        headers = response.relayable_headers()
+        headers = relayable_headers(response)
         if self.stream and is_sse(response):
             await self._relay_decode_stream(response, headers, first_scope)
             return
@@ -352,7 +352,7 @@ class Attempt:
                 if now >= due:
                     log.warning("client stopped reading for %gs: ending the stream", stall)
                     self.stalled = True
-                    response.close_now()
+                    response.close_connection_now()
                     self.decode.cancel("stall")
                     self.prefill.cancel("stall")
                     return

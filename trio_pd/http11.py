@@ -500,6 +500,10 @@ class Response:
         data = b"".join(parts)
         return data[:limit] if size > limit else data
 
+    def close_connection_now(self) -> None:
+        """Close this response's connection at once, from any task (see Connection.close_now)."""
+        self._conn.close_now()
+
     async def aclose(self) -> None:
         """Finish with the response: an unread body makes the connection not reusable (the
         owner closes it). Not a checkpoint: it never blocks."""

@@ -1,26 +1,30 @@
 """Upstream HTTP for the two legs: keep-alive HTTP/1.1 connections to the workers.
 
-The protocol work is httpcore2's (`AsyncHTTP11Connection`, h11 underneath); the pooling is ours,
-because httpcore2's pool rescans every connection on each request and probes each idle socket
-(a syscall apiece): at 64 connections that was a fifth of the router's CPU. Here each worker
-origin has a LIFO stack of idle connections and only the connection taken is checked.
+The protocol work is `http11.py` (httptools' llhttp parser over trio sockets); the pooling is
+here. Each worker origin has a LIFO stack of idle connections and only the connection taken is
+checked (one non-blocking poll), instead of a pool rescanning every connection per request.
 
 Ownership is explicit, as in the DESIGN notes: a connection belongs to the one `post()` that took
 it until that context exits; it goes back to the stack only when its response was read to the
-end, and is closed otherwise, so a cancelled leg always closes its connection. Request budgets
-are trio deadlines; the only timeout here is the connect timeout.
+end and the server allows keep-alive, and is closed otherwise, so a cancelled leg always closes
+its connection. The pool decides what to close in a synchronous pass (nothing is returned or
+taken meanwhile) and closes it afterwards under a shield, as httpcore's pool does. Request
+budgets are trio deadlines; the only timeout here is the connect timeout.
 """
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from urllib.parse import urlsplit
 
 import attrs
-import httpcore2
 import httpx2
 import trio
+
+from trio_pd import http11
+from trio_pd.http11 import Connection, Response
 
 KEEPALIVE_EXPIRY_SECS = 2.0  # below the engines' keep-alive, so we never reuse a closing socket
 CONNECT_TIMEOUT_SECS = 10.0  # a black-holed worker fails the leg instead of eating the deadline
@@ -45,109 +49,58 @@ DROPPED_RESPONSE_HEADERS = frozenset(
         b"x-request-id",
     )
 )
-_TIMEOUTS = httpcore2.TimeoutException
-_TRANSPORT = (httpcore2.NetworkError, httpcore2.ProtocolError, httpcore2.UnsupportedProtocol)
 
-
-class UpstreamError(Exception):
-    """A leg's transport failed: `timeout` (connect) or `transport` (refused, reset, garbled)."""
-
-    def __init__(self, kind: str, exc: BaseException) -> None:
-        text = str(exc)
-        super().__init__(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
-        self.kind = kind
-
-
-def _upstream_error(exc: BaseException) -> UpstreamError:
-    return UpstreamError("timeout" if isinstance(exc, _TIMEOUTS) else "transport", exc)
+# A leg's transport failed: kind "timeout" (connect) or "transport" (refused, reset, garbled).
+UpstreamError = http11.TransportError
+UpstreamResponse = Response
 
 
 @attrs.frozen
 class Endpoint:
-    """Where a worker URL points, precomputed once: origin, Host header, path prefix."""
+    """Where a worker URL points, precomputed once: host, port, TLS, Host header, path prefix."""
 
-    origin: httpcore2.Origin
+    host: str
+    port: int
+    tls: bool
     host_header: bytes
     prefix: bytes
 
     @classmethod
     def parse(cls, url: str) -> Endpoint:
         parts = urlsplit(url)
-        scheme = parts.scheme.encode()
-        default_port = 443 if parts.scheme == "https" else 80
-        port = parts.port or default_port
-        host = (parts.hostname or "").encode()
+        tls = parts.scheme == "https"
         return cls(
-            origin=httpcore2.Origin(scheme, host, port),
+            host=parts.hostname or "",
+            port=parts.port or (443 if tls else 80),
+            tls=tls,
             host_header=parts.netloc.encode(),
             prefix=parts.path.rstrip("/").encode(),
         )
 
 
-@attrs.define(eq=False)
-class UpstreamResponse:
-    """Status, headers and body of one upstream answer; reading errors become UpstreamError."""
-
-    status: int
-    headers: list[tuple[bytes, bytes]]
-    _raw: httpcore2.Response
-    _connection: httpcore2.AsyncHTTP11Connection
-
-    def header(self, name: bytes) -> bytes | None:
-        for key, value in self.headers:
-            if key.lower() == name:
-                return value
-        return None
-
-    def relayable_headers(self) -> list[tuple[bytes, bytes]]:
-        """Headers less hop-by-hop ones, those the server sets itself and the request id."""
-        return [(k, v) for k, v in self.headers if k.lower() not in DROPPED_RESPONSE_HEADERS]
-
-    def close_now(self) -> None:
-        """Close the connection under this response at once, from any task (a task reading it
-        gets an error). For a stream whose relay is stuck writing to a client that stopped
-        reading: the engine must see the disconnect now, not when the write returns."""
-        stream = getattr(self._connection, "_network_stream", None)
-        raw = getattr(stream, "_stream", None)
-        raw = getattr(raw, "transport_stream", raw)
-        sock = getattr(raw, "socket", None)
-        if sock is not None:
-            sock.close()
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in self._raw.aiter_stream():
-                yield chunk
-        except (_TIMEOUTS, *_TRANSPORT) as exc:
-            raise _upstream_error(exc) from exc
-
-    async def read(self, limit: int | None = None) -> bytes:
-        parts = []
-        size = 0
-        async for chunk in self.chunks():
-            parts.append(chunk)
-            size += len(chunk)
-            if limit is not None and size >= limit:
-                break
-        body = b"".join(parts)
-        return body if limit is None else body[:limit]
+def relayable_headers(response: Response) -> list[tuple[bytes, bytes]]:
+    """Headers less hop-by-hop ones, those the server sets itself and the request id."""
+    return [(k, v) for k, v in response.headers if k not in DROPPED_RESPONSE_HEADERS]
 
 
 class UpstreamPool:
-    """Idle keep-alive connections per worker origin; one per process, shared by all requests."""
+    """Idle keep-alive connections per worker origin; one per process, shared by all requests.
+
+    ``ssl_context`` verifies https workers (None: the system trust store, made on first use).
+    """
 
     def __init__(
         self,
         keepalive_expiry: float = KEEPALIVE_EXPIRY_SECS,
         connect_timeout: float = CONNECT_TIMEOUT_SECS,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.keepalive_expiry = keepalive_expiry
         self.connect_timeout = connect_timeout
-        self._backend = httpcore2.TrioBackend()
+        self._ssl_context = ssl_context
         self._endpoints: dict[str, Endpoint] = {}
-        # Keyed by worker base URL (httpcore2's Origin is unhashable).
-        self._idle: dict[str, list[httpcore2.AsyncHTTP11Connection]] = {}
-        self._busy: dict[httpcore2.AsyncHTTP11Connection, str] = {}
+        self._idle: dict[str, list[Connection]] = {}  # keyed by worker base URL
+        self._busy: dict[Connection, str] = {}
 
     def endpoint(self, url: str) -> Endpoint:
         found = self._endpoints.get(url)
@@ -155,75 +108,69 @@ class UpstreamPool:
             found = self._endpoints[url] = Endpoint.parse(url)
         return found
 
+    @property
+    def ssl_context(self) -> ssl.SSLContext:
+        if self._ssl_context is None:
+            self._ssl_context = ssl.create_default_context()
+        return self._ssl_context
+
     @asynccontextmanager
     async def post(
         self, url: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes
-    ) -> AsyncIterator[UpstreamResponse]:
+    ) -> AsyncIterator[Response]:
         """POST `body` to `url + path`; the connection is reused only if the answer was read."""
         endpoint = self.endpoint(url)
-        connection = await self._checkout(url, endpoint.origin)
+        connection = await self._checkout(url, endpoint)
         self._busy[connection] = url
-        raw = None
+        response = None
         try:
-            request = httpcore2.Request(
+            response = await connection.request(
                 b"POST",
-                httpcore2.URL(
-                    scheme=endpoint.origin.scheme,
-                    host=endpoint.origin.host,
-                    port=endpoint.origin.port,
-                    target=endpoint.prefix + path.encode(),
-                ),
-                headers=[
+                endpoint.prefix + path.encode(),
+                [
                     (b"host", endpoint.host_header),
                     (b"content-length", str(len(body)).encode()),
                     *headers,
                 ],
-                content=body,
+                body,
             )
-            try:
-                raw = await connection.handle_async_request(request)
-            except (_TIMEOUTS, *_TRANSPORT) as exc:
-                raise _upstream_error(exc) from exc
-            yield UpstreamResponse(raw.status, raw.headers, raw, connection)
+            yield response
         finally:
             del self._busy[connection]
-            with trio.CancelScope(shield=True):
-                if raw is not None:
-                    await raw.aclose()  # an unfinished body marks the connection closed
-                if connection.is_idle() and not connection.is_closed():
-                    self._idle.setdefault(url, []).append(connection)
-                else:
-                    await connection.aclose()
+            if response is not None:
+                await response.aclose()  # not a checkpoint; an unread body spends the connection
+            if connection.is_reusable():
+                self._idle.setdefault(url, []).append(connection)
+            else:
+                await _close_all([connection])
 
-    async def _checkout(
-        self, url: str, origin: httpcore2.Origin
-    ) -> httpcore2.AsyncHTTP11Connection:
+    async def _checkout(self, url: str, endpoint: Endpoint) -> Connection:
         """The most recently used live idle connection to `url`, or a new one.
 
         Stale connections met on the way are taken off the stack first and closed afterwards,
-        shielded: nothing awaits while the stack is being decided (httpcore's split between
-        assigning connections and closing them).
+        shielded: nothing awaits while the stack is being decided.
         """
         stack = self._idle.get(url)
         stale = []
         found = None
         while stack:
             connection = stack.pop()  # LIFO: the most recently used is the least likely stale
-            if connection.has_expired():  # past keep-alive, or the server closed it
+            if connection.is_stale():  # past keep-alive, or the server closed it
                 stale.append(connection)
             else:
                 found = connection
                 break
-        await _close_all(stale)
+        if stale:
+            await _close_all(stale)
         if found is not None:
             return found
-        try:
-            stream = await self._backend.connect_tcp(
-                origin.host.decode("ascii"), origin.port, timeout=self.connect_timeout
-            )
-        except (_TIMEOUTS, *_TRANSPORT, OSError) as exc:
-            raise _upstream_error(exc) from exc
-        return httpcore2.AsyncHTTP11Connection(origin, stream, self.keepalive_expiry)
+        return await http11.connect(
+            endpoint.host,
+            endpoint.port,
+            ssl_context=self.ssl_context if endpoint.tls else None,
+            connect_timeout=self.connect_timeout,
+            keepalive_expiry=self.keepalive_expiry,
+        )
 
     async def prune(self) -> None:
         """Close idle connections past their keep-alive (the lifespan calls this periodically).
@@ -235,7 +182,7 @@ class UpstreamPool:
         for stack in self._idle.values():
             keep = []
             for connection in stack:
-                (expired if connection.has_expired() else keep).append(connection)
+                (expired if connection.is_stale() else keep).append(connection)
             stack[:] = keep
         await _close_all(expired)
 
@@ -253,7 +200,7 @@ class UpstreamPool:
         return result
 
 
-async def _close_all(connections: list[httpcore2.AsyncHTTP11Connection]) -> None:
+async def _close_all(connections: list[Connection]) -> None:
     with trio.CancelScope(shield=True):
         for connection in connections:
             await connection.aclose()

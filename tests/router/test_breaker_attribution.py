@@ -129,7 +129,9 @@ async def test_client_disconnect_records_nothing(nursery: trio.Nursery) -> None:
     await cluster.client.aclose()
 
 
-async def test_prefill_burst_opens_only_the_prefill_breaker_and_panic_routes(nursery: trio.Nursery) -> None:
+async def test_prefill_burst_opens_only_the_prefill_breaker_and_panic_routes(
+    nursery: trio.Nursery,
+) -> None:
     cluster = await start_cluster(
         nursery, breaker=BreakerConfig(failure_threshold=3, timeout_duration_secs=60)
     )
