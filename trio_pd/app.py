@@ -25,6 +25,7 @@ from trio_pd.background import run_background
 from trio_pd.config import RouterConfig
 from trio_pd.control import ControlContext
 from trio_pd.dispatch import DispatchContext, PDRequest, RequestCancel, dispatch
+from trio_pd.drain import Drain, cut_by_shutdown, shutting_down
 from trio_pd.errors import RouterError, internal_error, method_not_allowed, not_found
 from trio_pd.fleet.workers import Fleet
 from trio_pd.intake import inspect, read_request_body
@@ -52,6 +53,7 @@ class Router:
     pool: UpstreamPool = attrs.field(factory=UpstreamPool)  # the data plane's two legs
     metrics: RouterMetrics = attrs.field(factory=RouterMetrics)
     admission: Admission = attrs.field()
+    drain: Drain = attrs.field()
     control: ControlContext = attrs.field()
     generation: GenerationContext = attrs.field()
     routes: dict[str, dict[str, Handler]] = attrs.field()
@@ -65,6 +67,10 @@ class Router:
         c = self.config
         return Admission(c.max_concurrent_requests, c.queue_size, c.queue_timeout_secs)
 
+    @drain.default
+    def _default_drain(self) -> Drain:
+        return Drain(self.config.shutdown_grace_period_secs)
+
     @control.default
     def _default_control(self) -> ControlContext:
         return ControlContext(self.config, self.fleet, self.rng)
@@ -74,7 +80,7 @@ class Router:
         dispatch_context = DispatchContext(
             self.pool, self.fleet, self.config, self.rng, self.metrics
         )
-        return GenerationContext(self.config, self.admission, dispatch_context)
+        return GenerationContext(self.config, self.admission, self.drain, dispatch_context)
 
     @routes.default
     def _default_routes(self) -> dict[str, dict[str, Handler]]:
@@ -82,7 +88,10 @@ class Router:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            await self.handle_http(scope, receive, send)
+            if self.config.prometheus_port and scope["server"][1] == self.config.prometheus_port:
+                await self.handle_metrics_port(scope, receive, send)
+            else:
+                await self.handle_http(scope, receive, send)
         elif scope["type"] == "lifespan":
             await self.lifespan(receive, send)
 
@@ -132,6 +141,16 @@ class Router:
             self.metrics.requests.labels(label, str(status)).inc()
             self.metrics.latency.labels(label).observe(trio.current_time() - started_at)
 
+    async def handle_metrics_port(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """`--prometheus-port` serves `/metrics` and nothing else."""
+        responder = Responder(send, uuid.uuid4().hex.encode())
+        if scope["path"] != "/metrics":
+            await responder.error(not_found(scope["path"]))
+        elif scope["method"] != "GET":
+            await responder.error(method_not_allowed(scope["method"], "/metrics", ("GET",)))
+        else:
+            await handle_metrics(self.metrics, scope, receive, responder)
+
     async def internal_error(self, group: BaseExceptionGroup, responder: Responder) -> None:
         """A bug or an unforeseen input: logged with its traceback, answered with the envelope."""
         log.error("internal error", exc_info=group)
@@ -170,6 +189,7 @@ class GenerationContext:
 
     config: RouterConfig
     admission: Admission
+    drain: Drain
     dispatch: DispatchContext
     parsers: trio_parallel.WorkerContext | None = None  # opened by the lifespan
 
@@ -180,6 +200,8 @@ async def handle_generation(
     """A PD request: read and inspect the body, then dispatch in a scope the client's
     disconnect cancels."""
     config = gen.config
+    if gen.drain.draining:
+        raise shutting_down()
     raw = await read_request_body(
         scope, receive, config.max_payload_size, config.timeouts.client_body_secs
     )
@@ -189,7 +211,7 @@ async def handle_generation(
         scope["path"], inspected, leg_headers(scope["headers"], rsp.request_id.decode())
     )
     cancel = RequestCancel()
-    with cancel.scope:
+    with gen.drain.track(cancel), cancel.scope:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch_disconnect, receive, rsp, cancel)
             try:
@@ -201,6 +223,16 @@ async def handle_generation(
             nursery.cancel_scope.cancel()
     if cancel.scope.cancelled_caught:
         log.info("request cancelled (%s); every leg of it was closed", cancel.cause)
+        if cancel.cause == "shutdown":
+            await answer_cut(rsp, cut_by_shutdown(gen.drain.grace_secs))
+
+
+async def answer_cut(rsp: Responder, error: RouterError) -> None:
+    """The §4 answer of a request ended from outside: an error, or a frame after the start."""
+    if not rsp.started:
+        await rsp.error(error)
+    elif not rsp.finished:
+        await rsp.finish_stream(error_frame(error.message, error.error_type, error.status))
 
 
 async def watch_disconnect(receive: Receive, responder: Responder, cancel: RequestCancel) -> None:
@@ -233,9 +265,15 @@ async def handle_liveness(scope: Scope, receive: Receive, rsp: Responder) -> Non
     await json_reply(rsp, 200, {"status": "alive"})
 
 
-async def handle_health(fleet: Fleet, scope: Scope, receive: Receive, rsp: Responder) -> None:
+async def handle_health(
+    fleet: Fleet, drain: Drain, scope: Scope, receive: Receive, rsp: Responder
+) -> None:
     """200 only when a prefill and a decode can take traffic (breakers aside: see
-    `Fleet.select`'s panic routing)."""
+    `Fleet.select`'s panic routing) and the process is not draining."""
+    if drain.draining:
+        error = {"message": "shutting down", "type": "service_unavailable", "code": 503}
+        await json_reply(rsp, 503, {"status": "draining", "error": error})
+        return
     missing = [role for role in ("prefill", "decode") if not fleet.routable(role)]
     if missing:
         error = {
@@ -265,7 +303,7 @@ def route_table(router: Router) -> dict[str, dict[str, Handler]]:
     table["/workers/{id}"] = {m: partial(h, control) for m, h in WORKER_ITEM_ROUTES.items()}
     for path in GENERATION_PATHS:
         table[path] = {"POST": partial(handle_generation, router.generation)}
-    health = partial(handle_health, router.fleet)
+    health = partial(handle_health, router.fleet, router.drain)
     table["/health"] = {"GET": health}
     table["/readiness"] = {"GET": health}
     table["/liveness"] = {"GET": handle_liveness}

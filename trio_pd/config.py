@@ -102,6 +102,9 @@ class RouterConfig:
     api_key: str | None = None
     log_level: str = "info"
     prometheus_port: int | None = None
+    shutdown_grace_period_secs: float = 180.0  # in-flight requests' time to finish on SIGTERM
+    tls_cert_path: str | None = None  # serve HTTPS (hypercorn does it)
+    tls_key_path: str | None = None
     retry: RetryConfig = RetryConfig()
     breaker: BreakerConfig = BreakerConfig()
     health: HealthConfig = HealthConfig()

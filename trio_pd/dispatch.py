@@ -43,7 +43,7 @@ class PDRequest:
     headers: list[tuple[bytes, bytes]]  # already the legs' headers
 
 
-@attrs.define
+@attrs.define(eq=False)
 class RequestCancel:
     """The request's own cancel scope, and why it was cancelled (for the legs' accounting).
 

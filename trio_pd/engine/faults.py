@@ -1,6 +1,8 @@
 """Fault specs: `[ROLE:]KIND[:ARG][@MS][+kv]`, from --fault or a request's `sim_fault` field.
 
-KIND is an HTTP status (`500`, `429`, ...), `sse_error`, `abort`, `close`, `hang`, `slow:MS`, or
+KIND is an HTTP status (`500`, `429`, ...), `sse_error[:CODE]` (an error object inside a 200
+answer, code 500 unless given), `abort[:CODE]` (finish_reason abort, with `status_code` CODE when
+given), `close`, `hang`, `slow:MS`, or
 (engine level only) `refuse`. `@MS` delays the firing by MS milliseconds. `+kv` (prefill only)
 fires the fault after the KV cache was sent, so decode can answer before prefill fails.
 """
@@ -32,7 +34,7 @@ class Fault:
 
     @property
     def is_client_error(self) -> bool:
-        return self.status is not None and 400 <= self.status < 500
+        return self.kind == "status" and self.status is not None and 400 <= self.status < 500
 
     @property
     def delay(self) -> float:
@@ -70,6 +72,11 @@ def _parse_plain(spec: str, text: str) -> Fault:
         if len(args) != 1:
             raise FaultError(f"slow needs one argument (milliseconds): {spec!r}")
         return Fault(spec, "slow", role, arg_ms=_number(args[0], spec), delay_ms=delay_ms)
+    if kind in ("sse_error", "abort") and len(args) == 1:  # `sse_error:400`: the in-band code
+        code = args[0]
+        if not code.isdigit() or not 100 <= int(code) <= 599:
+            raise FaultError(f"bad in-band code in fault spec {spec!r}")
+        return Fault(spec, kind, role, status=int(code), delay_ms=delay_ms)
     if kind not in KINDS or args:
         raise FaultError(f"unknown fault {spec!r} (kinds: <status>, {', '.join(KINDS[1:])})")
     return Fault(spec, kind, role, delay_ms=delay_ms)

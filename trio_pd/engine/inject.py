@@ -23,18 +23,21 @@ async def fire(call: Call, fault: Fault) -> None:
             await call.resp.error(fault.status, message)
         else:
             await call.resp.json(fault.status, error_body(message, fault.status))
-    elif fault.kind == "sse_error":
+    elif (
+        fault.kind == "sse_error"
+    ):  # an error inside a 200 answer, with its code (500 unless given)
+        code = fault.status or 500
         if stream:
-            await call.resp.event(error_body(message, 500))
+            await call.resp.event(error_body(message, code))
             await call.resp.done()
         else:
-            await call.resp.json(200, error_body(message, 500))
-    elif fault.kind == "abort":
+            await call.resp.json(200, error_body(message, code))
+    elif fault.kind == "abort":  # finish_reason abort; a given code becomes its status_code
         if stream:
-            await call.resp.event(call.shaper.abort_event(message))
+            await call.resp.event(call.shaper.abort_event(message, fault.status))
             await call.resp.done()
         else:
-            await call.resp.json(200, call.shaper.full(abort=message))
+            await call.resp.json(200, call.shaper.full(abort=message, abort_code=fault.status))
     elif fault.kind == "close":
         call.ended = "closed"
         if not await call.engine.connections.drop(call.client):

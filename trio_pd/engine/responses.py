@@ -99,8 +99,11 @@ class Shaper:
         return {"type": "length", "length": self.out_tokens}
 
     @staticmethod
-    def abort_finish(message: str) -> dict[str, Any]:
-        return {"type": "abort", "message": message}
+    def abort_finish(message: str, status_code: int | None = None) -> dict[str, Any]:
+        finish: dict[str, Any] = {"type": "abort", "message": message}
+        if status_code is not None:  # SGLang's way of saying whose fault the abort was
+            finish["status_code"] = status_code
+        return finish
 
     def _usage(self, completion: int | None = None) -> dict[str, Any]:
         prompt = sum(len(i) for i in self.w.inputs)
@@ -114,12 +117,12 @@ class Shaper:
             "prompt_tokens_details": None,
         }
 
-    def _openai_meta(self, abort: str | None = None) -> dict[str, Any]:
+    def _openai_meta(self, abort: str | None = None, code: int | None = None) -> dict[str, Any]:
         meta: dict[str, Any] = {}
         if self.w.logprobs:
             meta.update(self._input_meta(0))
         if abort is not None:
-            meta["finish_reason"] = self.abort_finish(abort)
+            meta["finish_reason"] = self.abort_finish(abort, code)
         return meta
 
     def _completion_logprobs(self, start: int, stop: int) -> dict[str, Any]:
@@ -163,11 +166,14 @@ class Shaper:
         return {"content": content}
 
     # ---- whole bodies ----------------------------------------------------------------------
-    def full(self, abort: str | None = None) -> Any:
+    def full(self, abort: str | None = None, abort_code: int | None = None) -> Any:
         """The non-stream body: a completed answer, or an in-band abort."""
         done = 0 if abort is not None else self.out_tokens
         if self.w.api == "generate":
-            finish = self.abort_finish(abort) if abort is not None else self.length_finish()
+            if abort is not None:
+                finish = self.abort_finish(abort, abort_code)
+            else:
+                finish = self.length_finish()
             items = [
                 {
                     "text": output_text(done),
@@ -202,7 +208,7 @@ class Shaper:
             "choices": choices,
             "usage": self._usage(done * self.w.size),
         }
-        meta = self._openai_meta(abort)
+        meta = self._openai_meta(abort, abort_code)
         if meta:
             body["meta_info"] = meta
         return body
@@ -258,15 +264,15 @@ class Shaper:
             events.append(usage_chunk)
         return events
 
-    def abort_event(self, message: str) -> Any:
+    def abort_event(self, message: str, code: int | None = None) -> Any:
         if self.w.api == "generate":
             return {
                 "text": "",
                 "output_ids": [],
-                "meta_info": self.meta_info(0, 0, self.abort_finish(message)),
+                "meta_info": self.meta_info(0, 0, self.abort_finish(message, code)),
             }
         chunk = self._chunk(0, {} if self.w.api == "chat" else None, None, "abort", text="")
-        chunk["meta_info"] = self._openai_meta(message)
+        chunk["meta_info"] = self._openai_meta(message, code)
         return chunk
 
     def _chunk(
