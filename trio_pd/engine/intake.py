@@ -70,7 +70,8 @@ async def admit(
         stream=w.stream,
         rooms=list(w.rooms) if w.rooms else None,
         batch=w.is_batch,
-        body=body,  # as received: lets router tests check injection and pass-through
+        body=body,  # as parsed: lets router tests check injection and pass-through
+        raw=raw.decode("utf-8", "surrogateescape"),  # as received, byte for byte
         headers=hdrs,
         sglang_rid=body.get("rid"),
         dp_ranks=list(call.dp_ranks) if w.is_batch else None,
