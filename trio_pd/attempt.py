@@ -47,6 +47,7 @@ log = logging.getLogger("trio_pd.attempt")
 SSE_TYPE = b"text/event-stream"
 MAX_ERROR_BODY = 1 << 20  # an upstream error body we relay is read up to this size
 MAX_ANSWER_BODY = 256 << 20  # a non-streamed answer larger than this fails the leg
+WATCHDOG_CHECKS = 4  # the stream watchdog looks this often per (shortest) timeout
 
 
 @attrs.define(eq=False)
@@ -205,7 +206,7 @@ class Attempt:
         if is_sse(response):
             await self._read_prefill_stream(response)
             return
-        answer = parse_json(await response.read(limit=MAX_ANSWER_BODY))
+        answer = parse_json(await read_answer(response))
         found = inband_failure(answer)
         if found is not None:
             self._fail_prefill(LegFailure("inband", found.message, found.code))
@@ -269,7 +270,7 @@ class Attempt:
         if self.stream and is_sse(response):
             await self._relay_decode_stream(response, headers, first_scope)
             return
-        body = await response.read(limit=MAX_ANSWER_BODY)
+        body = await read_answer(response)
         found = inband_failure(parse_json(body)) if b"error" in body or b"abort" in body else None
         if found is not None:
             self._fail_decode(LegFailure("inband", found.message, found.code))
@@ -345,24 +346,30 @@ class Attempt:
         sees the disconnect at once) and cancels the leg. A silent decode is simply cancelled.
         """
         stall, idle = self.timeouts.stream_stall_secs, self.timeouts.stream_idle_secs
+        period = min(stall, idle) / WATCHDOG_CHECKS  # a few wakeups per timeout, per stream
         while True:
+            await trio.sleep(period)
             now = trio.current_time()
             if clock.sending_since is not None:
-                due = clock.sending_since + stall
-                if now >= due:
+                if now - clock.sending_since >= stall:
                     log.warning("client stopped reading for %gs: ending the stream", stall)
                     self.stalled = True
                     response.close_connection_now()
                     self.decode.cancel("stall")
                     self.prefill.cancel("stall")
                     return
-            else:
-                due = clock.last_chunk_at + idle
-                if now >= due:
-                    self._fail_decode(LegFailure("timeout", f"decode sent nothing for {idle:g}s"))
-                    self.decode.scope.cancel()
-                    return
-            await trio.sleep_until(due)
+            elif now - clock.last_chunk_at >= idle:
+                self._fail_decode(LegFailure("timeout", f"decode sent nothing for {idle:g}s"))
+                self.decode.scope.cancel()
+                return
+
+
+async def read_answer(response: UpstreamResponse) -> bytes:
+    """A whole non-streamed answer; one past `MAX_ANSWER_BODY` fails the leg, never truncated."""
+    body = await response.read(limit=MAX_ANSWER_BODY)
+    if not response.complete:
+        raise UpstreamError("transport", f"answer larger than {MAX_ANSWER_BODY} bytes")
+    return body
 
 
 def merged_event(prefill_answer: Any, decode_data: bytes) -> bytes | None:

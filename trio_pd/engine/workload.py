@@ -171,9 +171,10 @@ def _content_text(message: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # OpenAI content parts
-        return " ".join(
-            p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
-        )
+        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        if not all(isinstance(t, str) for t in texts):
+            raise BadRequest("a text content part needs a string `text`")
+        return " ".join(texts)
     raise BadRequest("message content must be a string or a list of parts")
 
 
