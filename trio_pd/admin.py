@@ -1,75 +1,48 @@
-"""Admin and fan-out routes: runtime worker membership, loads, model info.
+"""Membership routes: `POST /workers`, `GET /workers`, `GET /workers/{id}`,
+`DELETE /workers/{id}` (who may call them: `auth.py`).
 
-Membership (`POST /workers`, `GET /workers`, `GET /workers/{id}`, `DELETE /workers/{id}`) and
-`POST /flush_cache` are admin routes: when `config.api_key` is set they need
-`Authorization: Bearer <api_key>` (401 otherwise, checked before anything else, so an unknown
-id is not revealed to an unauthenticated caller). The read-only fan-out routes (`/v1/models`,
-`/get_model_info`, `/get_server_info`, `/health_generate`, `/get_loads`) are open, like
-`/health`.
-
+Changes go through the router's membership store (`membership/`): in one process the Fleet
+itself, with `--workers N` the shared file every process reads, with etcd the cluster's store.
 A worker added at runtime starts unhealthy and takes traffic after the health checker's first
 pass (the checker follows fleet membership). A removed worker is never selected again; requests
-already running on it finish.
+already running on it finish. URLs that cannot be a worker (link-local, cloud metadata, this
+router itself) are refused before anything is stored (`urls.py`).
 """
 
 from __future__ import annotations
 
-import hmac
-import ipaddress
 from typing import Any
-from urllib.parse import urlsplit
 
 import orjson
 
-from trio_pd.asgi import ControlHandler, Receive, Scope, json_reply, read_json_object
+from trio_pd.asgi import Receive, Scope, json_reply, read_json_object
 from trio_pd.config import WorkerSpec
 from trio_pd.control import ControlContext
-from trio_pd.errors import RouterError, bad_request, unauthorized
-from trio_pd.fanout import (
-    handle_flush_cache,
-    handle_get_loads,
-    handle_health_generate,
-    proxy_from_prefill,
-)
+from trio_pd.errors import RouterError, bad_request
+from trio_pd.membership.source import NotOwned, StoreUnavailable
 from trio_pd.respond import JSON_HEADERS, Reply, Responder
+from trio_pd.urls import check_destination, check_syntax
 
 WORKERS_PATH = "/workers"
 ADMIN_BODY_LIMIT = 64 * 1024
 WORKER_TYPES = ("prefill", "decode")
 
 
-def require_api_key(ctx: ControlContext, scope: Scope) -> None:
-    """401 unless the request carries `Authorization: Bearer <config.api_key>` (when one is set)."""
-    key = ctx.config.api_key
-    if not key:
-        return
-    given = b""
-    for name, value in scope["headers"]:
-        if name == b"authorization":
-            given = value
-            break
-    scheme, _, token = given.partition(b" ")
-    if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), key.encode()):
-        error = unauthorized()
-        error.headers = ((b"www-authenticate", b'Bearer realm="trio_pd"'),)
-        raise error
-
-
-def admin(handler: ControlHandler) -> ControlHandler:
-    """`handler` behind the API key check."""
-
-    async def guarded(ctx: ControlContext, scope: Scope, receive: Receive, rsp: Responder) -> None:
-        require_api_key(ctx, scope)
-        await handler(ctx, scope, receive, rsp)
-
-    guarded.__name__ = guarded.__qualname__ = handler.__name__
-    return guarded
-
-
 # -- membership --------------------------------------------------------------------------------
 
 
 def parse_worker_spec(body: dict[str, Any]) -> WorkerSpec:
+    """The `POST /workers` body: url, worker_type, bootstrap_port, model_id, api_key."""
+    spec = _parse_worker_spec(body)
+    for field in ("model_id", "api_key"):
+        value = body.get(field)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise bad_request(f"{field} must be a non-empty string or null")
+    return WorkerSpec(spec.url, spec.role, spec.bootstrap_port, body.get("model_id"),
+                      body.get("api_key"))  # fmt: skip
+
+
+def _parse_worker_spec(body: dict[str, Any]) -> WorkerSpec:
     """The `POST /workers` body as a WorkerSpec, or a 400 saying what is wrong."""
     worker_type = body.get("worker_type")
     if worker_type is None:
@@ -87,36 +60,24 @@ def parse_worker_spec(body: dict[str, Any]) -> WorkerSpec:
 
 
 def check_url(url: object) -> str:
-    if not isinstance(url, str) or not url:
-        raise bad_request("url is required: the worker's base URL, e.g. http://10.0.0.5:30000")
-    if any(c.isspace() for c in url):
-        raise bad_request(f"url must not contain whitespace: {url!r}")
     try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - raises ValueError on a bad port
+        return check_syntax(url)
     except ValueError as exc:
-        raise bad_request(f"url {url!r} is not a valid URL: {exc}") from None
-    if parts.scheme not in ("http", "https"):
-        raise bad_request(f"url must start with http:// or https://: {url!r}")
-    if not parts.hostname:
-        raise bad_request(f"url has no host: {url!r}")
-    if parts.query or parts.fragment or parts.username or parts.password:
-        raise bad_request(f"url must not carry a query, fragment or credentials: {url!r}")
-    if "[" in parts.netloc:
-        try:
-            ipaddress.IPv6Address(parts.hostname)
-        except ValueError:
-            raise bad_request(f"url has an invalid IPv6 host: {url!r}") from None
-    return url
+        raise bad_request(str(exc)) from None
 
 
 async def add_worker(ctx: ControlContext, scope: Scope, receive: Receive, rsp: Responder) -> None:
     body = await read_json_object(scope, receive, ADMIN_BODY_LIMIT)
     spec = parse_worker_spec(body)
+    await check_destination(spec.url, ctx.url_allow, [tuple(scope["server"])])
     try:
-        worker = ctx.fleet.add(spec)
+        record = await ctx.store.add(spec)
     except ValueError as exc:
         raise RouterError(409, str(exc), "conflict") from None
+    except StoreUnavailable as exc:
+        raise RouterError(503, str(exc), "service_unavailable") from None
+    worker = ctx.fleet.get(record.id)
+    rsp.audit = f"added {worker.id} {worker.role} {worker.url}"
     headers = [*JSON_HEADERS, (b"location", f"{WORKERS_PATH}/{worker.id}".encode())]
     await rsp.reply(Reply(201, headers, orjson.dumps(worker.to_json())))
 
@@ -143,20 +104,14 @@ async def get_worker(ctx: ControlContext, scope: Scope, receive: Receive, rsp: R
 async def delete_worker(
     ctx: ControlContext, scope: Scope, receive: Receive, rsp: Responder
 ) -> None:
-    worker = ctx.fleet.remove(worker_id_of(ctx, scope))
+    worker = ctx.fleet.get(worker_id_of(ctx, scope))
+    try:
+        await ctx.store.remove(worker.id)
+    except (NotOwned, KeyError):
+        raise RouterError(
+            409, f"worker {worker.id!r} is managed by {worker.source}; change it there", "conflict"
+        ) from None
+    except StoreUnavailable as exc:
+        raise RouterError(503, str(exc), "service_unavailable") from None
+    rsp.audit = f"removed {worker.id} {worker.role} {worker.url}"
     await json_reply(rsp, 200, {**worker.to_json(), "removed": True})
-
-
-ADMIN_ROUTES: dict[str, dict[str, ControlHandler]] = {
-    WORKERS_PATH: {"GET": admin(list_workers), "POST": admin(add_worker)},
-    "/flush_cache": {"POST": admin(handle_flush_cache)},
-    "/get_loads": {"GET": handle_get_loads},
-    "/health_generate": {"GET": handle_health_generate},
-    "/v1/models": {"GET": proxy_from_prefill},
-    "/get_model_info": {"GET": proxy_from_prefill},
-    "/get_server_info": {"GET": proxy_from_prefill},
-}
-WORKER_ITEM_ROUTES: dict[str, ControlHandler] = {
-    "GET": admin(get_worker),
-    "DELETE": admin(delete_worker),
-}

@@ -10,30 +10,44 @@ from __future__ import annotations
 
 import logging
 import random
+import ssl
 import uuid
 from functools import partial
+from pathlib import Path
 
 import attrs
 import trio
 import trio_parallel
 
 from trio_pd import payload
-from trio_pd.admin import ADMIN_ROUTES, WORKER_ITEM_ROUTES
+from trio_pd.admin import add_worker, delete_worker, get_worker, list_workers
 from trio_pd.admission import Admission
-from trio_pd.asgi import ClientGone, Handler, Receive, Scope, Send, json_reply
+from trio_pd.asgi import ClientGone, ControlHandler, Handler, Receive, Scope, Send, json_reply
+from trio_pd.auth import Access, AccessClass, startup_warnings
 from trio_pd.background import run_background
 from trio_pd.config import RouterConfig
 from trio_pd.control import ControlContext
 from trio_pd.dispatch import DispatchContext, PDRequest, RequestCancel, dispatch
 from trio_pd.drain import Drain, cut_by_shutdown, shutting_down
 from trio_pd.errors import RouterError, internal_error, method_not_allowed, not_found
+from trio_pd.fanout import (
+    handle_flush_cache,
+    handle_get_loads,
+    handle_health_generate,
+    proxy_from_prefill,
+)
 from trio_pd.fleet.workers import Fleet
 from trio_pd.intake import inspect, read_request_body
 from trio_pd.logs import current_request_id
+from trio_pd.membership.memory import MemoryStore
+from trio_pd.membership.shared_file import FileMembership
+from trio_pd.membership.source import MembershipSource, MembershipStore
 from trio_pd.metrics import RouterMetrics
 from trio_pd.relay import error_frame
 from trio_pd.respond import Reply, Responder
-from trio_pd.upstream import UpstreamPool, leg_headers, make_client
+from trio_pd.tls import worker_ssl_context
+from trio_pd.upstream import UpstreamPool, client_authorization, leg_headers, make_client
+from trio_pd.urls import parse_allow
 
 log = logging.getLogger("trio_pd.app")
 CLIENT_GONE_STATUS = 499  # nginx's convention for "the client closed the request"
@@ -50,30 +64,61 @@ class Router:
     config: RouterConfig
     fleet: Fleet = attrs.field()
     rng: random.Random = attrs.field(factory=random.Random)
-    pool: UpstreamPool = attrs.field(factory=UpstreamPool)  # the data plane's two legs
+    ssl_context: ssl.SSLContext = attrs.field()
+    pool: UpstreamPool = attrs.field()  # the data plane's two legs
     metrics: RouterMetrics = attrs.field(factory=RouterMetrics)
     admission: Admission = attrs.field()
+    access: Access = attrs.field()
     drain: Drain = attrs.field()
+    store: MembershipStore = attrs.field()  # where the admin API writes membership
+    sources: list[MembershipSource] = attrs.field()  # long-lived membership readers
     control: ControlContext = attrs.field()
     generation: GenerationContext = attrs.field()
-    routes: dict[str, dict[str, Handler]] = attrs.field()
+    routes: dict[str, dict[str, Route]] = attrs.field()
 
     @fleet.default
     def _default_fleet(self) -> Fleet:
-        return Fleet(self.config)
+        # With a shared membership file the command line's workers live in the file.
+        return Fleet(self.config, static=self.config.membership_file is None)
+
+    @ssl_context.default
+    def _default_ssl_context(self) -> ssl.SSLContext:
+        return worker_ssl_context(self.config)
+
+    @pool.default
+    def _default_pool(self) -> UpstreamPool:
+        return UpstreamPool(ssl_context=self.ssl_context)
 
     @admission.default
     def _default_admission(self) -> Admission:
         c = self.config
         return Admission(c.max_concurrent_requests, c.queue_size, c.queue_timeout_secs)
 
+    @access.default
+    def _default_access(self) -> Access:
+        c = self.config
+        return Access(
+            c.control_plane_api_keys, c.data_plane_api_keys, c.control_plane_audit_enabled
+        )
+
     @drain.default
     def _default_drain(self) -> Drain:
         return Drain(self.config.shutdown_grace_period_secs)
 
+    @store.default
+    def _default_store(self) -> MembershipStore:
+        if self.config.membership_file:
+            return FileMembership(Path(self.config.membership_file), self.fleet)
+        return MemoryStore(self.fleet)
+
+    @sources.default
+    def _default_sources(self) -> list[MembershipSource]:
+        return [self.store] if isinstance(self.store, FileMembership) else []
+
     @control.default
     def _default_control(self) -> ControlContext:
-        return ControlContext(self.config, self.fleet, self.rng)
+        allow = parse_allow(self.config.worker_url_allow)
+        return ControlContext(self.config, self.fleet, self.rng, self.store, allow)
 
     @generation.default
     def _default_generation(self) -> GenerationContext:
@@ -83,7 +128,7 @@ class Router:
         return GenerationContext(self.config, self.admission, self.drain, dispatch_context)
 
     @routes.default
-    def _default_routes(self) -> dict[str, dict[str, Handler]]:
+    def _default_routes(self) -> dict[str, dict[str, Route]]:
         return route_table(self)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -100,7 +145,8 @@ class Router:
     async def lifespan(self, receive: Receive, send: Send) -> None:
         message = await receive()
         assert message["type"] == "lifespan.startup"
-        self.control.client = make_client()
+        self.control.client = make_client(self.ssl_context)
+        startup_warnings(self.access)
         self.metrics.attach(self.fleet, self.pool)
         try:
             async with trio_parallel.open_worker_context() as parsers:
@@ -127,8 +173,15 @@ class Router:
         path = scope["path"]
         label = path if path in self.routes else "other"
         started_at = trio.current_time()
+        route = None
         try:
-            await self.route(scope["method"], path)(scope, receive, responder)
+            route = self.route(scope["method"], path)
+            caller = self.access.check(route.access, scope["headers"], scope.get("client"))
+            await route.handler(scope, receive, responder)
+            if route.access == "write":
+                self.access.record(
+                    caller, scope["method"], path, responder.status or 0, responder.audit
+                )
         except* RouterError as group:
             if not responder.started:
                 await responder.error(first_leaf(group))
@@ -162,16 +215,16 @@ class Router:
                 frame = error_frame("internal router error", "internal_error", 500)
                 await responder.finish_stream(frame)
 
-    def route(self, method: str, path: str) -> Handler:
+    def route(self, method: str, path: str) -> Route:
         methods = self.routes.get(path)
         if methods is None and path.startswith("/workers/"):
             methods = self.routes["/workers/{id}"]
         if methods is None:
             raise not_found(path)
-        handler = methods.get(method)
-        if handler is None:
+        route = methods.get(method)
+        if route is None:
             raise method_not_allowed(method, path, tuple(methods))
-        return handler
+        return route
 
 
 def first_leaf(group: BaseExceptionGroup) -> RouterError:
@@ -208,7 +261,11 @@ async def handle_generation(
     owned = payload.BOOTSTRAP_KEYS
     inspected = await inspect(scope["path"], raw, config.max_batch_size, owned, gen.parsers)
     request = PDRequest(
-        scope["path"], inspected, leg_headers(scope["headers"], rsp.request_id.decode())
+        scope["path"],
+        inspected,
+        leg_headers(scope["headers"], rsp.request_id.decode()),
+        # With data-plane keys the client's authorization is the router's credential: kept.
+        None if gen.config.data_plane_api_keys else client_authorization(scope["headers"]),
     )
     cancel = RequestCancel()
     with gen.drain.track(cancel), cancel.scope:
@@ -293,19 +350,35 @@ async def handle_metrics(
     await rsp.reply(Reply(200, [(b"content-type", b"text/plain; version=0.0.4")], body))
 
 
-def route_table(router: Router) -> dict[str, dict[str, Handler]]:
+@attrs.frozen
+class Route:
+    """A handler, bound to the narrow context it needs, and who may call it (`auth.py`)."""
+
+    handler: Handler
+    access: AccessClass
+
+
+def route_table(router: Router) -> dict[str, dict[str, Route]]:
     """Every route, each handler bound to the narrow context it needs."""
     control = router.control
-    table: dict[str, dict[str, Handler]] = {
-        path: {method: partial(handler, control) for method, handler in methods.items()}
-        for path, methods in ADMIN_ROUTES.items()
+
+    def ctl(handler: ControlHandler, access: AccessClass) -> Route:
+        return Route(partial(handler, control), access)
+
+    generation = Route(partial(handle_generation, router.generation), "data")
+    health = Route(partial(handle_health, router.fleet, router.drain), "open")
+    return {
+        "/workers": {"GET": ctl(list_workers, "read"), "POST": ctl(add_worker, "write")},
+        "/workers/{id}": {"GET": ctl(get_worker, "read"), "DELETE": ctl(delete_worker, "write")},
+        "/flush_cache": {"POST": ctl(handle_flush_cache, "write")},
+        "/get_loads": {"GET": ctl(handle_get_loads, "read")},
+        "/health_generate": {"GET": ctl(handle_health_generate, "read")},
+        "/get_model_info": {"GET": ctl(proxy_from_prefill, "read")},
+        "/get_server_info": {"GET": ctl(proxy_from_prefill, "read")},
+        "/v1/models": {"GET": ctl(proxy_from_prefill, "data")},
+        **{path: {"POST": generation} for path in GENERATION_PATHS},
+        "/health": {"GET": health},
+        "/readiness": {"GET": health},
+        "/liveness": {"GET": Route(handle_liveness, "open")},
+        "/metrics": {"GET": Route(partial(handle_metrics, router.metrics), "open")},
     }
-    table["/workers/{id}"] = {m: partial(h, control) for m, h in WORKER_ITEM_ROUTES.items()}
-    for path in GENERATION_PATHS:
-        table[path] = {"POST": partial(handle_generation, router.generation)}
-    health = partial(handle_health, router.fleet, router.drain)
-    table["/health"] = {"GET": health}
-    table["/readiness"] = {"GET": health}
-    table["/liveness"] = {"GET": handle_liveness}
-    table["/metrics"] = {"GET": partial(handle_metrics, router.metrics)}
-    return table

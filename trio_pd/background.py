@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import trio
@@ -18,6 +19,7 @@ from trio_pd.fleet.health import run_health_checks
 from trio_pd.fleet.policies import run_eviction
 from trio_pd.fleet.workers import Worker
 from trio_pd.metrics import RouterMetrics
+from trio_pd.upstream import worker_authorization
 
 if TYPE_CHECKING:
     from trio_pd.app import Router
@@ -34,11 +36,18 @@ async def run_background(router: Router, *, task_status: trio.TaskStatus[None]) 
     metrics = router.metrics
 
     async def probe(worker: Worker) -> bool:
-        response = await client.get(worker.url + health.endpoint)
+        key = worker.spec.api_key or router.config.api_key
+        response = await client.get(
+            worker.url + health.endpoint, headers=worker_authorization(key, None)
+        )
         return 200 <= response.status_code < 300
 
     async with trio.open_nursery() as nursery:
-        tasks: dict[str, Callable[[], Awaitable[None]]] = {
+        for source in router.sources:  # membership first: the first reconcile is done here
+            await nursery.start(
+                supervised, f"membership_{source.name}", partial(source.run, router.fleet), metrics
+            )
+        tasks: dict[str, Callable[..., Awaitable[None]]] = {
             "health_checks": lambda: run_health_checks(router.fleet, health, probe),
             "tree_eviction": lambda: run_eviction(
                 router.fleet, router.config.policy.eviction_interval_secs
@@ -52,15 +61,28 @@ async def run_background(router: Router, *, task_status: trio.TaskStatus[None]) 
 
 
 async def supervised(
-    name: str, task: Callable[[], Awaitable[None]], metrics: RouterMetrics
+    name: str,
+    task: Callable[..., Awaitable[None]],
+    metrics: RouterMetrics,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run `task` forever: restart it (with a doubling, capped backoff) whenever it raises or
-    returns; a run that lasted a minute resets the backoff. Cancellation ends it."""
+    returns; a run that lasted a minute resets the backoff. Cancellation ends it.
+
+    Started with `nursery.start`, the first run gets the task status (a `task_status`
+    parameter), so a source's first reconcile is done before startup goes on; restarts do not.
+    """
     delay, cap = RESTART_BACKOFF_SECS
+    first = task_status is not trio.TASK_STATUS_IGNORED
     while True:
         started = trio.current_time()
         try:
-            await task()
+            if first:
+                first = False
+                await task(task_status=task_status)
+            else:
+                await task()
             problem = "returned"
         except Exception:
             log.exception("background task %s crashed", name)

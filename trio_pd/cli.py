@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 
+from trio_pd.auth import ControlKey, parse_keys
 from trio_pd.config import (
     POLICY_NAMES,
     BreakerConfig,
@@ -12,8 +14,10 @@ from trio_pd.config import (
     PolicyConfig,
     RetryConfig,
     RouterConfig,
+    TimeoutConfig,
     WorkerSpec,
 )
+from trio_pd.urls import check_syntax
 
 
 class PrefillAction(argparse.Action):
@@ -36,8 +40,17 @@ class PrefillAction(argparse.Action):
 
 
 def check_url(parser: argparse.ArgumentParser, url: str) -> None:
-    if not url.startswith(("http://", "https://")):
-        parser.error(f"worker URL must start with http:// or https://: {url}")
+    try:
+        check_syntax(url)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def worker_url(url: str) -> str:
+    try:
+        return check_syntax(url)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,7 +64,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="prefill worker URL and bootstrap port (or none); repeatable",
     )
     p.add_argument(
-        "--decode", action="append", default=[], metavar="URL", help="decode worker URL; repeatable"
+        "--decode",
+        action="append",
+        default=[],
+        type=worker_url,
+        metavar="URL",
+        help="decode worker URL; repeatable",
     )
     p.add_argument(
         "--pd-disaggregation",
@@ -63,10 +81,66 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=d.workers, help="hypercorn worker processes")
     p.add_argument("--request-timeout-secs", type=float, default=d.request_timeout_secs)
     p.add_argument("--max-payload-size", type=int, default=d.max_payload_size)
+    p.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=d.max_batch_size,
+        help="longest batch (text/input_ids/prompt lists, chat n) a request may carry",
+    )
     p.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests)
     p.add_argument("--queue-size", type=int, default=d.queue_size)
     p.add_argument("--queue-timeout-secs", type=float, default=d.queue_timeout_secs)
-    p.add_argument("--api-key", default=None)
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="the key sent to workers as `Authorization: Bearer` (as in SGLang's router; "
+        "default: $TRIO_PD_API_KEY)",
+    )
+    p.add_argument(
+        "--control-plane-api-keys",
+        nargs="+",
+        default=[],
+        metavar="ID:NAME:ROLE:KEY",
+        help="keys of the router's control plane; role admin may change, user may read",
+    )
+    p.add_argument(
+        "--control-plane-audit-enabled",
+        action="store_true",
+        help="log every control-plane change with the key id that made it",
+    )
+    p.add_argument(
+        "--data-plane-api-keys",
+        nargs="+",
+        default=[],
+        metavar="KEY",
+        help="keys clients must present on generation routes (default: open; "
+        "$TRIO_PD_DATA_PLANE_API_KEYS, comma-separated)",
+    )
+    p.add_argument(
+        "--worker-url-allow",
+        nargs="+",
+        default=[],
+        metavar="CIDR",
+        help="let admin-added workers point into these ranges (link-local, metadata...)",
+    )
+    p.add_argument(
+        "--ca-cert-paths",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="CA certificates for https workers (added to the system store)",
+    )
+    p.add_argument("--client-cert-path", default=None, help="client certificate (mTLS to workers)")
+    p.add_argument("--client-key-path", default=None, help="the key of --client-cert-path")
+    p.add_argument(
+        "--membership-file",
+        default=None,
+        help="read (and write) worker membership in this JSON file (e.g. a ConfigMap)",
+    )
+    p.add_argument(
+        "--access-log", action="store_true", help="one log line per request (id, route, status...)"
+    )
+    p.add_argument("--log-json", action="store_true", help="log as JSON lines")
     p.add_argument(
         "--log-level",
         default=d.log_level,
@@ -94,12 +168,63 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cb-success-threshold", type=int, default=b.success_threshold)
     p.add_argument("--cb-timeout-duration-secs", type=float, default=b.timeout_duration_secs)
     p.add_argument("--disable-circuit-breaker", action="store_true")
+    t = TimeoutConfig()
+    p.add_argument(
+        "--first-token-timeout-secs",
+        type=float,
+        default=t.first_token_secs,
+        help="streams: decode's first event must come within this",
+    )
+    p.add_argument(
+        "--stream-idle-timeout-secs",
+        type=float,
+        default=t.stream_idle_secs,
+        help="streams: the longest silence of decode once it started",
+    )
+    p.add_argument(
+        "--prefill-hold-timeout-secs",
+        type=float,
+        default=t.prefill_hold_secs,
+        help="how long prefill may still run once decode has answered",
+    )
+    p.add_argument(
+        "--client-body-timeout-secs",
+        type=float,
+        default=t.client_body_secs,
+        help="the client's whole request body must arrive within this (else 408)",
+    )
+    p.add_argument(
+        "--stream-stall-timeout-secs",
+        type=float,
+        default=t.stream_stall_secs,
+        help="a client that has not read its stream for this long is cut off",
+    )
+    p.add_argument(
+        "--shutdown-grace-period-secs",
+        type=float,
+        default=d.shutdown_grace_period_secs,
+        help="on SIGTERM, how long requests in flight may still run",
+    )
+    p.add_argument("--tls-cert-path", default=None, help="serve HTTPS with this certificate")
+    p.add_argument("--tls-key-path", default=None, help="the key of --tls-cert-path")
     h = HealthConfig()
     p.add_argument("--health-check-interval-secs", type=float, default=h.interval_secs)
     p.add_argument("--health-check-timeout-secs", type=float, default=h.timeout_secs)
     p.add_argument("--health-failure-threshold", type=int, default=h.failure_threshold)
     p.add_argument("--health-success-threshold", type=int, default=h.success_threshold)
     p.add_argument("--health-check-endpoint", default=h.endpoint)
+
+
+def control_keys(error: Callable[[str], None], values: Sequence[str]) -> tuple[ControlKey, ...]:
+    try:
+        return parse_keys(values)
+    except ValueError as exc:
+        error(f"--control-plane-api-keys: {exc}")
+        raise
+
+
+def parser_error(message: str) -> None:
+    raise SystemExit(f"trio-pd serve: error: {message}")
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
@@ -111,10 +236,24 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         workers=args.workers,
         request_timeout_secs=args.request_timeout_secs,
         max_payload_size=args.max_payload_size,
+        max_batch_size=args.max_batch_size,
         max_concurrent_requests=args.max_concurrent_requests,
         queue_size=args.queue_size,
         queue_timeout_secs=args.queue_timeout_secs,
-        api_key=args.api_key,
+        api_key=args.api_key or os.environ.get("TRIO_PD_API_KEY") or None,
+        control_plane_api_keys=control_keys(parser_error, args.control_plane_api_keys),
+        control_plane_audit_enabled=args.control_plane_audit_enabled,
+        data_plane_api_keys=tuple(
+            args.data_plane_api_keys
+            or [k for k in os.environ.get("TRIO_PD_DATA_PLANE_API_KEYS", "").split(",") if k]
+        ),
+        worker_url_allow=tuple(args.worker_url_allow),
+        ca_cert_paths=tuple(args.ca_cert_paths),
+        client_cert_path=args.client_cert_path,
+        client_key_path=args.client_key_path,
+        membership_file=args.membership_file,
+        access_log=args.access_log,
+        log_json=args.log_json,
         log_level=args.log_level,
         prometheus_port=args.prometheus_port,
         retry=RetryConfig(
@@ -138,6 +277,16 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
             success_threshold=args.health_success_threshold,
             endpoint=args.health_check_endpoint,
         ),
+        timeouts=TimeoutConfig(
+            first_token_secs=args.first_token_timeout_secs,
+            stream_idle_secs=args.stream_idle_timeout_secs,
+            prefill_hold_secs=args.prefill_hold_timeout_secs,
+            client_body_secs=args.client_body_timeout_secs,
+            stream_stall_secs=args.stream_stall_timeout_secs,
+        ),
+        shutdown_grace_period_secs=args.shutdown_grace_period_secs,
+        tls_cert_path=args.tls_cert_path,
+        tls_key_path=args.tls_key_path,
         policy=PolicyConfig(
             policy=args.policy,
             prefill_policy=args.prefill_policy,

@@ -10,6 +10,8 @@ from typing import Literal
 
 import attrs
 
+from trio_pd.auth import ControlKey
+
 Role = Literal["prefill", "decode"]
 PolicyName = Literal["random", "round_robin", "power_of_two", "cache_aware"]
 POLICY_NAMES: tuple[str, ...] = ("random", "round_robin", "power_of_two", "cache_aware")
@@ -99,7 +101,17 @@ class RouterConfig:
     max_concurrent_requests: int = -1  # -1: unbounded
     queue_size: int = 100
     queue_timeout_secs: float = 60.0
-    api_key: str | None = None
+    api_key: str | None = attrs.field(default=None, repr=False)  # sent TO workers (SMG's meaning)
+    control_plane_api_keys: tuple[ControlKey, ...] = ()
+    control_plane_audit_enabled: bool = False
+    data_plane_api_keys: tuple[str, ...] = attrs.field(default=(), repr=False)
+    worker_url_allow: tuple[str, ...] = ()  # CIDRs admin-added workers may point into anyway
+    ca_cert_paths: tuple[str, ...] = ()  # extra CAs for https workers (system store too)
+    client_cert_path: str | None = None  # mTLS to workers
+    client_key_path: str | None = None
+    membership_file: str | None = None  # shared membership (--workers N, or a ConfigMap)
+    access_log: bool = False
+    log_json: bool = False
     log_level: str = "info"
     prometheus_port: int | None = None
     shutdown_grace_period_secs: float = 180.0  # in-flight requests' time to finish on SIGTERM

@@ -9,11 +9,14 @@ import httpx2
 
 from trio_pd.config import RouterConfig
 from trio_pd.fleet.workers import Fleet
+from trio_pd.membership.source import MembershipStore
+from trio_pd.urls import Network
 
 
 @attrs.define(eq=False)
 class ControlContext:
-    """What admin and fan-out handlers read: config, fleet, and the control-plane client.
+    """What admin and fan-out handlers read: config, fleet, membership store, the control-plane
+    client.
 
     The client is opened by the app's lifespan (it needs a running trio loop) and closed there.
     """
@@ -21,6 +24,8 @@ class ControlContext:
     config: RouterConfig
     fleet: Fleet
     rng: random.Random
+    store: MembershipStore  # where POST/DELETE /workers write
+    url_allow: tuple[Network, ...] = ()
     client: httpx2.AsyncClient | None = None
 
     @property

@@ -29,7 +29,7 @@ from trio_pd.outcome import FailureHistory, LegFailure, record_outcome
 from trio_pd.payload import Inspected
 from trio_pd.relay import error_frame
 from trio_pd.respond import Responder
-from trio_pd.upstream import UpstreamPool
+from trio_pd.upstream import UpstreamPool, worker_authorization
 
 log = logging.getLogger("trio_pd.dispatch")
 
@@ -40,7 +40,8 @@ class PDRequest:
 
     path: str
     inspected: Inspected
-    headers: list[tuple[bytes, bytes]]  # already the legs' headers
+    headers: list[tuple[bytes, bytes]]  # the legs' headers, less authorization
+    authorization: bytes | None = None  # the client's, forwarded when a worker has no key
 
 
 @attrs.define(eq=False)
@@ -157,9 +158,19 @@ def new_attempt(
         pool=ctx.pool,
         path=request.path,
         prefill=Leg(
-            "prefill", prefill.url, body, request.headers, partial(ctx.fleet.track, prefill)
+            "prefill",
+            prefill.url,
+            body,
+            leg_headers_for(ctx, request, prefill),
+            partial(ctx.fleet.track, prefill),
         ),
-        decode=Leg("decode", decode.url, body, request.headers, partial(ctx.fleet.track, decode)),
+        decode=Leg(
+            "decode",
+            decode.url,
+            body,
+            leg_headers_for(ctx, request, decode),
+            partial(ctx.fleet.track, decode),
+        ),
         stream=inspected.stream,
         logprobs=inspected.logprobs,
         responder=responder,
@@ -167,6 +178,15 @@ def new_attempt(
         timeouts=ctx.config.timeouts,
         outer_cause=cancel.why,
     )
+
+
+def leg_headers_for(
+    ctx: DispatchContext, request: PDRequest, worker: Worker
+) -> list[tuple[bytes, bytes]]:
+    key = worker.spec.api_key or ctx.config.api_key
+    if not key and not request.authorization:
+        return request.headers
+    return [*request.headers, *worker_authorization(key, request.authorization)]
 
 
 def stream_error_frame(attempt: Attempt) -> bytes:

@@ -32,7 +32,7 @@ from trio_pd.control import ControlContext
 from trio_pd.errors import RouterError, no_worker
 from trio_pd.fleet.workers import ROLES, Worker
 from trio_pd.respond import Reply, Responder
-from trio_pd.upstream import FORWARDED_HEADERS
+from trio_pd.upstream import FORWARDED_HEADERS, worker_authorization
 
 log = logging.getLogger("trio_pd.fanout")
 
@@ -54,6 +54,8 @@ class Call:
 
 
 def upstream_headers(scope: Scope, responder: Responder) -> list[tuple[bytes, bytes]]:
+    """The request id and tracing headers; never the caller's authorization, which on these
+    routes is a control-plane key (each worker gets its own key in `call_worker`)."""
     headers = [(b"x-request-id", responder.request_id)]
     headers.extend((n, v) for n, v in scope["headers"] if n in FORWARDED_HEADERS)
     return headers
@@ -69,6 +71,7 @@ async def call_worker(
     """One request to one worker under the health timeout; failures become `Call.error`."""
     client = ctx.http
     timeout = ctx.config.health.timeout_secs
+    headers = [*headers, *worker_authorization(worker.spec.api_key or ctx.config.api_key, None)]
     with trio.move_on_after(timeout):
         try:
             async with client.stream(method, worker.url + path, headers=headers) as response:

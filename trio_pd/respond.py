@@ -35,6 +35,7 @@ class Responder:
     started: bool = False
     finished: bool = False
     status: int | None = None
+    audit: str = ""  # what a control-plane change did, for the audit log
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True

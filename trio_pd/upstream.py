@@ -28,9 +28,7 @@ from trio_pd.http11 import Connection, Response
 
 KEEPALIVE_EXPIRY_SECS = 2.0  # below the engines' keep-alive, so we never reuse a closing socket
 CONNECT_TIMEOUT_SECS = 10.0  # a black-holed worker fails the leg instead of eating the deadline
-FORWARDED_HEADERS = frozenset(
-    (b"authorization", b"x-correlation-id", b"traceparent", b"tracestate")
-)
+FORWARDED_HEADERS = frozenset((b"x-correlation-id", b"traceparent", b"tracestate"))
 # Not relayed from an upstream answer: hop-by-hop headers, those hypercorn sets itself, and the
 # request id, which the router sets on every response.
 DROPPED_RESPONSE_HEADERS = frozenset(
@@ -209,7 +207,8 @@ async def _close_all(connections: list[Connection]) -> None:
 def leg_headers(
     client_headers: list[tuple[bytes, bytes]], request_id: str
 ) -> list[tuple[bytes, bytes]]:
-    """Headers sent to both legs: the forwarded ones, our request id and JSON content type."""
+    """Headers sent to both legs, less authorization (`worker_authorization` adds it per leg):
+    the forwarded tracing headers, our request id and the JSON content type."""
     headers = [
         (b"content-type", b"application/json"),
         (b"accept-encoding", b"identity"),
@@ -219,9 +218,29 @@ def leg_headers(
     return headers
 
 
-def make_client() -> httpx2.AsyncClient:
+def client_authorization(client_headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    for name, value in client_headers:
+        if name == b"authorization":
+            return value
+    return None
+
+
+def worker_authorization(
+    worker_key: str | None, client_value: bytes | None
+) -> list[tuple[bytes, bytes]]:
+    """The authorization a worker gets: its key (the worker's own, else `--api-key`) replacing
+    the client's header; without a key, the client's header as it came (PROTOCOL.md §3)."""
+    if worker_key:
+        return [(b"authorization", b"Bearer " + worker_key.encode())]
+    if client_value:
+        return [(b"authorization", client_value)]
+    return []
+
+
+def make_client(ssl_context: ssl.SSLContext | None = None) -> httpx2.AsyncClient:
     """The httpx2 client of the control plane (health probes, fan-out, admin), off the hot path."""
     return httpx2.AsyncClient(
+        verify=ssl_context if ssl_context is not None else True,
         http1=True,
         http2=False,
         trust_env=False,

@@ -153,6 +153,7 @@ async def test_record_drives_breaker_and_json(autojump_clock):
         "circuit_breaker": "open",
         "load": 0,
         "in_flight": 0,
+        "source": "static",
     }
 
 
@@ -180,3 +181,31 @@ async def test_wait_changed_wakes_on_membership_change():
         assert result == []
         fleet.add(WorkerSpec("http://new:1", "decode"))
     assert result == [seen + 1]
+
+
+def test_reconcile_is_level_triggered_and_per_source():
+    from trio_pd.membership.source import WorkerRecord
+
+    fleet = make_fleet(n_prefill=1, n_decode=0)
+    static = fleet.get("prefill-1")
+    a = WorkerRecord("disc-a", WorkerSpec("http://a:1", "decode"), "disc", {"pod": "a"})
+    b = WorkerRecord("disc-b", WorkerSpec("http://b:1", "decode"), "disc")
+    fleet.reconcile("disc", [a, b])
+    assert {w.id for w in fleet.workers()} == {"prefill-1", "disc-a", "disc-b"}
+    assert fleet.get("disc-a").meta == {"pod": "a"} and fleet.get("disc-a").source == "disc"
+    first_b = fleet.get("disc-b")
+    # A changed spec replaces the worker; an absent one goes; other sources are untouched.
+    b2 = WorkerRecord("disc-b", WorkerSpec("http://b:2", "decode"), "disc")
+    fleet.reconcile("disc", [b2])
+    assert {w.id for w in fleet.workers()} == {"prefill-1", "disc-b"}
+    assert fleet.get("disc-b") is not first_b and first_b.removed
+    assert fleet.get("prefill-1") is static and not static.removed
+    # A record colliding with another source's worker is skipped, not stolen.
+    clash = WorkerRecord("other-p", WorkerSpec("http://p0:8000", "prefill"), "disc")
+    fleet.reconcile("disc", [b2, clash])
+    assert {w.id for w in fleet.workers()} == {"prefill-1", "disc-b"}
+    version = fleet.version
+    fleet.reconcile("disc", [b2])  # nothing changed: no membership bump
+    assert fleet.version == version
+    fleet.reconcile("disc", [])
+    assert {w.id for w in fleet.workers()} == {"prefill-1"}

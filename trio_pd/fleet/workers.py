@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import attrs
@@ -16,6 +16,7 @@ import trio
 from trio_pd.config import Role, RouterConfig, WorkerSpec
 from trio_pd.fleet.breaker import CircuitBreaker
 from trio_pd.fleet.policies import Policy, make_policy
+from trio_pd.membership.source import WorkerRecord
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ class Worker:
 
     spec: WorkerSpec
     id: str
+    source: str = "static"  # the membership source that added it (only it may remove it)
+    meta: dict[str, str] = attrs.field(factory=dict)  # the source's own names for it
     breaker: CircuitBreaker = attrs.field(factory=CircuitBreaker)
     healthy: bool = False  # unhealthy until the first health pass
     removed: bool = False
@@ -94,6 +97,9 @@ class Worker:
             "circuit_breaker": self.breaker.state,
             "load": self.load(),
             "in_flight": self.in_flight,
+            "source": self.source,
+            **({"model_id": self.spec.model_id} if self.spec.model_id else {}),
+            **({"meta": self.meta} if self.meta else {}),
         }
 
 
@@ -103,7 +109,9 @@ class Fleet:
     Membership changes bump `version` and wake `wait_changed()`; the health checker follows them.
     """
 
-    def __init__(self, config: RouterConfig, rng: random.Random | None = None) -> None:
+    def __init__(
+        self, config: RouterConfig, rng: random.Random | None = None, *, static: bool = True
+    ) -> None:
         self.config = config
         self.rng = rng or random.Random()
         self.policies: dict[Role, Policy] = {
@@ -115,36 +123,90 @@ class Fleet:
         self.version = 0
         self._changed = trio.Event()
         self.panics: dict[Role, int] = dict.fromkeys(ROLES, 0)  # selections in panic routing
-        for spec in (*config.prefill, *config.decode):
-            self.add(spec)
+        self.sources: dict[str, tuple[bool, str]] = {}  # source -> (reachable, detail)
+        if static:  # with a shared membership store the static workers live in the store
+            for spec in (*config.prefill, *config.decode):
+                self.add(spec)
 
     # -- membership ----------------------------------------------------------------------------
 
-    def add(self, spec: WorkerSpec) -> Worker:
+    def add(
+        self,
+        spec: WorkerSpec,
+        *,
+        worker_id: str | None = None,
+        source: str = "static",
+        meta: dict[str, str] | None = None,
+    ) -> Worker:
+        """Register a worker; ValueError if its URL and role (or its id) are taken.
+
+        Without `worker_id` the fleet numbers it `<role>-<n>` (numbers are never reused)."""
         for w in self._workers.values():
             if w.url == spec.url and w.role == spec.role:
                 raise ValueError(f"{spec.role} worker {spec.url} is already registered as {w.id}")
-        self._serial[spec.role] += 1
-        worker_id = f"{spec.role}-{self._serial[spec.role]}"  # numbers are never reused
+        if worker_id is None:
+            self._serial[spec.role] += 1
+            worker_id = f"{spec.role}-{self._serial[spec.role]}"
+        elif worker_id in self._workers:
+            raise ValueError(f"worker id {worker_id!r} is already registered")
         worker = Worker(
             spec=spec,
             id=worker_id,
+            source=source,
+            meta=dict(meta or {}),
             breaker=CircuitBreaker(self.config.breaker),
             load_fresh_secs=2 * self.config.health.interval_secs,
         )
         self._workers[worker_id] = worker
         self.policies[spec.role].add_worker(worker)
         self._bump()
-        log.info("worker %s added: %s %s", worker_id, spec.role, spec.url)
+        log.info("worker %s added (%s): %s %s", worker_id, source, spec.role, spec.url)
         return worker
 
     def remove(self, worker_id: str) -> Worker:
+        """Unregister a worker: it takes no new leg; legs already running on it finish."""
         worker = self._workers.pop(worker_id)  # KeyError if unknown
         worker.removed = True
         self.policies[worker.role].remove_worker(worker)
         self._bump()
-        log.info("worker %s removed: %s %s", worker_id, worker.role, worker.url)
+        log.info("worker %s removed (%s): %s %s", worker_id, worker.source, worker.role, worker.url)
         return worker
+
+    def reconcile(self, source: str, desired: Iterable[WorkerRecord]) -> None:
+        """Make the workers of `source` exactly `desired` (the membership Registry interface).
+
+        Level-triggered: a record whose id is missing is added, a worker of this source absent
+        from `desired` is removed, one whose spec changed is replaced (fresh breaker and health:
+        it may be another engine now). Other sources' workers are never touched; a record that
+        collides with another source's worker (same URL and role, or same id) is skipped with a
+        warning, so the first source to name a worker owns it.
+        """
+        wanted = {record.id: record for record in desired}
+        for worker in [w for w in self._workers.values() if w.source == source]:
+            record = wanted.get(worker.id)
+            if record is None or record.spec != worker.spec:
+                self.remove(worker.id)
+            elif record.meta != worker.meta:
+                worker.meta = dict(record.meta)
+        for record in wanted.values():
+            if record.id in self._workers:
+                if self._workers[record.id].source != source:
+                    log.warning("%s: worker id %s is taken by another source", source, record.id)
+                continue
+            try:
+                self.add(record.spec, worker_id=record.id, source=source, meta=dict(record.meta))
+            except ValueError as exc:
+                log.warning("%s: worker %s not added: %s", source, record.id, exc)
+
+    def source_status(self, source: str, ok: bool, detail: str = "") -> None:
+        """A membership source says whether it can be reached (readiness and metrics show it)."""
+        before = self.sources.get(source)
+        self.sources[source] = (ok, detail)
+        if before is None or before[0] != ok:
+            (log.info if ok else log.warning)(
+                "membership source %s is %s%s", source, "ok" if ok else "unreachable",
+                f": {detail}" if detail else "",
+            )  # fmt: skip
 
     async def wait_changed(self, seen_version: int) -> int:
         """Wait until membership differs from `seen_version`; return the current version."""

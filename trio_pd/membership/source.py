@@ -21,6 +21,18 @@ import trio
 from trio_pd.config import WorkerSpec
 
 
+class NotOwned(Exception):
+    """The worker belongs to another membership source; change it there."""
+
+    def __init__(self, worker_id: str, source: str) -> None:
+        super().__init__(f"worker {worker_id!r} is managed by {source}; change it there")
+        self.source = source
+
+
+class StoreUnavailable(Exception):
+    """The store cannot be read or written right now (a file or etcd that is unreachable)."""
+
+
 @attrs.frozen
 class WorkerRecord:
     """One worker as a source wants it.
@@ -52,7 +64,9 @@ class MembershipSource(Protocol):
 
     name: str
 
-    async def run(self, registry: Registry, *, task_status: trio.TaskStatus[None]) -> None:
+    async def run(
+        self, registry: Registry, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         """Reconcile forever; ``task_status.started()`` once the first attempt to read the
         source ended (with its workers, or with the source reported unreachable)."""
 
@@ -63,10 +77,12 @@ class MembershipStore(Protocol):
     name: str
 
     async def add(self, spec: WorkerSpec) -> WorkerRecord:
-        """Register ``spec`` and return its record; ValueError if the URL and role exist."""
+        """Register ``spec`` and return its record; ValueError if the URL and role exist,
+        StoreUnavailable when the store cannot be written."""
 
     async def remove(self, worker_id: str) -> WorkerRecord:
-        """Unregister a worker of this store; KeyError if it has no such worker."""
+        """Unregister a worker of this store; KeyError if it has no such worker, NotOwned if
+        another source manages it."""
 
     def records(self) -> Mapping[str, WorkerRecord]:
         """The store's workers as last read, by id."""

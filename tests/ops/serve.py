@@ -1,0 +1,83 @@
+"""Real `trio-pd serve` processes for the operations tests: start, wait until ready, signal."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import attrs
+import httpx2
+import trio
+
+from trio_pd.engine import EngineHandle
+
+READY_SECS = 30.0  # a cold start on a busy 2-core box (spawned workers import everything)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@attrs.define
+class ServeProcess:
+    process: trio.Process
+    port: int
+    log_path: str
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    async def wait_ready(self, client: httpx2.AsyncClient | None = None) -> None:
+        async with httpx2.AsyncClient(base_url=self.url) as own:
+            probe = client or own
+            with trio.fail_after(READY_SECS):
+                while True:
+                    if self.process.returncode is not None:
+                        raise AssertionError(f"serve exited early:\n{self.log()}")
+                    try:
+                        if (await probe.get("/health")).status_code == 200:
+                            return
+                    except httpx2.TransportError:
+                        pass
+                    await trio.sleep(0.1)
+
+    def signal(self, signum: int) -> None:
+        self.process.send_signal(signum)
+
+    async def wait_exit(self, within: float = 30.0) -> int:
+        with trio.fail_after(within):
+            return await self.process.wait()
+
+    async def stop(self) -> None:
+        if self.process.returncode is None:
+            self.process.kill()
+            await self.process.wait()
+
+
+async def start_serve(
+    prefills: Sequence[EngineHandle],
+    decodes: Sequence[EngineHandle],
+    log_path: str,
+    *extra: str,
+    port: int | None = None,
+) -> ServeProcess:
+    """`python -m trio_pd serve` in front of running engines; its output goes to `log_path`."""
+    port = port or free_port()
+    command = [sys.executable, "-m", "trio_pd", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    for engine in prefills:
+        command += ["--prefill", engine.url, str(engine.bootstrap_port)]
+    for engine in decodes:
+        command += ["--decode", engine.url]
+    command += ["--log-level", "info", *extra]
+    with open(log_path, "wb") as log:  # noqa: ASYNC230 - a local file, opened once
+        process = await trio.lowlevel.open_process(command, stdout=log, stderr=subprocess.STDOUT)
+    return ServeProcess(process, port, log_path)

@@ -1,0 +1,223 @@
+"""Secure by default, with SGLang's router meanings (issue 10): `--api-key` goes TO the workers,
+`--control-plane-api-keys` guards the router's own control plane by role, changes are audited,
+an optional data-plane key, worker URLs that cannot be workers are refused."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import trio
+
+from tests.conftest import start_cluster
+from tests.router.fleet_tools import FAST_HEALTH, free_port
+from tests.router.helpers import generate_body, settle
+from trio_pd.auth import Access, ControlKey, parse_keys
+from trio_pd.cli import build_parser, router_config
+
+ADMIN = ControlKey("k1", "ops", "admin", "admin:secret")  # a key may hold colons
+USER = ControlKey("k2", "dash", "user", "user-secret")
+WORKER_KEY = "worker-secret"
+
+READS = [
+    ("GET", "/workers"),
+    ("GET", "/workers/decode-1"),
+    ("GET", "/get_loads"),
+    ("GET", "/get_server_info"),
+    ("GET", "/get_model_info"),
+    ("GET", "/health_generate"),
+]
+WRITES = [("POST", "/flush_cache"), ("DELETE", "/workers/nope")]
+
+
+def envelope(response: Any, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == status and error["message"]
+    return error
+
+
+async def test_control_plane_keys_by_role(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    cluster = await start_cluster(
+        nursery, health=FAST_HEALTH, control_plane_api_keys=(ADMIN, USER),
+        control_plane_audit_enabled=True,
+    )  # fmt: skip
+    client = cluster.client
+    spec = {"url": "http://127.0.0.1:9", "worker_type": "decode"}
+    admin = {"authorization": "Bearer admin:secret"}
+    user = {"x-api-key": "user-secret"}
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "admin:secret"}):
+        for method, path in [*READS, *WRITES, ("POST", "/workers")]:
+            response = await client.request(method, path, json=spec, headers=headers)
+            envelope(response, 401)
+            assert response.headers["www-authenticate"].startswith("Bearer")
+    for method, path in READS:
+        assert (await client.request(method, path, headers=user)).status_code == 200, path
+    for method, path in [*WRITES, ("POST", "/workers")]:
+        envelope(await client.request(method, path, json=spec, headers=user), 403)
+    assert [w.id for w in cluster.router.fleet.workers()] == ["prefill-1", "decode-1"]
+
+    # The data plane stays open (no data-plane key configured).
+    assert (await client.post("/generate", json=generate_body())).status_code == 200
+    assert (await client.get("/v1/models")).status_code == 200
+
+    caplog.set_level(logging.INFO, logger="trio_pd.audit")
+    added = await client.post("/workers", json=spec, headers=admin)
+    assert added.status_code == 201
+    worker_id = added.json()["id"]
+    assert (await client.delete(f"/workers/{worker_id}", headers=admin)).status_code == 200
+
+    def audit_lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "trio_pd.audit"]
+
+    await settle(lambda: len(audit_lines()) == 2)  # written once the answer went out
+    audit = audit_lines()
+    assert "key_id=k1 name=ops role=admin POST /workers -> 201 added " + worker_id in audit[0]
+    assert f"DELETE /workers/{worker_id} -> 200 removed {worker_id}" in audit[1]
+    assert not any("secret" in line for line in audit)  # keys never reach the log
+    await client.aclose()
+
+
+def test_without_control_plane_keys_only_loopback_may_change_things() -> None:
+    access = Access()
+    assert access.check("write", [], ("127.0.0.1", 5000)) is not None
+    assert access.check("write", [], ("::1", 5000, 0, 0)) is not None
+    with pytest.raises(Exception) as refused:
+        access.check("write", [], ("10.1.2.3", 5000))
+    assert refused.value.status == 403
+    assert access.check("read", [], ("10.1.2.3", 5000)) is None  # reads stay open
+
+
+def test_control_plane_key_flags() -> None:
+    keys = parse_keys(["k1:ops:ADMIN:a:b:c", "k2:dash:user:x;k3:ci:user:y"])
+    assert [(k.id, k.role, k.key) for k in keys] == [
+        ("k1", "admin", "a:b:c"), ("k2", "user", "x"), ("k3", "user", "y"),
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="admin or user"):
+        parse_keys(["k1:ops:root:x"])
+    with pytest.raises(ValueError, match="id:name:role:key"):
+        parse_keys(["k1:ops:admin"])
+    args = build_parser().parse_args(
+        ["serve", "--control-plane-api-keys", "k1:ops:admin:a", "k2:d:user:b",
+         "--control-plane-audit-enabled", "--api-key", "wk-secret-123"]
+    )  # fmt: skip
+    config = router_config(args)
+    assert [k.id for k in config.control_plane_api_keys] == ["k1", "k2"]
+    assert config.control_plane_audit_enabled and config.api_key == "wk-secret-123"
+    assert "wk-secret-123" not in repr(config)  # keys stay out of logs and tracebacks
+    assert "k1" in repr(config.control_plane_api_keys[0])
+
+
+def test_worker_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRIO_PD_API_KEY", "from-env")
+    assert router_config(build_parser().parse_args(["serve"])).api_key == "from-env"
+    args = build_parser().parse_args(["serve", "--api-key", "flag"])
+    assert router_config(args).api_key == "flag"
+
+
+async def test_api_key_is_sent_to_workers_instead_of_the_clients(nursery: trio.Nursery) -> None:
+    cluster = await start_cluster(
+        nursery,
+        prefill={"api_key": WORKER_KEY},
+        decode={"api_key": WORKER_KEY},
+        api_key=WORKER_KEY,
+        control_plane_api_keys=(ADMIN,),
+    )
+    response = await cluster.client.post(
+        "/generate", json=generate_body(), headers={"authorization": "Bearer client-token"}
+    )
+    assert response.status_code == 200
+    rid = response.headers["x-request-id"]
+    for engine in (cluster.prefill, cluster.decode):
+        seen = engine.events.find("request_start", rid=rid)[0]["headers"]
+        assert seen["authorization"] == f"Bearer {WORKER_KEY}"
+    # The admin's key never reaches a worker: fan-out calls carry the worker key.
+    loads = await cluster.client.get("/get_loads", headers={"authorization": "Bearer admin:secret"})
+    assert loads.status_code == 200 and loads.json()["failed"] == 0
+    assert (
+        await cluster.client.get("/get_server_info", headers={"x-api-key": "admin:secret"})
+    ).status_code == 200
+    for engine in (cluster.prefill, cluster.decode):
+        assert not engine.events.find("unauthorized")
+    await cluster.client.aclose()
+
+
+async def test_a_worker_needing_a_key_the_router_lacks_refuses_with_401(
+    nursery: trio.Nursery,
+) -> None:
+    cluster = await start_cluster(nursery, prefill={"api_key": WORKER_KEY})
+    response = await cluster.client.post("/generate", json=generate_body())
+    assert response.status_code == 401  # the prefill's 4xx, relayed as it came
+    assert cluster.prefill.events.find("unauthorized")
+    await cluster.client.aclose()
+
+
+async def test_a_per_worker_key_overrides_the_router_key(nursery: trio.Nursery) -> None:
+    from tests.conftest import start_engine
+
+    cluster = await start_cluster(nursery, health=FAST_HEALTH, api_key="router-wide")
+    special = await start_engine(nursery, "decode", api_key="its-own")
+    added = await cluster.client.post(
+        "/workers", json={"url": special.url, "worker_type": "decode", "api_key": "its-own"}
+    )
+    assert added.status_code == 201 and "api_key" not in added.json()
+    await cluster.client.delete("/workers/decode-1")
+    with trio.fail_after(5):
+        while not cluster.router.fleet.get(added.json()["id"]).healthy:
+            await trio.sleep(0.05)
+    response = await cluster.client.post("/generate", json=generate_body())
+    assert response.status_code == 200
+    seen = special.events.find("request_start")[0]["headers"]
+    assert seen["authorization"] == "Bearer its-own"
+    await cluster.client.aclose()
+
+
+async def test_data_plane_key_guards_generation(nursery: trio.Nursery) -> None:
+    cluster = await start_cluster(nursery, data_plane_api_keys=("dp-1", "dp-2"))
+    for headers in ({}, {"authorization": "Bearer nope"}):
+        response = await cluster.client.post("/generate", json=generate_body(), headers=headers)
+        envelope(response, 401)
+        assert (await cluster.client.get("/v1/models", headers=headers)).status_code == 401
+    ok = await cluster.client.post(
+        "/generate", json=generate_body(), headers={"authorization": "Bearer dp-2"}
+    )
+    assert ok.status_code == 200
+    # The client's key is the router's credential: it does not travel on to the workers.
+    seen = cluster.prefill.events.find("request_start", rid=ok.headers["x-request-id"])[0]
+    assert "authorization" not in seen["headers"]
+    assert (await cluster.client.get("/health")).status_code == 200
+    await cluster.client.aclose()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://169.254.169.254/latest/meta-data",
+        "http://[fd00:ec2::254]:80",
+        "http://[fe80::1]:8000",
+        "http://0.0.0.0:8000",
+        "http://224.0.0.1:8000",
+    ],
+)
+async def test_worker_urls_that_cannot_be_workers_are_refused(cluster, url: str) -> None:
+    response = await cluster.client.post("/workers", json={"url": url, "worker_type": "decode"})
+    error = envelope(response, 400)
+    assert "--worker-url-allow" in error["message"]
+    assert len(cluster.router.fleet.workers()) == 2
+
+
+async def test_the_router_itself_is_refused_and_allow_lists_work(nursery: trio.Nursery) -> None:
+    cluster = await start_cluster(nursery, worker_url_allow=("169.254.0.0/16",))
+    own = cluster.url
+    for url in (own, own.replace("127.0.0.1", "localhost")):
+        response = await cluster.client.post("/workers", json={"url": url, "worker_type": "decode"})
+        assert "this router itself" in envelope(response, 400)["message"]
+    port = await free_port()
+    allowed = await cluster.client.post(
+        "/workers", json={"url": f"http://169.254.10.10:{port}", "worker_type": "decode"}
+    )
+    assert allowed.status_code == 201
+    await cluster.client.aclose()

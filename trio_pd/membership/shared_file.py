@@ -1,0 +1,228 @@
+"""Membership in one JSON file every process reads: `--workers N`, or a Kubernetes ConfigMap.
+
+With `--workers N` the parent process writes the command line's workers into a file in a private
+run directory and every router process runs a `FileMembership` on it: `POST /workers` and
+`DELETE /workers/{id}` on any process rewrite the file (under an flock, atomically: a temporary
+file renamed over it), and every process notices the change within `poll_secs` and reconciles
+its Fleet, so ids and `GET /workers` agree everywhere. `--membership-file PATH` points a router
+at a file the operator manages instead (a mounted ConfigMap: then read-only, and the admin API
+answers 503 for changes).
+
+The file:
+    {"version": 1,
+     "serial": {"prefill": 2, "decode": 1},        # numbers handed out so far (never reused)
+     "workers": [{"id": "prefill-1", "url": "http://...", "worker_type": "prefill",
+                  "bootstrap_port": 8998, "model_id": null, "api_key": null}, ...]}
+Worker ids of a hand-written file may be anything unique; missing ids are derived from the URL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from trio_pd.config import WorkerSpec
+from trio_pd.membership.source import Registry, StoreUnavailable, WorkerRecord
+
+log = logging.getLogger("trio_pd.membership.file")
+SOURCE = "file"
+POLL_SECS = 0.25
+RESYNC_SECS = 30.0
+
+
+def spec_json(worker_id: str, spec: WorkerSpec) -> dict[str, Any]:
+    return {
+        "id": worker_id,
+        "url": spec.url,
+        "worker_type": spec.role,
+        "bootstrap_port": spec.bootstrap_port,
+        "model_id": spec.model_id,
+        "api_key": spec.api_key,
+    }
+
+
+def parse_workers(data: Any) -> list[WorkerRecord]:
+    """The records of a membership document; ValueError says what is wrong with it."""
+    if not isinstance(data, dict) or not isinstance(data.get("workers"), list):
+        raise ValueError("a membership file is an object with a `workers` list")
+    records = []
+    for item in data["workers"]:
+        if not isinstance(item, dict):
+            raise ValueError(f"a worker entry must be an object: {item!r}")
+        role = item.get("worker_type")
+        url = item.get("url")
+        if role not in ("prefill", "decode") or not isinstance(url, str):
+            raise ValueError(f"a worker needs a url and a worker_type prefill|decode: {item!r}")
+        port = item.get("bootstrap_port")
+        spec = WorkerSpec(url, role, port, item.get("model_id"), item.get("api_key"))
+        worker_id = item.get("id") or f"{role}-{spec.url}"
+        records.append(WorkerRecord(str(worker_id), spec, SOURCE))
+    ids = [r.id for r in records]
+    if len(ids) != len(set(ids)):
+        raise ValueError("worker ids in a membership file must be unique")
+    return records
+
+
+def write_atomically(path: Path, data: Any) -> None:
+    """Replace `path` with `data` as JSON: readers see the old file or the new one, never half.
+
+    The file may hold worker API keys: it is created readable by its owner only."""
+    fd, tmp = tempfile.mkstemp(prefix=".membership-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def seed(path: Path, specs: Iterable[WorkerSpec]) -> None:
+    """Add the command line's workers to `path` (created if missing); the parent of
+    `--workers N` calls this before starting the router processes."""
+    data: dict[str, Any] = {"version": 1, "serial": {}, "workers": []}
+    if path.exists():
+        data = json.loads(path.read_text())
+        parse_workers(data)
+    serial = data.setdefault("serial", {})
+    known = {(w["url"].rstrip("/"), w["worker_type"]) for w in data["workers"]}
+    for spec in specs:
+        if (spec.url, spec.role) in known:
+            continue
+        serial[spec.role] = serial.get(spec.role, 0) + 1
+        data["workers"].append(spec_json(f"{spec.role}-{serial[spec.role]}", spec))
+    write_atomically(path, data)
+
+
+class FileMembership:
+    """A MembershipSource (watching the file) and a MembershipStore (writing it)."""
+
+    name = SOURCE
+
+    def __init__(
+        self,
+        path: Path,
+        registry: Registry,
+        *,
+        poll_secs: float = POLL_SECS,
+        resync_secs: float = RESYNC_SECS,
+    ) -> None:
+        self.path = Path(path)
+        self.lock_path = self.path.with_name(self.path.name + ".lock")
+        self.registry = registry
+        self.poll_secs = poll_secs
+        self.resync_secs = resync_secs
+        self._records: dict[str, WorkerRecord] = {}
+        self._seen: tuple[int, int, int] | None = None  # (inode, mtime_ns, size) last read
+
+    # -- source -----------------------------------------------------------------------------
+
+    async def run(
+        self, registry: Registry, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        self.registry = registry
+        self._refresh(force=True)
+        task_status.started()
+        last_resync = trio.current_time()
+        while True:
+            await trio.sleep(self.poll_secs)
+            force = trio.current_time() - last_resync >= self.resync_secs
+            if force:
+                last_resync = trio.current_time()
+            self._refresh(force=force)
+
+    def _refresh(self, *, force: bool) -> None:
+        """Read the file when it changed (or `force`) and reconcile; keep the last good view
+        when it cannot be read (a bad edit must not empty the fleet)."""
+        try:
+            stat = self.path.stat()
+            seen = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+            if seen == self._seen and not force:
+                return
+            records = parse_workers(json.loads(self.path.read_bytes()))
+        except (OSError, ValueError) as exc:
+            self.registry.source_status(SOURCE, False, f"{self.path}: {exc}")
+            return
+        self._seen = seen
+        self._apply(records)
+        self.registry.source_status(SOURCE, True)
+
+    def _apply(self, records: list[WorkerRecord]) -> None:
+        self._records = {r.id: r for r in records}
+        self.registry.reconcile(SOURCE, records)
+
+    # -- store ------------------------------------------------------------------------------
+
+    def records(self) -> Mapping[str, WorkerRecord]:
+        return dict(self._records)
+
+    async def add(self, spec: WorkerSpec) -> WorkerRecord:
+        def change(data: dict[str, Any]) -> str:
+            for w in data["workers"]:
+                if w["url"].rstrip("/") == spec.url and w["worker_type"] == spec.role:
+                    raise ValueError(
+                        f"{spec.role} worker {spec.url} is already registered as {w['id']}"
+                    )
+            serial = data.setdefault("serial", {})
+            ids = {w.get("id") for w in data["workers"]}
+            number = serial.get(spec.role, 0) + 1
+            while f"{spec.role}-{number}" in ids:  # a hand-written file may use our pattern
+                number += 1
+            serial[spec.role] = number
+            worker_id = f"{spec.role}-{number}"
+            data["workers"].append(spec_json(worker_id, spec))
+            return worker_id
+
+        worker_id = await self._update(change)
+        return self._records[worker_id]
+
+    async def remove(self, worker_id: str) -> WorkerRecord:
+        if worker_id not in self._records:
+            raise KeyError(worker_id)
+        removed: list[WorkerRecord] = []
+
+        def change(data: dict[str, Any]) -> str:
+            kept = [w for w in data["workers"] if w.get("id") != worker_id]
+            if len(kept) == len(data["workers"]):
+                raise KeyError(worker_id)
+            removed.append(self._records[worker_id])
+            data["workers"] = kept
+            return worker_id
+
+        await self._update(change)
+        return removed[0]
+
+    async def _update(self, change: Any) -> str:
+        """Read-modify-write under an flock (in a thread: the lock may wait on another
+        process), then reconcile this process at once; the others follow within a poll."""
+        try:
+            result, records = await trio.to_thread.run_sync(self._locked_update, change)
+        except OSError as exc:
+            raise StoreUnavailable(f"membership file {self.path}: {exc}") from exc
+        self._seen = None  # our own write: read it back on the next poll too
+        self._apply(records)
+        return result
+
+    def _locked_update(self, change: Any) -> tuple[str, list[WorkerRecord]]:
+        with open(self.lock_path, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                data = json.loads(self.path.read_bytes())
+                parse_workers(data)
+                result = change(data)
+                write_atomically(self.path, data)
+                return result, parse_workers(data)
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
