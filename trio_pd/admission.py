@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import trio
+from prometheus_client import Histogram
 
 from trio_pd.errors import RouterError
 
@@ -25,11 +26,18 @@ def overloaded(message: str) -> RouterError:
 
 
 class Admission:
-    def __init__(self, max_concurrent: int, queue_size: int, queue_timeout_secs: float) -> None:
+    def __init__(
+        self,
+        max_concurrent: int,
+        queue_size: int,
+        queue_timeout_secs: float,
+        waits: Histogram | None = None,
+    ) -> None:
         self.limiter = trio.CapacityLimiter(max_concurrent) if max_concurrent > 0 else None
         self.queue_size = queue_size
         self.queue_timeout_secs = queue_timeout_secs
         self.waiting = 0
+        self.waits = waits  # trio_pd_admission_wait_seconds{outcome}
 
     @asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
@@ -49,12 +57,22 @@ class Admission:
 
     async def _wait_in_line(self, limiter: trio.CapacityLimiter) -> None:
         if self.waiting >= self.queue_size:
+            self._observe("rejected", 0.0)
             raise overloaded(f"too many requests: {self.queue_size} already waiting") from None
         self.waiting += 1
+        started = trio.current_time()
+        outcome = "cancelled"  # the client left while queued
         try:
             with trio.move_on_after(self.queue_timeout_secs):
                 await limiter.acquire()
+                outcome = "admitted"
                 return
+            outcome = "timed_out"
         finally:
             self.waiting -= 1
+            self._observe(outcome, trio.current_time() - started)
         raise overloaded(f"no capacity within {self.queue_timeout_secs:g}s in the queue")
+
+    def _observe(self, outcome: str, waited: float) -> None:
+        if self.waits is not None:
+            self.waits.labels(outcome).observe(waited)

@@ -9,6 +9,7 @@ a stream has started, an error event): never hypercorn's empty 500.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import ssl
 import uuid
@@ -38,7 +39,7 @@ from trio_pd.fanout import (
 )
 from trio_pd.fleet.workers import Fleet
 from trio_pd.intake import inspect, read_request_body
-from trio_pd.logs import current_request_id
+from trio_pd.logs import current_request_id, log_access
 from trio_pd.membership.memory import MemoryStore
 from trio_pd.membership.shared_file import FileMembership
 from trio_pd.membership.source import MembershipSource, MembershipStore
@@ -92,7 +93,12 @@ class Router:
     @admission.default
     def _default_admission(self) -> Admission:
         c = self.config
-        return Admission(c.max_concurrent_requests, c.queue_size, c.queue_timeout_secs)
+        return Admission(
+            c.max_concurrent_requests,
+            c.queue_size,
+            c.queue_timeout_secs,
+            self.metrics.admission_waits,
+        )
 
     @access.default
     def _default_access(self) -> Access:
@@ -147,7 +153,7 @@ class Router:
         assert message["type"] == "lifespan.startup"
         self.control.client = make_client(self.ssl_context)
         startup_warnings(self.access)
-        self.metrics.attach(self.fleet, self.pool)
+        self.metrics.attach(self.fleet, self.pool, lambda: self.admission.waiting)
         try:
             async with trio_parallel.open_worker_context() as parsers:
                 self.generation.parsers = parsers
@@ -191,8 +197,15 @@ class Router:
             await self.internal_error(group, responder)
         finally:
             status = responder.status if responder.finished else CLIENT_GONE_STATUS
+            elapsed = trio.current_time() - started_at
             self.metrics.requests.labels(label, str(status)).inc()
-            self.metrics.latency.labels(label).observe(trio.current_time() - started_at)
+            self.metrics.latency.labels(label).observe(elapsed)
+            if self.config.access_log:
+                log_access({
+                    "method": scope["method"], "path": path, "status": status,
+                    "ms": round(elapsed * 1000, 1), "bytes": responder.bytes_sent,
+                    **responder.route_info,
+                })  # fmt: skip
 
     async def handle_metrics_port(self, scope: Scope, receive: Receive, send: Send) -> None:
         """`--prometheus-port` serves `/metrics` and nothing else."""
@@ -319,7 +332,8 @@ def incoming_request_id(headers: list[tuple[bytes, bytes]]) -> str | None:
 
 
 async def handle_liveness(scope: Scope, receive: Receive, rsp: Responder) -> None:
-    await json_reply(rsp, 200, {"status": "alive"})
+    """Alive, and which process answered (with `--workers N` each process has its own)."""
+    await json_reply(rsp, 200, {"status": "alive", "pid": os.getpid()})
 
 
 async def handle_health(

@@ -30,6 +30,7 @@ import orjson
 import trio
 
 from trio_pd.config import Role, TimeoutConfig
+from trio_pd.metrics import RouterMetrics
 from trio_pd.outcome import LegFailure, LegResult, LegSuccess
 from trio_pd.relay import (
     data_failure,
@@ -112,6 +113,8 @@ class Attempt:
     deadline: float
     timeouts: TimeoutConfig
     outer_cause: Callable[[], tuple[str, float]]  # why an enclosing scope cancelled us, and when
+    metrics: RouterMetrics
+    request_started: float  # the client request's start: time to first token counts from it
     prefill_answer: Any = None  # prefill's first answer, parsed only when logprobs are merged
     prefill_answer_known: trio.Event = attrs.field(factory=trio.Event)
     stalled: bool = False  # the client stopped reading: nothing more can be sent to it
@@ -317,18 +320,28 @@ class Attempt:
             return
         await self.responder.start(response.status, headers)
         clock = StreamClock(trio.current_time())
-        async with trio.open_nursery() as guard:
-            guard.start_soon(self._watch_stream, clock, response)
-            try:
-                await self._send(clock, event + rest)
-                async for chunk in chunks:
-                    clock.last_chunk_at = trio.current_time()
-                    await self._send(clock, chunk)
-            except UpstreamError as exc:  # decode broke mid-stream: dispatch ends it with a frame
-                self._fail_decode(LegFailure(exc.kind, str(exc)))
+        metrics = self.metrics
+        metrics.first_token.observe(clock.last_chunk_at - self.request_started)
+        gaps = metrics.chunk_gap
+        events = 1 + rest.count(b"\n\n")
+        try:
+            async with trio.open_nursery() as guard:
+                guard.start_soon(self._watch_stream, clock, response)
+                try:
+                    await self._send(clock, event + rest)
+                    async for chunk in chunks:
+                        now = trio.current_time()
+                        gaps.observe(now - clock.last_chunk_at)
+                        clock.last_chunk_at = now
+                        events += chunk.count(b"\n\n")
+                        await self._send(clock, chunk)
+                except UpstreamError as exc:  # decode broke mid-stream: dispatch sends a frame
+                    self._fail_decode(LegFailure(exc.kind, str(exc)))
+                    guard.cancel_scope.cancel()
+                    return
                 guard.cancel_scope.cancel()
-                return
-            guard.cancel_scope.cancel()
+        finally:
+            metrics.events_relayed.inc(events)
         await self.responder.finish_stream(b"")
         self.decode.result = LegSuccess(response.status, headers, b"")
 

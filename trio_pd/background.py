@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("trio_pd.background")
 STARTUP_POLL_SECS = 0.01
+METRICS_SYNC_SECS = 1.0
 RESTART_BACKOFF_SECS = (0.1, 30.0)  # first delay, cap (doubling)
 
 
@@ -54,6 +55,8 @@ async def run_background(router: Router, *, task_status: trio.TaskStatus[None]) 
             ),
             "pool_pruning": lambda: prune_idle_connections(router),
         }
+        if metrics.multiprocess_dir:
+            tasks["metrics_sync"] = lambda: sync_metrics(metrics)
         for name, task in tasks.items():
             nursery.start_soon(supervised, name, task, metrics)
         await wait_for_first_pair(router, health.timeout_secs)
@@ -100,6 +103,13 @@ async def prune_idle_connections(router: Router) -> None:
     while True:
         await trio.sleep(router.pool.keepalive_expiry)
         await router.pool.prune()
+
+
+async def sync_metrics(metrics: RouterMetrics) -> None:
+    """`--workers N`: copy this process's gauges to the shared directory every second."""
+    while True:
+        metrics.sync_gauges()
+        await trio.sleep(METRICS_SYNC_SECS)
 
 
 async def wait_for_first_pair(router: Router, limit_secs: float) -> None:

@@ -319,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.command == "serve":
         from trio_pd.server import run
 
-        run(router_config(args))
+        raise SystemExit(run(router_config(args)))
     elif args.command == "engine":
         from trio_pd.engine.cli import run as run_engine
 

@@ -81,7 +81,8 @@ async def dispatch(
     ctx: DispatchContext, request: PDRequest, responder: Responder, cancel: RequestCancel
 ) -> None:
     """Answer one PD request (see the module docstring for when it is retried)."""
-    deadline = trio.current_time() + ctx.config.request_timeout_secs
+    started = trio.current_time()
+    deadline = started + ctx.config.request_timeout_secs
     total = attempts(ctx.config.retry)
     history = FailureHistory()
     avoid: set[Worker] = set()
@@ -91,7 +92,10 @@ async def dispatch(
         except NoWorkerAvailable as exc:
             await responder.error(no_worker(str(exc)))
             return
-        attempt = new_attempt(ctx, request, responder, cancel, prefill, decode, deadline)
+        attempt = new_attempt(
+            ctx, request, responder, cancel, (prefill, decode), (started, deadline)
+        )
+        responder.route_info.update(prefill=prefill.id, decode=decode.id, attempts=number)
         if number > 1:
             ctx.metrics.retries.inc()
         try:
@@ -135,11 +139,13 @@ def new_attempt(
     request: PDRequest,
     responder: Responder,
     cancel: RequestCancel,
-    prefill: Worker,
-    decode: Worker,
-    deadline: float,
+    pair: tuple[Worker, Worker],
+    times: tuple[float, float],
 ) -> Attempt:
-    """An attempt on this pair, its body carrying fresh bootstrap fields."""
+    """An attempt on this pair, its body carrying fresh bootstrap fields; `times` are the
+    request's start and deadline."""
+    prefill, decode = pair
+    started, deadline = times
     inspected = request.inspected
     fields: dict[str, Any] = bootstrap_fields(
         bootstrap_host(prefill.url),
@@ -177,6 +183,8 @@ def new_attempt(
         deadline=deadline,
         timeouts=ctx.config.timeouts,
         outer_cause=cancel.why,
+        metrics=ctx.metrics,
+        request_started=started,
     )
 
 

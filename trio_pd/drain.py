@@ -54,6 +54,9 @@ class Drain:
     draining: bool = False
     expired: bool = False
     _requests: set[RequestCancel] = attrs.field(factory=set)
+    _stop: trio.Event = attrs.field(factory=trio.Event)  # hypercorn's shutdown trigger
+    _first: trio.Event = attrs.field(factory=trio.Event)
+    _second: trio.Event = attrs.field(factory=trio.Event)
 
     @contextmanager
     def track(self, cancel: RequestCancel) -> Iterator[None]:
@@ -86,19 +89,42 @@ class Drain:
         for cancel in list(self._requests):
             cancel.cancel("shutdown")
 
-    async def run_signals(self, stop: trio.Event) -> None:
-        """The process's signal handler: the first signal starts the drain (and sets `stop`,
-        hypercorn's shutdown trigger), the grace period or a second signal ends it."""
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for signum in signals:
-                log.info("%s: starting graceful shutdown", signal.Signals(signum).name)
-                break
-            self.begin()
-            stop.set()
+    async def run(
+        self,
+        stop: trio.Event,
+        signums: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT),
+        parent_sentinel: int | None = None,
+    ) -> None:
+        """The process's shutdown handler: the first trigger (a signal, or the parent process
+        of `--workers N` gone) starts the drain and sets `stop`, hypercorn's shutdown trigger;
+        the grace period or a second trigger ends it. Runs until cancelled."""
+        self._stop = stop
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_signals, signums)
+            if parent_sentinel is not None:
+                nursery.start_soon(self._watch_parent, parent_sentinel)
+            await self._first.wait()
             with trio.move_on_after(self.grace_secs):
-                async for signum in signals:
-                    log.info("%s again: ending the grace period now", signal.Signals(signum).name)
-                    break
+                await self._second.wait()
             self.expire()
-            async for _ in signals:  # keep the signals ours until the process is done
-                self.expire()
+
+    def trigger(self, why: str) -> None:
+        if not self._first.is_set():
+            log.info("%s: starting graceful shutdown", why)
+            self.begin()
+            self._stop.set()
+            self._first.set()
+        else:
+            log.info("%s again: ending the grace period now", why)
+            self._second.set()
+            self.expire()
+
+    async def _watch_signals(self, signums: tuple[int, ...]) -> None:
+        with trio.open_signal_receiver(*signums) as signals:
+            async for signum in signals:
+                self.trigger(signal.Signals(signum).name)
+
+    async def _watch_parent(self, sentinel: int) -> None:
+        """A router process of `--workers N` whose parent died (killed, OOM) shuts down too."""
+        await trio.lowlevel.wait_readable(sentinel)
+        self.trigger("parent process gone")

@@ -1,15 +1,28 @@
 """Prometheus metrics of one router, in a registry of its own (two routers can share a process).
 
-Fleet gauges are read at scrape time from the Fleet itself, so the hot path only bumps counters.
+The PD story in numbers: requests by status, leg failures by kind, legs cancelled by cause
+(prefill_failed, decode_failed, client_gone, deadline, stall, shutdown), the router-side
+teardown time (the decision to cancel a leg -> its connection closed), time to first token and
+gaps between relayed chunks, events relayed, the admission queue, aborts sent to engines, and
+per-worker gauges.
+
+One process: fleet, pool and queue gauges are read at scrape time from the objects themselves,
+so the hot path only bumps counters. `--workers N` (PROMETHEUS_MULTIPROC_DIR set by the parent):
+every process writes its values to the shared directory and `/metrics` on any process renders
+the sum over all of them (prometheus-client's multiprocess mode); the gauges are then copied into
+multiprocess gauges once a second (`sync_gauges`): in-flight legs and connections summed over
+processes, breaker state the worst, health the worst.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -17,78 +30,135 @@ if TYPE_CHECKING:
     from trio_pd.upstream import UpstreamPool
 
 BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
+WORKER_LABELS = ["worker", "role", "url"]
+FAST_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5)
+TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class RouterMetrics:
-    def __init__(self) -> None:
+    def __init__(self, multiprocess_dir: str | None = None) -> None:
+        if multiprocess_dir is None:
+            multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+        self.multiprocess_dir = multiprocess_dir
         self.registry = CollectorRegistry()
+        r = self.registry
         self.requests = Counter(
             "trio_pd_requests",
             "Client requests answered, by path and status (499: client went away).",
             ["path", "status"],
-            registry=self.registry,
+            registry=r,
         )
         self.latency = Histogram(
             "trio_pd_request_duration_seconds",
             "Time from request start to the end of the response.",
             ["path"],
-            registry=self.registry,
+            registry=r,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
         )
         self.leg_failures = Counter(
             "trio_pd_leg_failures",
             "Failed legs by role and kind (status, inband, transport, timeout).",
             ["role", "kind"],
-            registry=self.registry,
+            registry=r,
         )
-        self.retries = Counter(
-            "trio_pd_retries", "Attempts beyond the first.", registry=self.registry
-        )
+        self.retries = Counter("trio_pd_retries", "Attempts beyond the first.", registry=r)
         self.legs_cancelled = Counter(
             "trio_pd_legs_cancelled",
             "Legs cancelled while their request was out, by role and cause (prefill_failed, "
             "decode_failed, client_gone, deadline, stall, shutdown).",
             ["role", "cause"],
-            registry=self.registry,
+            registry=r,
         )
         self.teardown = Histogram(
             "trio_pd_leg_teardown_seconds",
             "From the decision to cancel a leg to its upstream connection being closed.",
             ["role"],
-            registry=self.registry,
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
+            registry=r,
+            buckets=FAST_BUCKETS,
+        )
+        self.first_token = Histogram(
+            "trio_pd_time_to_first_token_seconds",
+            "Streams: from the request's start to decode's first event going to the client.",
+            registry=r,
+            buckets=TOKEN_BUCKETS,
+        )
+        self.chunk_gap = Histogram(
+            "trio_pd_stream_chunk_gap_seconds",
+            "Streams: time between two relayed decode chunks (inter-token gaps).",
+            registry=r,
+            buckets=TOKEN_BUCKETS,
+        )
+        self.events_relayed = Counter(
+            "trio_pd_events_relayed", "SSE events relayed from decode to clients.", registry=r
+        )
+        self.admission_waits = Histogram(
+            "trio_pd_admission_wait_seconds",
+            "Time requests waited in the admission queue (--max-concurrent-requests).",
+            ["outcome"],
+            registry=r,
+            buckets=TOKEN_BUCKETS,
+        )
+        self.aborts = Counter(
+            "trio_pd_aborts",
+            "POST /abort_request sent to engines for cancelled legs, by role and result (sent, "
+            "failed, dropped: the abort queue was full).",
+            ["role", "result"],
+            registry=r,
         )
         self.internal_errors = Counter(
             "trio_pd_internal_errors",
             "Unexpected exceptions inside the router, answered 500 (or an error frame).",
-            registry=self.registry,
+            registry=r,
         )
         self.background_restarts = Counter(
             "trio_pd_background_restarts",
             "Long-lived tasks restarted after an unexpected exception, by task.",
             ["task"],
-            registry=self.registry,
+            registry=r,
         )
+        self.membership_errors = Counter(
+            "trio_pd_membership_errors",
+            "Errors of membership sources (Kubernetes, etcd, the shared file), by source and kind.",
+            ["source", "kind"],
+            registry=r,
+        )
+        self._gauges: SyncedGauges | None = None
 
-    def attach(self, fleet: Fleet, pool: UpstreamPool) -> None:
-        """Add the scrape-time fleet and pool gauges."""
-        self.registry.register(FleetCollector(fleet, pool))
+    def attach(self, fleet: Fleet, pool: UpstreamPool, queue_depth: Callable[[], int]) -> None:
+        """Add the fleet, pool and queue gauges (read at scrape time, or synced)."""
+        collector = FleetCollector(fleet, pool, queue_depth)
+        if self.multiprocess_dir:
+            self._gauges = SyncedGauges(collector, self.registry)
+        else:
+            self.registry.register(collector)
+
+    def sync_gauges(self) -> None:
+        """Multiprocess mode: copy this process's gauges to the shared directory."""
+        if self._gauges is not None:
+            self._gauges.sync()
 
     def render(self) -> bytes:
+        if self.multiprocess_dir:
+            self.sync_gauges()
+            merged = CollectorRegistry()
+            MultiProcessCollector(merged, path=self.multiprocess_dir)
+            return generate_latest(merged)
         return generate_latest(self.registry)
 
 
 class FleetCollector(Collector):
-    def __init__(self, fleet: Fleet, pool: UpstreamPool) -> None:
+    def __init__(self, fleet: Fleet, pool: UpstreamPool, queue_depth: Callable[[], int]) -> None:
         self.fleet = fleet
         self.pool = pool
+        self.queue_depth = queue_depth
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        labels = ["worker", "role", "url"]
-        in_flight = GaugeMetricFamily("trio_pd_worker_in_flight", "Active legs.", labels=labels)
-        healthy = GaugeMetricFamily("trio_pd_worker_healthy", "1 if healthy.", labels=labels)
+        in_flight = GaugeMetricFamily(
+            "trio_pd_worker_in_flight", "Active legs.", labels=WORKER_LABELS
+        )
+        healthy = GaugeMetricFamily("trio_pd_worker_healthy", "1 if healthy.", labels=WORKER_LABELS)
         breaker = GaugeMetricFamily(
-            "trio_pd_worker_breaker_state", "0 closed, 1 half-open, 2 open.", labels=labels
+            "trio_pd_worker_breaker_state", "0 closed, 1 half-open, 2 open.", labels=WORKER_LABELS
         )
         for worker in self.fleet.workers():
             key = [worker.id, worker.role, worker.url]
@@ -98,9 +168,9 @@ class FleetCollector(Collector):
         pool = GaugeMetricFamily(
             "trio_pd_upstream_connections", "Pooled upstream connections.", labels=["state"]
         )
-        counts: dict[str, int] = {}
+        counts = {"idle": 0, "active": 0}
         for _, state in self.pool.connections():
-            counts[state] = counts.get(state, 0) + 1
+            counts[state] += 1
         for state, count in counts.items():
             pool.add_metric([state], count)
         panics = CounterMetricFamily(
@@ -110,4 +180,61 @@ class FleetCollector(Collector):
         )
         for role, count in self.fleet.panics.items():
             panics.add_metric([role], count)
-        yield from (in_flight, healthy, breaker, pool, panics)
+        queue = GaugeMetricFamily(
+            "trio_pd_admission_queue_depth", "Requests waiting for admission right now."
+        )
+        queue.add_metric([], self.queue_depth())
+        sources = GaugeMetricFamily(
+            "trio_pd_membership_source_up",
+            "1 when the membership source can be read, by source.",
+            labels=["source"],
+        )
+        for source, (ok, _) in self.fleet.sources.items():
+            sources.add_metric([source], 1.0 if ok else 0.0)
+        yield from (in_flight, healthy, breaker, pool, panics, queue, sources)
+
+
+# How each gauge combines over processes in multiprocess mode.
+MULTIPROCESS_MODES = {
+    "trio_pd_worker_in_flight": "livesum",
+    "trio_pd_worker_healthy": "livemin",
+    "trio_pd_worker_breaker_state": "livemax",
+    "trio_pd_upstream_connections": "livesum",
+    "trio_pd_panic_selections": "sum",
+    "trio_pd_admission_queue_depth": "livesum",
+    "trio_pd_membership_source_up": "livemin",
+}
+
+
+class SyncedGauges:
+    """The collector's families, mirrored into multiprocess gauges on each sync."""
+
+    def __init__(self, collector: FleetCollector, registry: CollectorRegistry) -> None:
+        self.collector = collector
+        self.registry = registry
+        self.gauges: dict[str, Gauge] = {}
+        self.seen: dict[str, set[tuple[str, ...]]] = {}
+
+    def sync(self) -> None:
+        for family in self.collector.collect():
+            name = family.name.removesuffix("_total")
+            gauge = self.gauges.get(name)
+            labels = list(family.samples[0].labels) if family.samples else None
+            if gauge is None:
+                if labels is None:
+                    continue
+                gauge = self.gauges[name] = Gauge(
+                    name,
+                    family.documentation,
+                    labels,
+                    registry=self.registry,
+                    multiprocess_mode=MULTIPROCESS_MODES[name],  # type: ignore[arg-type]
+                )
+            current: set[tuple[str, ...]] = set()
+            for sample in family.samples:
+                key = tuple(sample.labels[k] for k in gauge._labelnames)
+                current.add(key)
+                (gauge.labels(*key) if key else gauge).set(sample.value)
+            for gone in self.seen.get(name, set()) - current:  # a removed worker: zero it
+                gauge.labels(*gone).set(0)
+            self.seen[name] = current

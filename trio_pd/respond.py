@@ -36,6 +36,8 @@ class Responder:
     finished: bool = False
     status: int | None = None
     audit: str = ""  # what a control-plane change did, for the audit log
+    bytes_sent: int = 0  # body bytes, for the access log
+    route_info: dict[str, object] = attrs.Factory(dict)  # workers, attempts: the access log
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
@@ -50,6 +52,7 @@ class Responder:
 
     async def send(self, chunk: bytes) -> None:
         if chunk:
+            self.bytes_sent += len(chunk)
             await self.send_message(
                 {"type": "http.response.body", "body": chunk, "more_body": True}
             )
@@ -57,12 +60,14 @@ class Responder:
     async def finish_stream(self, last: bytes) -> None:
         if not self.finished:
             self.finished = True
+            self.bytes_sent += len(last)
             await self.send_message({"type": "http.response.body", "body": last})
 
     async def reply(self, reply: Reply) -> None:
         headers = [*reply.headers, (b"content-length", str(len(reply.body)).encode())]
         await self.start(reply.status, headers)
         self.finished = True
+        self.bytes_sent += len(reply.body)
         await self.send_message({"type": "http.response.body", "body": reply.body})
 
     async def error(self, error: RouterError) -> None:

@@ -12,6 +12,7 @@ import multiprocessing
 import signal
 import socket
 from functools import partial
+from typing import Any
 
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -69,11 +70,12 @@ async def serve(
     *,
     router: Router | None = None,
     sockets: Sockets | None = None,
-    signals: bool = False,
+    signals: tuple[int, ...] = (),
+    parent_sentinel: int | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve until drained (``signals``: on SIGTERM/SIGINT) or cancelled; ``task_status`` gets
-    the bound URLs (port 0 picks a free one)."""
+    """Serve until drained (on one of `signals`, or the parent's death) or cancelled;
+    ``task_status`` gets the bound URLs (port 0 picks a free one)."""
     app = router if router is not None else Router(config)
     hc = hypercorn_config(config)
     if sockets is None:
@@ -82,8 +84,8 @@ async def serve(
         sock.listen(hc.backlog)
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        if signals:
-            nursery.start_soon(app.drain.run_signals, stop)
+        if signals or parent_sentinel is not None:
+            nursery.start_soon(app.drain.run, stop, signals, parent_sentinel)
         wrapped = wrap_app(app, hc.wsgi_max_body_size, "asgi")
         await worker_serve(
             wrapped, hc, sockets=sockets, shutdown_trigger=stop.wait, task_status=task_status
@@ -91,48 +93,45 @@ async def serve(
         nursery.cancel_scope.cancel(reason="served")
 
 
-def run(config: RouterConfig) -> None:
-    """Blocking entry point of `trio-pd serve`."""
-    configure_logging(config.log_level)
+def run(config: RouterConfig) -> int:
+    """Blocking entry point of `trio-pd serve`; the exit status."""
+    configure_logging(config.log_level, json_lines=config.log_json)
     if config.workers <= 1:
         trio.run(partial(_serve_main, config))
-        return
-    _run_workers(config)
+        return 0
+    from trio_pd.processes import Supervisor
+
+    return Supervisor(config).run()
 
 
-async def _serve_main(config: RouterConfig, sockets: Sockets | None = None) -> None:
+async def _serve_main(
+    config: RouterConfig,
+    sockets: Sockets | None = None,
+    signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT),
+    parent_sentinel: int | None = None,
+    ready: Any = None,
+) -> None:
     async with trio.open_nursery() as nursery:
-        urls = await nursery.start(partial(serve, config, sockets=sockets, signals=True))
+        urls = await nursery.start(
+            partial(
+                serve, config, sockets=sockets, signals=signals, parent_sentinel=parent_sentinel
+            )
+        )
         log.info("trio-pd routing on %s", ", ".join(urls))
+        if ready is not None:
+            ready.set()  # the parent may forward SIGTERM now: the drain handles it
     log.info("trio-pd stopped")
 
 
-def _run_workers(config: RouterConfig) -> None:
-    """Several processes accept on the same sockets, each with its own trio loop and pool."""
-    hc = hypercorn_config(config)
-    sockets = make_sockets(config, hc)
-    context = multiprocessing.get_context("spawn")
-    processes = [
-        context.Process(target=_worker_main, args=(config, sockets), daemon=False)
-        for _ in range(config.workers)
-    ]
-    for process in processes:
-        process.start()
-    log.info("trio-pd routing on %s:%d with %d workers", config.host, config.port, config.workers)
+def worker_main(config: RouterConfig, sockets: Sockets, index: int, ready: Any) -> None:
+    """A router process of `--workers N` (spawned by `processes.Supervisor`).
 
-    def forward(signum: int, frame: object) -> None:
-        for process in processes:
-            if process.is_alive() and process.pid is not None:
-                process.terminate()
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    for process in processes:
-        process.join()
-    for sock in sockets.insecure_sockets:
-        sock.close()
-
-
-def _worker_main(config: RouterConfig, sockets: Sockets) -> None:
-    configure_logging(config.log_level)
-    trio.run(partial(_serve_main, config, sockets))
+    It answers SIGTERM only: a terminal's Ctrl-C reaches the parent, which forwards SIGTERM
+    (were SIGINT taken here too, one Ctrl-C would count as two signals). If the parent dies,
+    the process drains and exits as on a signal.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    configure_logging(config.log_level, json_lines=config.log_json)
+    parent = multiprocessing.parent_process()
+    sentinel = parent.sentinel if parent is not None else None
+    trio.run(partial(_serve_main, config, sockets, (signal.SIGTERM,), sentinel, ready))
