@@ -72,18 +72,42 @@ def owner_of(frames: list[str]) -> str:
     return "other (threads, startup)"
 
 
+STDLIB_DIRS = {"collections", "asyncio", "json", "logging", "email", "http", "urllib",
+               "concurrent", "importlib", "multiprocessing", "re", "encodings",
+               "wsgiref"}  # fmt: skip
+TRIO_FAMILY = {"trio", "outcome", "sniffio"}
+
+
+def package_of(file: str) -> str:
+    """trio, hypercorn, h11, trio_pd, ... or 'stdlib' (attrs-generated methods by their class)."""
+    if file.startswith("<attrs generated methods "):
+        top = file[len("<attrs generated methods ") :].split(".")[0]
+        return "trio" if top in TRIO_FAMILY else top
+    if "/" not in file:
+        return "stdlib"
+    top = file.split("/")[0]
+    if top in STDLIB_DIRS:
+        return "stdlib"
+    return "trio" if top in TRIO_FAMILY else top
+
+
 def layer_of(frames: list[str], owner: str) -> str:
-    leaf = frames[-1]
-    m = PY_FRAME.match(leaf)
-    if not m:
+    """What the leaf is: native code, or the package of the innermost non-stdlib Python frame
+    (stdlib helpers such as contextlib count for the package that called them)."""
+    if not PY_FRAME.match(frames[-1]):
         return "native"
-    file = m["file"]
-    for name, prefixes in OWNERS:
-        if name == owner and any(file.startswith(p) or f"/{p}" in file for p in prefixes):
+    prefixes = next((p for name, p in OWNERS if name == owner), ())
+    own_packages = {p.split("/")[0] for p in prefixes}
+    for frame in reversed(frames):
+        m = PY_FRAME.match(frame)
+        if not m:
+            continue
+        package = package_of(m["file"])
+        if package in own_packages:
             return "own Python"
-    if file.startswith("trio/") or "/trio/" in file:
-        return "trio"
-    return "stdlib / other Python"
+        if package != "stdlib":
+            return package
+    return "stdlib"
 
 
 def innermost_python(frames: list[str]) -> str:
@@ -129,6 +153,13 @@ def summarize(path: Path, top: int = 15) -> str:
             if oo == o
         )
         lines.append(f"  {pct(n)}  {o}  [{parts}]")
+    overall: collections.Counter[str] = collections.Counter()
+    for (_, layer), m in layers.items():
+        overall[layer] += m
+    lines.append(
+        "  all owners by layer: "
+        + ", ".join(f"{layer} {100.0 * m / total:.0f}%" for layer, m in overall.most_common())
+    )
     lines += ["", "top own-time functions of each owner:"]
     for o, _ in owners.most_common():
         lines.append(f"  {o}:")
