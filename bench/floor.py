@@ -12,16 +12,21 @@ ASGI hop, with no routing, JSON or upstream connection:
   engine's decode steps, so concurrent streams wake together as a router's streams would;
   every stream sleeps on its own trio timer (its wake-ups are part of the floor);
 - GET /health: 200; GET /stats: `{"requests", "events", "streams"}` (not counted itself).
+  With `--stats-file PATH` the same three counters also live in that file (three native int64,
+  shared memory): the benchmark reads them there, because a saturated server answers its own
+  /stats late (at 256 connections hypercorn can hold a request for seconds).
 
-    python -m bench.floor --port N [--events 64 --interval-ms 20]
+    python -m bench.floor --port N [--events 64 --interval-ms 20] [--stats-file PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import mmap
 import signal
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -39,13 +44,29 @@ EVENT = b'data: {"text":" tok","meta_info":{"id":"floor","finish_reason":null}}\
 DONE = b"data: [DONE]\n\n"
 
 
+REQUESTS, EVENTS, STREAMS = range(3)
+
+
+def counters(path: str | None) -> Any:
+    """Three int64 counters: in a shared file when asked (read_counters), else in memory."""
+    if path is None:
+        return [0, 0, 0]
+    Path(path).write_bytes(b"\0" * 24)
+    with open(path, "r+b") as f:
+        shared = mmap.mmap(f.fileno(), 24)
+    return memoryview(shared).cast("q")
+
+
+def read_counters(path: Path) -> dict[str, int]:
+    view = memoryview(path.read_bytes()[:24]).cast("q")
+    return {"requests": view[REQUESTS], "events": view[EVENTS], "streams": view[STREAMS]}
+
+
 class FloorApp:
-    def __init__(self, events: int, interval: float) -> None:
+    def __init__(self, events: int, interval: float, stats_file: str | None = None) -> None:
         self.events = events
         self.interval = interval
-        self.requests = 0
-        self.sent_events = 0
-        self.streams = 0
+        self.counts = counters(stats_file)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         kind = scope["type"]
@@ -63,10 +84,9 @@ class FloorApp:
     async def http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["method"] == "GET":
             if scope["path"] == "/stats":
-                body = orjson.dumps(
-                    {"requests": self.requests, "events": self.sent_events, "streams": self.streams}
-                )
-                await _answer(send, body)
+                c = self.counts
+                body = {"requests": c[REQUESTS], "events": c[EVENTS], "streams": c[STREAMS]}
+                await _answer(send, orjson.dumps(body))
             else:
                 await _answer(send, b"" if scope["path"] == "/health" else b"{}")
             return
@@ -81,10 +101,10 @@ class FloorApp:
             return
         await send({"type": "http.response.start", "status": 200, "headers": JSON_HEADERS})
         await send({"type": "http.response.body", "body": JSON})
-        self.requests += 1
+        self.counts[REQUESTS] += 1
 
     async def stream(self, send: Any) -> None:
-        self.streams += 1
+        self.counts[STREAMS] += 1
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         step = self.interval
         first = math.ceil(trio.current_time() / step) * step if step > 0 else 0.0
@@ -92,9 +112,9 @@ class FloorApp:
             if step > 0:
                 await trio.sleep_until(first + i * step)
             await send({"type": "http.response.body", "body": EVENT, "more_body": True})
-            self.sent_events += 1
+            self.counts[EVENTS] += 1
         await send({"type": "http.response.body", "body": DONE})
-        self.requests += 1
+        self.counts[REQUESTS] += 1
 
 
 async def _answer(send: Any, body: bytes) -> None:
@@ -109,7 +129,8 @@ async def serve(args: argparse.Namespace) -> None:
     sockets = make_sockets(config, hc)
     for sock in (*sockets.secure_sockets, *sockets.insecure_sockets):
         sock.listen(hc.backlog)
-    app = wrap_app(FloorApp(args.events, args.interval_ms / 1000.0), hc.wsgi_max_body_size, "asgi")
+    floor = FloorApp(args.events, args.interval_ms / 1000.0, args.stats_file)
+    app = wrap_app(floor, hc.wsgi_max_body_size, "asgi")
     stop = trio.Event()
 
     async def on_signals() -> None:
@@ -130,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--events", type=int, default=64)
     p.add_argument("--interval-ms", type=float, default=20.0)
+    p.add_argument("--stats-file", default=None, help="also keep the counters in this file")
     trio.run(partial(serve, p.parse_args(argv)))
 
 

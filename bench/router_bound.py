@@ -19,9 +19,10 @@ any two targets), each with fresh engines and a fresh router:
    batched decode engine does); CPU per event the client received inside the window.
 
 Targets: `floor` (bench/floor.py: a bare ASGI app on hypercorn's trio worker, served like
-trio_pd; c=32 and the paced streams only), `direct` (wrk at the instant decode engine; the
-engine's own CPU), and the routers (trio_pd, trio_pd_w2, smg, mini_lb). For `--workers 2` the
-per-process CPU split (busiest / idlest worker process) is reported too.
+trio_pd: the same wrk levels, its own timers for the paced streams), `direct` (wrk at the
+instant decode engine; the engine's own CPU; no paced phase), and the routers (trio_pd,
+trio_pd_w2, smg, mini_lb). For `--workers 2` the per-process CPU split (busiest / idlest worker
+process) is reported too.
 
 Then: a table of medians, the issue's targets with ratios and PASS/MISS, and a capacity table
 (Markdown) computed from the measured CPU. One JSON under bench/results/.
@@ -54,6 +55,7 @@ import psutil
 
 from bench import common
 from bench.common import HOST, print_flush
+from bench.floor import read_counters
 
 NAME = "router-bound"
 LOAD_SHAPE = (
@@ -64,7 +66,6 @@ LOAD_SHAPE = (
     "engines, Python load generator, client-side PD dance)."
 )
 LEVELS = (1, 32, 256)
-FLOOR_LEVELS = (32,)
 STREAM_BODY = {
     "text": "Tell me a long story",
     "sampling_params": {"max_new_tokens": 64},
@@ -145,6 +146,7 @@ class Target:
     stream_path: str
     engines: list[int] = attrs.Factory(list)
     router: common.Proc | None = None
+    stats_file: Path | None = None  # the floor's counters (a loaded floor answers /stats late)
 
     def workers(self) -> list[int]:
         return worker_pids(self.root) if self.name == "trio_pd_w2" else [self.root]
@@ -175,12 +177,14 @@ def started(name: str, s: Settings) -> Iterator[Target]:
     try:
         if name == "floor":
             port = common.free_port()
+            stats = logdir / "floor.stats"
             argv = [sys.executable, "-m", "bench.floor", "--host", HOST, "--port", str(port),
-                    "--events", str(s.events), "--interval-ms", str(s.interval_ms)]  # fmt: skip
+                    "--events", str(s.events), "--interval-ms", str(s.interval_ms),
+                    "--stats-file", str(stats)]  # fmt: skip
             proc = common.Proc("floor", argv, logdir)
             procs.append(proc)
             common.wait_until(lambda: common.http_get(port, "/health") == 200, 20, "floor", proc)
-            yield Target(name, port, proc.pid, port, "/stream")
+            yield Target(name, port, proc.pid, port, "/stream", stats_file=stats)
             return
         decode = start_instant("decode", logdir, s)
         procs.append(decode.proc)
@@ -231,8 +235,12 @@ def snap(target: Target, client_pid: int | None = None, counters: Any = None) ->
     machine = common.machine_busy()
     if counters is not None:
         stats = {"events": counters[0], "streams": counters[1], "errors": counters[2]}
+    elif target.stats_file is not None:
+        stats = read_counters(target.stats_file)
     else:
-        stats = common.http_get_json(target.stats_port, "/stats") or {}
+        stats = common.http_get_json(target.stats_port, "/stats", timeout=10.0)
+        if not isinstance(stats, dict):
+            raise RuntimeError(f"{target.name}: no answer from /stats on port {target.stats_port}")
     client = proc_cpu(client_pid) if client_pid else 0.0
     steal = getattr(psutil.cpu_times(), "steal", 0.0)
     return Snap(t, cpu, engines, machine, stats, client, steal)
@@ -320,6 +328,12 @@ def wrk_level(target: Target, conc: int, s: Settings) -> dict[str, Any]:
     out, _ = wrk.communicate(timeout=s.wrk_seconds + 60)
     w = window(target, a, b, "requests")
     row = {"target": target.name, "c": conc, **wrk_summary(out), "settled_s": settled}
+    # The window's count (the server's) and wrk's own rate must agree: a mismatch means the
+    # counter was misread (the request count is the denominator of every CPU figure).
+    row["count_vs_wrk"] = _ratio(w["per_s"], row["wrk_rps"])
+    if row["count_vs_wrk"] is not None and abs(row["count_vs_wrk"] - 1) > 0.25:
+        print_flush(f"  WARNING {target.name} c={conc}: {w['per_s']} req/s counted in the window,"
+                    f" wrk saw {row['wrk_rps']} req/s")  # fmt: skip
     row.update(
         rps=w["per_s"], cpu_us_per_req=w["cpu_us"], router_cores=w["cores"],
         engines_us_per_req=w["engines_us"], wrk_us_per_req=w["client_us"],
@@ -331,12 +345,11 @@ def wrk_level(target: Target, conc: int, s: Settings) -> dict[str, Any]:
 
 
 def nonstream(name: str, s: Settings) -> dict[str, Any]:
-    levels = FLOOR_LEVELS if name == "floor" else LEVELS
     with started(name, s) as target:
-        warm = run_wrk(target.port, max(levels), max(1, round(s.warmup)))
+        warm = run_wrk(target.port, max(LEVELS), max(1, round(s.warmup)))
         wrk_summary(warm.communicate(timeout=s.warmup + 60)[0])
         rows = []
-        for conc in levels:
+        for conc in LEVELS:
             row = wrk_level(target, conc, s)
             rows.append(row)
             print_flush(
@@ -587,7 +600,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], names: Sequence[str]) -> di
                         "engines_us_per_req", "wrk_us_per_req", "split"):  # fmt: skip
                 m[f"c{c}_{key}"] = med(row.get(key) for row in rows)
             m[f"c{c}_errors"] = sum(row.get("errors") or 0 for row in rows)
-        if name not in ("floor", "direct"):
+        if name != "direct":
             added = []
             for r in reps:
                 base = direct.get(r["repetition"], {}).get(1)
