@@ -44,8 +44,8 @@ bench-peers: $(STAMP)
 	$(PEERS_INSTALL)
 	$(BIN)/python -m bench run --peers $(BENCH_ARGS)
 
-# The router-bound scenario alone, all four routers, 3 repetitions (about 10 minutes on 2 cores;
-# BENCH_ARGS=--quick about 5).
+# The router-bound scenario alone, all four routers, 3 repetitions (about 12 minutes on 2 cores;
+# BENCH_ARGS=--quick about 6).
 bench-router-bound: $(STAMP)
 	@$(WRK_INSTALL)
 	$(PEERS_INSTALL)

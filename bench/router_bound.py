@@ -526,6 +526,8 @@ def run_all(
 ) -> tuple[dict[str, Any], list[dict[str, dict[str, Any]]]]:
     """Every target, both phases, `repeat` times. Returns (result, per-repetition summaries of
     each router for the side-by-side table)."""
+    if shutil.which("wrk") is None:
+        raise RuntimeError("router-bound needs wrk (apt-get install wrk; make bench installs it)")
     s = settings(quick)
     meta = {**common.meta(), "cpu_model": cpu_model()}
     print_flush(f"== {NAME} == load shape: {LOAD_SHAPE}")
