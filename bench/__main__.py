@@ -4,6 +4,10 @@ Runs every selected scenario for every selected router, alternating routers insi
 repetition (so slow drifts of a shared machine hit all of them alike), writes one JSON per
 scenario run plus a combined `bench-*.json`, prints the per-scenario tables and, with more than one
 router, one side-by-side table of medians with ratios to trio_pd, and the storm PNG.
+
+`router-bound` (bench/router_bound.py) runs after the others as one block: it alternates its own
+targets (the floor, the instant engine alone, every router) and phases, and prints its own
+tables (medians, targets with PASS/MISS, capacity planning).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import time
 import traceback
 from typing import Any
 
-from bench import common, overhead, soak, storm, stream, teardown, wide
+from bench import common, overhead, router_bound, soak, storm, stream, teardown, wide
 from bench.common import print_flush
 from bench.report import plot_storm, side_by_side
 
@@ -29,17 +33,24 @@ SCENARIOS: dict[str, Any] = {
     "soak": (soak.run, soak.summary, ("router", "requests", "ok", "rss_start_mb", "rss_end_mb",
                                      "rss_idle_mb", "fds_max", "fds_idle", "tcp_max", "tcp_idle")),
 }  # fmt: skip
+# Scenarios that run all their routers themselves (their own alternation and tables).
+WHOLE = {"router-bound": router_bound.run_all}
 # `wide` (1000 concurrent streams) runs on request: `--scenarios wide`.
-DEFAULT_SCENARIOS = ("overhead", "stream", "stream-paced", "teardown", "storm", "soak")
-PEER_SCENARIOS = ("overhead", "stream", "stream-paced", "teardown", "storm")
+DEFAULT_SCENARIOS = (
+    "overhead", "stream", "stream-paced", "teardown", "storm", "soak", "router-bound",
+)  # fmt: skip
+PEER_SCENARIOS = ("overhead", "stream", "stream-paced", "teardown", "storm", "router-bound")
 
 
 def run(args: argparse.Namespace) -> int:
     routers = args.routers.split(",") if args.routers else ["trio_pd"]
     scenarios = args.scenarios.split(",") if args.scenarios else list(DEFAULT_SCENARIOS)
     for name in scenarios:
-        if name not in SCENARIOS:
-            raise SystemExit(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
+        if name not in SCENARIOS and name not in WHOLE:
+            choices = ", ".join([*SCENARIOS, *WHOLE])
+            raise SystemExit(f"unknown scenario {name!r}; choose from {choices}")
+    whole = [name for name in scenarios if name in WHOLE]
+    scenarios = [name for name in scenarios if name not in WHOLE]
     for router in routers:
         if router not in common.ROUTERS:
             raise SystemExit(f"unknown router {router!r}; choose from {', '.join(common.ROUTERS)}")
@@ -80,20 +91,40 @@ def run(args: argparse.Namespace) -> int:
                 common.write_result(f"{name}-{router}", result)
                 results[name][router].append(result)
                 summaries[router][rep].update(SCENARIOS[name][1](result))
+    whole_results: dict[str, dict[str, Any]] = {}
+    for name in whole:
+        try:
+            result, per_rep = WHOLE[name](routers, args.repeat, args.quick, show=False)
+        except Exception as exc:
+            traceback.print_exc()
+            failures.append(f"{name}: {exc!r}")
+            continue
+        result["results_file"] = str(common.write_result(name, result))
+        whole_results[name] = result
+        failures += [f"{name} {failure}" for failure in result["failures"]]
+        for rep, flat in enumerate(per_rep):
+            for router, metrics in flat.items():
+                summaries[router][rep].update(metrics)
     print_flush("")
     for name in scenarios:
         rows = [row for r in routers for res in results[name][r] for row in res["rows"]]
         if rows:
             print_flush(common.table(rows, SCENARIOS[name][2], f"== {name} =="))
             print_flush("")
+    for result in whole_results.values():
+        print_flush(router_bound.render(result))
+        print_flush("results:", result["results_file"])
+        print_flush("")
     combined: dict[str, Any] = {
         "routers": routers,
-        "scenarios": scenarios,
+        "scenarios": scenarios + whole,
         "repeat": args.repeat,
         "quick": args.quick,
         "summaries": summaries,
         "failures": failures,
-    }
+        **{name: {k: r[k] for k in ("results_file", "targets", "capacity", "capacity_markdown")}
+           for name, r in whole_results.items()},
+    }  # fmt: skip
     if len(routers) > 1 or args.repeat > 1:
         text, rows = side_by_side(summaries, reference=routers[0])
         print_flush(text)
@@ -115,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     p = commands.add_parser("run", help="run scenarios")
     p.add_argument("--quick", action="store_true", help="short runs (make bench)")
     p.add_argument("--routers", default="trio_pd", help=f"comma list of {','.join(common.ROUTERS)}")
-    p.add_argument("--scenarios", default=None, help=f"comma list of {','.join(SCENARIOS)}")
+    p.add_argument(
+        "--scenarios", default=None, help=f"comma list of {','.join([*SCENARIOS, *WHOLE])}"
+    )
     p.add_argument("--repeat", type=int, default=None, help="default 1 (--peers: 3)")
     p.add_argument(
         "--peers",
