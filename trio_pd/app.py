@@ -21,6 +21,7 @@ import trio
 import trio_parallel
 
 from trio_pd import payload
+from trio_pd.aborts import AbortService
 from trio_pd.admin import add_worker, delete_worker, get_worker, list_workers
 from trio_pd.admission import Admission
 from trio_pd.asgi import ClientGone, ControlHandler, Handler, Receive, Scope, Send, json_reply
@@ -69,6 +70,7 @@ class Router:
     pool: UpstreamPool = attrs.field()  # the data plane's two legs
     metrics: RouterMetrics = attrs.field(factory=RouterMetrics)
     admission: Admission = attrs.field()
+    aborts: AbortService | None = attrs.field()
     access: Access = attrs.field()
     drain: Drain = attrs.field()
     store: MembershipStore = attrs.field()  # where the admin API writes membership
@@ -100,6 +102,10 @@ class Router:
             self.metrics.admission_waits,
         )
 
+    @aborts.default
+    def _default_aborts(self) -> AbortService | None:
+        return AbortService(self.metrics) if self.config.abort_on_cancel else None
+
     @access.default
     def _default_access(self) -> Access:
         c = self.config
@@ -129,7 +135,7 @@ class Router:
     @generation.default
     def _default_generation(self) -> GenerationContext:
         dispatch_context = DispatchContext(
-            self.pool, self.fleet, self.config, self.rng, self.metrics
+            self.pool, self.fleet, self.config, self.rng, self.metrics, self.aborts
         )
         return GenerationContext(self.config, self.admission, self.drain, dispatch_context)
 
@@ -271,7 +277,7 @@ async def handle_generation(
     raw = await read_request_body(
         scope, receive, config.max_payload_size, config.timeouts.client_body_secs
     )
-    owned = payload.BOOTSTRAP_KEYS
+    owned = payload.BOOTSTRAP_KEYS | {"rid"} if gen.dispatch.aborts else payload.BOOTSTRAP_KEYS
     inspected = await inspect(scope["path"], raw, config.max_batch_size, owned, gen.parsers)
     request = PDRequest(
         scope["path"],
@@ -279,6 +285,7 @@ async def handle_generation(
         leg_headers(scope["headers"], rsp.request_id.decode()),
         # With data-plane keys the client's authorization is the router's credential: kept.
         None if gen.config.data_plane_api_keys else client_authorization(scope["headers"]),
+        rsp.request_id.decode(),
     )
     cancel = RequestCancel()
     with gen.drain.track(cancel), cancel.scope:

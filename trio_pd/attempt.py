@@ -65,9 +65,11 @@ class Leg:
     body: bytes
     headers: list[tuple[bytes, bytes]]
     track: Callable[[], AbstractContextManager[Any]]  # load accounting while the leg runs
+    on_abandon: Callable[[Leg], None] | None = None  # asks the engine to abort (aborts.py)
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     result: LegResult = None
     posted: bool = False  # the request was (being) sent: the engine may hold it
+    abandoned: bool = False  # the engine was asked to drop it
     cancel_cause: str | None = None
     cancelled_at: float | None = None
     ended_at: float | None = None  # its connection released (pooled or closed)
@@ -79,12 +81,21 @@ class Leg:
         self.cancel_cause = cause
         self.cancelled_at = trio.current_time()
         self.scope.cancel()
+        self.abandon()
 
     def note_outer_cancel(self, cause: str, at: float) -> None:
         """The leg ended by an enclosing scope's cancellation (client gone, shutdown, deadline)."""
         if self.result is None and self.cancel_cause is None and self.posted:
             self.cancel_cause = cause
             self.cancelled_at = at
+            self.abandon()
+
+    def abandon(self) -> None:
+        """The router gave up on this leg while the engine may still hold it: have the engine
+        free it now rather than at its next disconnect poll. Once per leg."""
+        if self.posted and not self.abandoned and self.on_abandon is not None:
+            self.abandoned = True
+            self.on_abandon(self)
 
     @property
     def failed(self) -> bool:
@@ -137,8 +148,14 @@ class Attempt:
             now = trio.current_time()
             self.prefill.note_outer_cancel("deadline", now)
             self.decode.note_outer_cancel("deadline", now)
+            # The slow leg: prefill while decode is still waiting for its KV cache; decode once
+            # prefill is done or the stream has started.
             timeout = LegFailure("timeout", "request deadline passed")
-            if self.prefill.result is None and not self.decode.failed:
+            if (
+                self.prefill.result is None
+                and not self.decode.failed
+                and not self.responder.started
+            ):
                 self.prefill.result = timeout
             elif self.decode.result is None:
                 self.decode.result = timeout
@@ -194,6 +211,7 @@ class Attempt:
             self._fail_prefill(
                 LegFailure("timeout", f"prefill did not finish within {hold:g}s of decode's answer")
             )
+            leg.abandon()
         self.prefill_answer_known.set()  # also when cancelled: decode must not wait for it
 
     def _hold_prefill(self) -> None:
@@ -374,6 +392,7 @@ class Attempt:
             elif now - clock.last_chunk_at >= idle:
                 self._fail_decode(LegFailure("timeout", f"decode sent nothing for {idle:g}s"))
                 self.decode.scope.cancel()
+                self.decode.abandon()
                 return
 
 

@@ -44,6 +44,8 @@ async def run_background(router: Router, *, task_status: trio.TaskStatus[None]) 
         return 200 <= response.status_code < 300
 
     async with trio.open_nursery() as nursery:
+        if router.aborts is not None:
+            await nursery.start(router.aborts.run, client)
         for source in router.sources:  # membership first: the first reconcile is done here
             await nursery.start(
                 supervised, f"membership_{source.name}", partial(source.run, router.fleet), metrics

@@ -82,6 +82,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout-secs", type=float, default=d.request_timeout_secs)
     p.add_argument("--max-payload-size", type=int, default=d.max_payload_size)
     p.add_argument(
+        "--no-abort-on-cancel",
+        action="store_true",
+        help="do not POST /abort_request to engines for legs the router cancels "
+        "(for engines without that endpoint)",
+    )
+    p.add_argument(
         "--max-batch-size",
         type=int,
         default=d.max_batch_size,
@@ -237,6 +243,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         request_timeout_secs=args.request_timeout_secs,
         max_payload_size=args.max_payload_size,
         max_batch_size=args.max_batch_size,
+        abort_on_cancel=not args.no_abort_on_cancel,
         max_concurrent_requests=args.max_concurrent_requests,
         queue_size=args.queue_size,
         queue_timeout_secs=args.queue_timeout_secs,

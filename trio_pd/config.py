@@ -98,6 +98,7 @@ class RouterConfig:
     request_timeout_secs: float = 1800.0
     max_payload_size: int = 536_870_912
     max_batch_size: int = 1024  # list lengths and chat `n`, checked before any work
+    abort_on_cancel: bool = True  # POST /abort_request to engines for legs the router gave up
     max_concurrent_requests: int = -1  # -1: unbounded
     queue_size: int = 100
     queue_timeout_secs: float = 60.0

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import attrs
 import trio
 
+from trio_pd.aborts import AbortJob, AbortService
 from trio_pd.attempt import Attempt, Leg
 from trio_pd.config import RouterConfig
 from trio_pd.errors import RouterError, no_worker
@@ -42,6 +44,7 @@ class PDRequest:
     inspected: Inspected
     headers: list[tuple[bytes, bytes]]  # the legs' headers, less authorization
     authorization: bytes | None = None  # the client's, forwarded when a worker has no key
+    request_id: str = ""
 
 
 @attrs.define(eq=False)
@@ -75,6 +78,7 @@ class DispatchContext:
     config: RouterConfig
     rng: random.Random
     metrics: RouterMetrics
+    aborts: AbortService | None = None  # None: --no-abort-on-cancel
 
 
 async def dispatch(
@@ -93,7 +97,7 @@ async def dispatch(
             await responder.error(no_worker(str(exc)))
             return
         attempt = new_attempt(
-            ctx, request, responder, cancel, (prefill, decode), (started, deadline)
+            ctx, request, responder, cancel, (prefill, decode), (started, deadline), number
         )
         responder.route_info.update(prefill=prefill.id, decode=decode.id, attempts=number)
         if number > 1:
@@ -141,6 +145,7 @@ def new_attempt(
     cancel: RequestCancel,
     pair: tuple[Worker, Worker],
     times: tuple[float, float],
+    number: int = 1,
 ) -> Attempt:
     """An attempt on this pair, its body carrying fresh bootstrap fields; `times` are the
     request's start and deadline."""
@@ -153,6 +158,11 @@ def new_attempt(
         rooms_for(inspected.batch, ctx.rng),
         inspected.batch,
     )
+    rids: tuple[str, ...] = ()
+    if ctx.aborts is not None:
+        rid = attempt_rid(inspected.rid, request.request_id, inspected.batch, number, ctx.rng)
+        fields["rid"] = rid
+        rids = (rid,) if isinstance(rid, str) else tuple(rid)
     body = splice(inspected.body, inspected.empty, fields)
     if len(body) > ctx.config.max_payload_size:
         raise RouterError(
@@ -169,6 +179,7 @@ def new_attempt(
             body,
             leg_headers_for(ctx, request, prefill),
             partial(ctx.fleet.track, prefill),
+            abort_hook(ctx, prefill, rids),
         ),
         decode=Leg(
             "decode",
@@ -176,6 +187,7 @@ def new_attempt(
             body,
             leg_headers_for(ctx, request, decode),
             partial(ctx.fleet.track, decode),
+            abort_hook(ctx, decode, rids),
         ),
         stream=inspected.stream,
         logprobs=inspected.logprobs,
@@ -186,6 +198,41 @@ def new_attempt(
         metrics=ctx.metrics,
         request_started=started,
     )
+
+
+def attempt_rid(
+    client_rid: Any, request_id: str, batch: int | None, number: int, rng: random.Random
+) -> str | list[str]:
+    """The SGLang `rid` of one attempt, which names it for `/abort_request`.
+
+    The client's own rid is kept on the first attempt; a retry appends `-retry<k>`, because the
+    engine may still hold the failed attempt's rid and refuses one it holds. Without a client
+    rid: the request id plus a random suffix (clients may reuse request ids). Batches get one
+    rid per item (a string rid names the items `<rid>_<i>`, as SGLang does)."""
+    suffix = f"-retry{number - 1}" if number > 1 else ""
+    if isinstance(client_rid, str) and client_rid:
+        if batch is None:
+            return client_rid + suffix
+        return [f"{client_rid}_{i}{suffix}" for i in range(batch)]
+    if isinstance(client_rid, list) and client_rid and all(isinstance(r, str) for r in client_rid):
+        return [r + suffix for r in client_rid]
+    base = f"{request_id}-{rng.getrandbits(32):08x}"
+    return base if batch is None else [f"{base}-{i}" for i in range(batch)]
+
+
+def abort_hook(
+    ctx: DispatchContext, worker: Worker, rids: tuple[str, ...]
+) -> Callable[[Leg], None] | None:
+    """What an abandoned leg does: queue `/abort_request` for its rids on its worker."""
+    aborts = ctx.aborts
+    if aborts is None or not rids:
+        return None
+    headers = tuple(worker_authorization(worker.spec.api_key or ctx.config.api_key, None))
+
+    def abandon(leg: Leg) -> None:
+        aborts.request(AbortJob(leg.role, worker.url, rids, headers))
+
+    return abandon
 
 
 def leg_headers_for(
