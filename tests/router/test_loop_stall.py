@@ -22,6 +22,7 @@ reached them. Bounds are loose: this is a shared 2-core box and the engines burn
 
 from __future__ import annotations
 
+import gc
 import socket
 import subprocess
 import sys
@@ -80,24 +81,45 @@ class LongestStep(trio.abc.Instrument):
             self.worst, self.task = took, task.name
 
 
+class LongestCollection:
+    """The longest pause of Python's cyclic garbage collector (a stall no task step shows)."""
+
+    def __init__(self) -> None:
+        self.worst = 0.0
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.worst = max(self.worst, time.perf_counter() - self._started)
+
+
 @attrs.frozen
 class Window:
     stall: float
     step: float
     step_task: str
+    gc_pause: float
     wakeups: int
 
     def __str__(self) -> str:
         return (
             f"longest stall {self.stall * 1000:.1f} ms ({self.wakeups} wakeups), longest step "
-            f"{self.step * 1000:.1f} ms in {self.step_task}"
+            f"{self.step * 1000:.1f} ms in {self.step_task}, longest gc pause "
+            f"{self.gc_pause * 1000:.1f} ms"
         )
 
 
 async def measured(work: Callable[[], Awaitable[Any]]) -> Window:
-    """Run `work` while the stall meter and the step instrument watch the loop."""
-    meter, steps = StallMeter(), LongestStep()
+    """Run `work` while the stall meter, the step instrument and a gc callback watch the loop.
+
+    The garbage left by earlier tests in this process is collected first: the window measures
+    what the router does now, not the test session's heap."""
+    meter, steps, collections = StallMeter(), LongestStep(), LongestCollection()
+    gc.collect()
     trio.lowlevel.add_instrument(steps)
+    gc.callbacks.append(collections)
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(meter.run)
@@ -105,8 +127,9 @@ async def measured(work: Callable[[], Awaitable[Any]]) -> Window:
             await work()
             nursery.cancel_scope.cancel()
     finally:
+        gc.callbacks.remove(collections)
         trio.lowlevel.remove_instrument(steps)
-    return Window(meter.worst, steps.worst, steps.task, meter.wakeups)
+    return Window(meter.worst, steps.worst, steps.task, collections.worst, meter.wakeups)
 
 
 # -- engines in their own processes ------------------------------------------------------------
