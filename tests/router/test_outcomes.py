@@ -76,16 +76,37 @@ async def test_prefill_connection_refused_cancels_decode(nursery: trio.Nursery) 
     worker.spec = type(worker.spec)(
         f"http://127.0.0.1:{port}", "prefill", cluster.prefill.bootstrap_port
     )
+    rids = []
     for stream in (False, True):
         response = await cluster.client.post("/generate", json=generate_body(stream=stream))
         assert response.status_code == 502
-        assert "prefill" in response.json()["error"]["message"]
-        rid = response.headers["x-request-id"]
-        # Refusal is immediate; decode may or may not have got the request by then.
-        if cluster.decode.events.find("request_start", rid=rid):
-            await cluster.decode.events.wait_for("connection_closed", timeout=LOOSE, rid=rid)
-    await settle(lambda: cluster.decode.running == 0)
-    assert "active" not in cluster.upstream_connections(cluster.decode)
+        error = response.json()["error"]
+        assert error["type"] == "upstream_error"
+        assert "prefill" in error["message"]
+        rids.append(response.headers["x-request-id"])
+    # The router saw a transport failure of prefill, once per request, and nothing else.
+    sample = cluster.router.metrics.registry.get_sample_value
+    assert sample("trio_pd_leg_failures_total", {"role": "prefill", "kind": "transport"}) == 2
+    assert sample("trio_pd_leg_failures_total", {"role": "decode", "kind": "transport"}) is None
+    prefill = cluster.router.fleet.workers("prefill")[0]
+    assert prefill.breaker.total_failures == 2
+    # The refusal is immediate, so decode may or may not have read its request by then; what
+    # must hold either way: every request decode got was closed by the router, none of them
+    # registered a room that KV could reach or finished, and no slot is held.
+    await settle(lambda: cluster.decode.running == 0 and cluster.decode.queued == 0)
+    await trio.sleep(0.6)  # past the engine's disconnect poll: a late leg would show by now
+    for rid in rids:
+        got = cluster.decode.events.find("request_start", rid=rid)
+        closed = cluster.decode.events.find("connection_closed", rid=rid)
+        assert len(closed) == len(got) <= 1
+        assert not cluster.decode.events.find("kv_ready", rid=rid)
+        assert not cluster.decode.events.find("first_token", rid=rid)
+        for ended in cluster.decode.events.find("request_end", rid=rid):
+            assert ended["ended"] == "aborted_disconnect"  # (a stream has its 200 headers)
+        for freed in cluster.decode.events.find("slot_freed", rid=rid):
+            assert freed["reason"] == "aborted_disconnect"
+    assert cluster.router.fleet.workers("decode")[0].in_flight == 0
+    await settle(lambda: "active" not in cluster.upstream_connections(cluster.decode))
     await cluster.client.aclose()
 
 
@@ -144,7 +165,8 @@ async def test_both_succeed_non_stream(cluster: Cluster) -> None:
     assert freed["reason"] == "finished"
     assert cluster.prefill.events.find("kv_sent", rid=rid)
     # Both legs finished cleanly: their connections went back to the pool, none is closed.
-    await settle(lambda: set(cluster.upstream_connections(cluster.decode)) <= {"idle"})
+    await settle(lambda: cluster.upstream_connections(cluster.decode) == ["idle"])
+    await settle(lambda: cluster.upstream_connections(cluster.prefill) == ["idle"])
 
 
 async def test_both_succeed_stream(cluster: Cluster) -> None:
