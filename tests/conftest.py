@@ -19,6 +19,10 @@ from trio_pd.server import serve
 # observe; their KV waiting timeout stays long, so a decode nobody cancels would visibly hang.
 ENGINE_DEFAULTS: dict[str, Any] = {"disconnect_poll_secs": 0.5, "waiting_timeout": 60.0}
 ROUTER_DEFAULTS: dict[str, Any] = {
+    # Teardown is checked as engines see it: the connection closed, then the slot freed at the
+    # next poll. Aborts (on by default in production) race with that; tests/router/test_aborts
+    # turns them on and checks them.
+    "abort_on_cancel": False,
     "host": "127.0.0.1",
     "port": 0,
     "request_timeout_secs": 30.0,

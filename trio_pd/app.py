@@ -179,9 +179,9 @@ class Router:
     # -- http -------------------------------------------------------------------------------
 
     async def handle_http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request_id = incoming_request_id(scope["headers"]) or uuid.uuid4().hex
-        current_request_id.set(request_id)
-        responder = Responder(send, request_id.encode())
+        request_id = incoming_request_id(scope["headers"]) or uuid.uuid4().hex.encode()
+        current_request_id.set(request_id.decode("latin-1"))
+        responder = Responder(send, request_id)  # echoed as its exact bytes
         path = scope["path"]
         label = path if path in self.routes else "other"
         started_at = trio.current_time()
@@ -282,10 +282,10 @@ async def handle_generation(
     request = PDRequest(
         scope["path"],
         inspected,
-        leg_headers(scope["headers"], rsp.request_id.decode()),
+        leg_headers(scope["headers"], rsp.request_id),
         # With data-plane keys the client's authorization is the router's credential: kept.
         None if gen.config.data_plane_api_keys else client_authorization(scope["headers"]),
-        rsp.request_id.decode(),
+        rsp.request_id.decode("latin-1"),
     )
     cancel = RequestCancel()
     with gen.drain.track(cancel), cancel.scope:
@@ -328,13 +328,14 @@ async def watch_disconnect(receive: Receive, responder: Responder, cancel: Reque
             return
 
 
-def incoming_request_id(headers: list[tuple[bytes, bytes]]) -> str | None:
+def incoming_request_id(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The client's `x-request-id` (else `x-correlation-id`), as its exact bytes."""
     found = None
     for name, value in headers:
         if name == b"x-request-id" and value:
-            return value.decode("latin-1")
+            return value
         if name == b"x-correlation-id" and value:
-            found = value.decode("latin-1")
+            found = value
     return found
 
 

@@ -42,6 +42,15 @@ def _parse_exact(body: bytes) -> dict[str, Any]:
         return json.loads(body, parse_constant=_no_constants)
     except ValueError as exc:  # e.g. an integer beyond Python's 4300-digit conversion limit
         raise bad_request(f"request body holds a number the router cannot carry: {exc}") from None
+    except RecursionError:
+        raise too_deep() from None
+
+
+def too_deep() -> Exception:
+    return bad_request(
+        "request body nests too deeply for the router to carry its integers exactly "
+        "(keep it under ~900 levels, or its integers within 64 bits)"
+    )
 
 
 def _no_constants(name: str) -> Any:
@@ -52,7 +61,10 @@ def dump(payload: Any) -> bytes:
     """Serialize what `parse_object` gave (plus the router's own fields) for the legs."""
     try:
         return orjson.dumps(payload)
-    except orjson.JSONEncodeError:  # an integer beyond 64 bits: the exact path
-        return json.dumps(
-            payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False
-        ).encode()
+    except orjson.JSONEncodeError:  # an integer beyond 64 bits, or past orjson's depth limit
+        try:
+            return json.dumps(
+                payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False
+            ).encode()
+        except RecursionError:
+            raise too_deep() from None

@@ -205,14 +205,14 @@ async def _close_all(connections: list[Connection]) -> None:
 
 
 def leg_headers(
-    client_headers: list[tuple[bytes, bytes]], request_id: str
+    client_headers: list[tuple[bytes, bytes]], request_id: bytes
 ) -> list[tuple[bytes, bytes]]:
     """Headers sent to both legs, less authorization (`worker_authorization` adds it per leg):
     the forwarded tracing headers, our request id and the JSON content type."""
     headers = [
         (b"content-type", b"application/json"),
         (b"accept-encoding", b"identity"),
-        (b"x-request-id", request_id.encode()),
+        (b"x-request-id", request_id),
     ]
     headers.extend((name, value) for name, value in client_headers if name in FORWARDED_HEADERS)
     return headers

@@ -9,6 +9,10 @@ import httpx2
 import orjson
 import trio
 
+# How an engine logs a request the router cancelled: its abort (`/abort_request`, normally
+# first) or its disconnect poll (when the abort came before the engine held the rid).
+CANCELLED = frozenset(("aborted_request", "aborted_disconnect"))
+
 
 def generate_body(
     *, stream: bool = False, max_new_tokens: int = 4, sim_fault: str | None = None, **extra: Any

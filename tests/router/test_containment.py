@@ -16,7 +16,7 @@ import trio
 
 from tests.conftest import Cluster, start_cluster
 from tests.router.fleet_tools import LOOSE, build_cluster, start_stoppable
-from tests.router.helpers import generate_body, read_sse, settle
+from tests.router.helpers import CANCELLED, generate_body, read_sse, settle
 from trio_pd.config import BreakerConfig, RetryConfig, TimeoutConfig
 from trio_pd.http11 import Connection
 from trio_pd.upstream import UpstreamPool
@@ -387,7 +387,7 @@ async def test_a_client_that_stops_reading_frees_the_decode_slot(nursery: trio.N
     assert first.startswith(b"HTTP/1.1 200")
     # ...and the client never reads again.
     freed = await cluster.decode.events.wait_for("slot_freed", timeout=LOOSE, rid="stalled")
-    assert freed["reason"] == "aborted_disconnect"  # backpressure held decode, then cut it
+    assert freed["reason"] in CANCELLED  # backpressure held decode, then cut it
     assert not cluster.decode.events.find("request_end", rid="stalled", status=200, ended=None)
     assert rss_mib() - before < 30  # 200k tokens were never buffered in the router
     metrics = cluster.router.metrics

@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from tests.conftest import Cluster, start_cluster
-from tests.router.helpers import generate_body, read_sse, settle
+from tests.router.helpers import CANCELLED, generate_body, read_sse, settle
 
 LOOSE = 5.0  # seconds: "at once" for a test on a shared, noisy 2-core machine
 
@@ -31,7 +31,7 @@ async def assert_decode_cancelled(cluster: Cluster, rid: str) -> None:
     """Decode saw its connection close, then freed the slot it held while waiting for KV."""
     closed = await cluster.decode.events.wait_for("connection_closed", timeout=LOOSE, rid=rid)
     freed = await cluster.decode.events.wait_for("slot_freed", timeout=LOOSE, rid=rid)
-    assert freed["reason"] == "aborted_disconnect"
+    assert freed["reason"] in CANCELLED
     assert freed["t"] >= closed["t"]
     assert not cluster.decode.events.find("kv_ready", rid=rid)
     await settle(lambda: cluster.decode.running == 0)
@@ -102,9 +102,9 @@ async def test_prefill_connection_refused_cancels_decode(nursery: trio.Nursery) 
         assert not cluster.decode.events.find("kv_ready", rid=rid)
         assert not cluster.decode.events.find("first_token", rid=rid)
         for ended in cluster.decode.events.find("request_end", rid=rid):
-            assert ended["ended"] == "aborted_disconnect"  # (a stream has its 200 headers)
+            assert ended["ended"] in CANCELLED  # (a stream has its 200 headers)
         for freed in cluster.decode.events.find("slot_freed", rid=rid):
-            assert freed["reason"] == "aborted_disconnect"
+            assert freed["reason"] in CANCELLED
     assert cluster.router.fleet.workers("decode")[0].in_flight == 0
     await settle(lambda: "active" not in cluster.upstream_connections(cluster.decode))
     await cluster.client.aclose()
@@ -210,7 +210,7 @@ async def test_client_disconnect_mid_stream_cancels_decode(nursery: trio.Nursery
                 break
     closed = await cluster.decode.events.wait_for("connection_closed", timeout=LOOSE, rid=rid)
     freed = await cluster.decode.events.wait_for("slot_freed", timeout=LOOSE, rid=rid)
-    assert freed["reason"] == "aborted_disconnect"
+    assert freed["reason"] in CANCELLED
     assert freed["t"] - closed["t"] < LOOSE
     await settle(lambda: "active" not in cluster.upstream_connections(cluster.decode))
     await cluster.client.aclose()

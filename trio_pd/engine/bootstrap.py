@@ -176,7 +176,8 @@ async def register_room(
     """
     url = f"http://{host}:{port}/register"
     timeout = httpx2.Timeout(connect=connect_timeout, read=None, write=connect_timeout, pool=None)
-    headers = {"x-request-id": request_id} if request_id else {}
+    # Header values are bytes on the wire: the id goes back as the latin-1 it was read as.
+    headers = [(b"x-request-id", request_id.encode("latin-1"))] if request_id else []
     where = f"bootstrap server {host}:{port} (room {room})"
     params = {"room": str(room)}
     if prefill_rank is not None:

@@ -1,0 +1,142 @@
+"""Abort on cancel (issue 12): a leg the router gives up on is aborted in its engine at once
+(`POST /abort_request`), so its slot is freed in milliseconds, not at the engine's next
+disconnect poll. The engines here poll for disconnects every 30 s: a slot freed within seconds
+was freed by the abort."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from tests.conftest import Cluster, start_cluster
+from tests.router.fleet_tools import LOOSE
+from tests.router.helpers import generate_body, read_sse, settle
+from trio_pd.config import RetryConfig
+
+SLOW_POLL = {"disconnect_poll_secs": 30.0}
+
+
+async def abort_cluster(nursery: trio.Nursery, **options) -> Cluster:
+    engine = options.pop("engine", {})
+    return await start_cluster(
+        nursery,
+        prefill={**SLOW_POLL, **engine},
+        decode={**SLOW_POLL, **engine},
+        abort_on_cancel=True,
+        **options,
+    )
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_a_failed_prefill_frees_the_decode_slot_at_once(
+    nursery: trio.Nursery, stream: bool
+) -> None:
+    cluster = await abort_cluster(nursery)
+    response = await cluster.client.post(
+        "/generate", json=generate_body(stream=stream, sim_fault="prefill:500@200")
+    )
+    assert response.status_code == 502
+    rid = response.headers["x-request-id"]
+    fault = await cluster.prefill.events.wait_for("fault", timeout=LOOSE, rid=rid)
+    assert await cluster.decode.events.wait_for("slot_acquired", timeout=LOOSE, rid=rid)
+    freed = await cluster.decode.events.wait_for("slot_freed", timeout=LOOSE, rid=rid)
+    assert freed["reason"] == "aborted_request"
+    assert freed["t"] - fault["t"] < 2.0  # the disconnect poll would take up to 30 s
+    abort = cluster.decode.events.find("abort_request", rid=rid)[0]
+    assert abort["matched"] is True
+    started = cluster.decode.events.find("request_start", rid=rid)[0]
+    assert abort["sglang_rid"] == started["sglang_rid"]  # the router's own rid for the attempt
+    assert started["sglang_rid"].startswith(rid)
+    await settle(lambda: cluster.router.metrics.aborts.labels("decode", "sent")._value.get() >= 1)
+    await cluster.client.aclose()
+
+
+async def test_the_abort_is_sent_again_two_seconds_later(nursery: trio.Nursery) -> None:
+    """An abort that reaches an engine before it registered the rid is dropped (yet answered
+    200): so each one goes twice."""
+    cluster = await abort_cluster(nursery)
+    response = await cluster.client.post(
+        "/generate", json=generate_body(sim_fault="prefill:500@200")
+    )
+    rid = response.headers["x-request-id"]
+    sglang_rid = cluster.decode.events.find("request_start", rid=rid)[0]["sglang_rid"]
+    with trio.fail_after(LOOSE):
+        while len(cluster.decode.events.find("abort_request", sglang_rid=sglang_rid)) < 2:
+            await trio.sleep(0.05)
+    first, second = cluster.decode.events.find("abort_request", sglang_rid=sglang_rid)
+    assert first["matched"] is True and second["matched"] is False  # gone by then
+    assert 1.5 < second["t"] - first["t"] < 5.0
+    await cluster.client.aclose()
+
+
+async def test_a_client_that_leaves_has_both_legs_aborted(nursery: trio.Nursery) -> None:
+    cluster = await abort_cluster(nursery, engine={"inter_token_ms": 50.0})
+    with trio.move_on_after(1.0) as left:
+        body = generate_body(stream=True, max_new_tokens=1000, sim_fault="prefill:hang+kv")
+        async with cluster.client.stream(
+            "POST", "/generate", json=body, headers={"x-request-id": "gone"}
+        ) as response:
+            await read_sse(response)
+    assert left.cancelled_caught
+    freed = await cluster.decode.events.wait_for("slot_freed", timeout=LOOSE, rid="gone")
+    assert freed["reason"] == "aborted_request"
+    # The prefill was aborted too (the simulator's prefill stops at the disconnect itself, so
+    # the abort may find it gone already: sent is what counts here).
+    sglang_rid = cluster.prefill.events.find("request_start", rid="gone")[0]["sglang_rid"]
+    await cluster.prefill.events.wait_for("abort_request", timeout=LOOSE, sglang_rid=sglang_rid)
+    cancelled = cluster.router.metrics.legs_cancelled
+    await settle(lambda: cancelled.labels("decode", "client_gone")._value.get() == 1)
+    await cluster.client.aclose()
+
+
+async def test_a_failed_decode_has_prefill_aborted(nursery: trio.Nursery) -> None:
+    cluster = await abort_cluster(nursery)
+    response = await cluster.client.post("/generate", json=generate_body(sim_fault="decode:500"))
+    assert response.status_code == 500
+    rid = response.headers["x-request-id"]
+    start = await cluster.prefill.events.wait_for("request_start", timeout=LOOSE, rid=rid)
+    await cluster.prefill.events.wait_for(
+        "abort_request", timeout=LOOSE, sglang_rid=start["sglang_rid"]
+    )
+    await settle(lambda: cluster.router.metrics.aborts.labels("prefill", "sent")._value.get() >= 1)
+    await cluster.client.aclose()
+
+
+async def test_no_abort_on_cancel_leaves_it_to_the_disconnect_poll(nursery: trio.Nursery) -> None:
+    cluster = await start_cluster(
+        nursery, decode={"disconnect_poll_secs": 1.0}, abort_on_cancel=False
+    )
+    response = await cluster.client.post(
+        "/generate", json=generate_body(sim_fault="prefill:500@200")
+    )
+    rid = response.headers["x-request-id"]
+    freed = await cluster.decode.events.wait_for("slot_freed", timeout=LOOSE, rid=rid)
+    assert freed["reason"] == "aborted_disconnect"
+    assert not cluster.decode.events.find("abort_request")
+    started = cluster.decode.events.find("request_start", rid=rid)[0]
+    assert started["sglang_rid"] is None  # no router rid either: the body is the client's
+    await cluster.client.aclose()
+
+
+async def test_a_client_rid_is_kept_and_retries_get_their_own(nursery: trio.Nursery) -> None:
+    cluster = await abort_cluster(
+        nursery,
+        n_prefill=2,
+        retry=RetryConfig(max_retries=2, initial_backoff_ms=1, jitter_factor=0),
+    )
+    response = await cluster.client.post(
+        "/generate",
+        json=generate_body(rid="my-rid", sim_fault="prefill:503@50"),
+        headers={"x-request-id": "with-rid"},
+    )
+    assert response.status_code == 502
+    seen = [
+        e["sglang_rid"]
+        for engine in cluster.prefills
+        for e in engine.events.find("request_start", rid="with-rid")
+    ]
+    assert sorted(seen) == ["my-rid", "my-rid-retry1"]
+    decode_seen = [e["sglang_rid"] for e in cluster.decode.events.find("request_start")]
+    assert sorted(decode_seen) == ["my-rid", "my-rid-retry1"]
+    assert not cluster.decode.events.find("request_end", rid="with-rid", status=400)
+    await cluster.client.aclose()
