@@ -34,11 +34,9 @@ PROMETHEUS_SERIES = {"up"}
 # Labels Prometheus adds to every scraped series (the dashboard filters on them).
 TARGET_LABELS = {"job", "instance"}
 
-# Families that exist only in `--workers N` mode, checked by the test that runs one:
-# - the supervising parent's restart counter;
-# - panic selections, whose counter is copied into a multiprocess *gauge* of the bare name (no
-#   `_total`): the dashboard queries `trio_pd_panic_selections_total or trio_pd_panic_selections`.
-MULTIPROCESS_ONLY = {"trio_pd_process_restarts_total", "trio_pd_panic_selections"}
+# Families that exist only in `--workers N` mode, checked by the test that runs one: the
+# supervising parent's restart counter.
+MULTIPROCESS_ONLY = {"trio_pd_process_restarts_total"}
 
 # Families the traffic below cannot make appear: nothing in the router increments them yet, or
 # only an unexpected crash (background restarts) or a membership source (--membership-file or
@@ -437,8 +435,8 @@ async def test_multiprocess_only_metrics_exist_with_workers(
         assert await router.wait_exit() == 0
     finally:
         await router.stop()
-    # The dashboard's queries of those names, their labels included; the other names in them
-    # (`trio_pd_panic_selections_total`) are the single-process test's.
+    # The dashboard's queries of those names, their labels included; any other names in them
+    # are the single-process test's.
     queries = [
         q
         for q in dashboard_queries(load_dashboard())

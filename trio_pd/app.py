@@ -64,11 +64,11 @@ class Router:
     """
 
     config: RouterConfig
+    metrics: RouterMetrics = attrs.field(factory=RouterMetrics)
     fleet: Fleet = attrs.field()
     rng: random.Random = attrs.field(factory=random.Random)
     ssl_context: ssl.SSLContext = attrs.field()
     pool: UpstreamPool = attrs.field()  # the data plane's two legs
-    metrics: RouterMetrics = attrs.field(factory=RouterMetrics)
     admission: Admission = attrs.field()
     aborts: AbortService | None = attrs.field()
     access: Access = attrs.field()
@@ -82,7 +82,12 @@ class Router:
     @fleet.default
     def _default_fleet(self) -> Fleet:
         # With a shared membership file the command line's workers live in the file.
-        return Fleet(self.config, static=self.config.membership_file is None)
+        panics = self.metrics.panic_selections
+        return Fleet(
+            self.config,
+            static=self.config.membership_file is None,
+            on_panic=lambda role: panics.labels(role).inc(),
+        )
 
     @ssl_context.default
     def _default_ssl_context(self) -> ssl.SSLContext:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
@@ -105,6 +105,12 @@ class RouterMetrics:
             ["role", "result"],
             registry=r,
         )
+        self.panic_selections = Counter(
+            "trio_pd_panic_selections",
+            "Workers chosen while every healthy worker of the role had its breaker open.",
+            ["role"],
+            registry=r,
+        )
         self.internal_errors = Counter(
             "trio_pd_internal_errors",
             "Unexpected exceptions inside the router, answered 500 (or an error frame).",
@@ -152,7 +158,7 @@ class FleetCollector(Collector):
         self.pool = pool
         self.queue_depth = queue_depth
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily]:
         in_flight = GaugeMetricFamily(
             "trio_pd_worker_in_flight", "Active legs.", labels=WORKER_LABELS
         )
@@ -173,13 +179,6 @@ class FleetCollector(Collector):
             counts[state] += 1
         for state, count in counts.items():
             pool.add_metric([state], count)
-        panics = CounterMetricFamily(
-            "trio_pd_panic_selections",
-            "Workers chosen while every healthy worker of the role had its breaker open.",
-            labels=["role"],
-        )
-        for role, count in self.fleet.panics.items():
-            panics.add_metric([role], count)
         queue = GaugeMetricFamily(
             "trio_pd_admission_queue_depth", "Requests waiting for admission right now."
         )
@@ -191,7 +190,7 @@ class FleetCollector(Collector):
         )
         for source, (ok, _) in self.fleet.sources.items():
             sources.add_metric([source], 1.0 if ok else 0.0)
-        yield from (in_flight, healthy, breaker, pool, panics, queue, sources)
+        yield from (in_flight, healthy, breaker, pool, queue, sources)
 
 
 # How each gauge combines over processes in multiprocess mode.
@@ -200,7 +199,6 @@ MULTIPROCESS_MODES = {
     "trio_pd_worker_healthy": "livemin",
     "trio_pd_worker_breaker_state": "livemax",
     "trio_pd_upstream_connections": "livesum",
-    "trio_pd_panic_selections": "sum",
     "trio_pd_admission_queue_depth": "livesum",
     "trio_pd_membership_source_up": "livemin",
 }

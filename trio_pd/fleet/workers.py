@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import attrs
@@ -110,7 +110,12 @@ class Fleet:
     """
 
     def __init__(
-        self, config: RouterConfig, rng: random.Random | None = None, *, static: bool = True
+        self,
+        config: RouterConfig,
+        rng: random.Random | None = None,
+        *,
+        static: bool = True,
+        on_panic: Callable[[Role], None] | None = None,
     ) -> None:
         self.config = config
         self.rng = rng or random.Random()
@@ -123,6 +128,7 @@ class Fleet:
         self.version = 0
         self._changed = trio.Event()
         self.panics: dict[Role, int] = dict.fromkeys(ROLES, 0)  # selections in panic routing
+        self.on_panic = on_panic  # e.g. a metric
         self.sources: dict[str, tuple[bool, str]] = {}  # source -> (reachable, detail)
         if static:  # with a shared membership store the static workers live in the store
             for spec in (*config.prefill, *config.decode):
@@ -253,6 +259,8 @@ class Fleet:
             if not candidates:
                 raise self._why_none(role)
             self.panics[role] += 1
+            if self.on_panic is not None:
+                self.on_panic(role)
         if avoid:
             preferred = [w for w in candidates if w not in avoid]
             if preferred:
