@@ -368,11 +368,12 @@ class Fleet:
         return prefill, decode
 
     def models(self) -> list[str]:
-        """The models registered workers serve (as configured or reported), sorted. Asked on
-        every request: cached until membership or a worker's reported model changes."""
+        """The models this router can serve: those a prefill AND a decode worker serve (as
+        configured or reported), sorted. Asked on every request: cached until membership or a
+        worker's reported model changes."""
         if self._models is None or self._models[0] != self.version:
-            names = sorted({w.model for w in self._workers.values() if w.model})
-            self._models = (self.version, names)
+            by_role = {role: {w.model for w in self.workers(role) if w.model} for role in ROLES}
+            self._models = (self.version, sorted(by_role["prefill"] & by_role["decode"]))
         return self._models[1]
 
     def models_changed(self) -> None:
