@@ -153,11 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--peers",
         action="store_true",
-        help="all four routers, scenarios 1-4, 3 repetitions (make bench-peers)",
+        help="trio_pd, trio_pd_w2, smg, mini_lb; the peer scenarios; 3 repetitions "
+        "(make bench-peers)",
     )
     args = parser.parse_args(argv)
     if args.peers:
-        args.routers = args.routers if args.routers != "trio_pd" else ",".join(common.ROUTERS)
+        args.routers = args.routers if args.routers != "trio_pd" else ",".join(common.PEER_ROUTERS)
         args.scenarios = args.scenarios or ",".join(PEER_SCENARIOS)
     if args.repeat is None:
         args.repeat = 3 if args.peers else 1
