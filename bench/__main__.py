@@ -33,6 +33,8 @@ SCENARIOS: dict[str, Any] = {
     "soak": (soak.run, soak.summary, ("router", "requests", "ok", "rss_start_mb", "rss_end_mb",
                                      "rss_idle_mb", "fds_max", "fds_idle", "tcp_max", "tcp_idle")),
 }  # fmt: skip
+# Scenarios with a table of their own that puts the routers side by side (with more than one).
+COMPARE = {"teardown": teardown.compare, "storm": storm.compare}
 # Scenarios that run all their routers themselves (their own alternation and tables).
 WHOLE = {"router-bound": router_bound.run_all}
 # `wide` (1000 concurrent streams) runs on request: `--scenarios wide`.
@@ -110,6 +112,10 @@ def run(args: argparse.Namespace) -> int:
         rows = [row for r in routers for res in results[name][r] for row in res["rows"]]
         if rows:
             print_flush(common.table(rows, SCENARIOS[name][2], f"== {name} =="))
+            print_flush("")
+        ran = {r: results[name][r] for r in routers if results[name][r]}
+        if name in COMPARE and len(ran) > 1:
+            print_flush(COMPARE[name](ran))
             print_flush("")
     for result in whole_results.values():
         print_flush(router_bound.render(result))
