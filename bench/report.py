@@ -83,7 +83,8 @@ def plot_storm(results: dict[str, dict[str, Any]], path: Path | None = None) -> 
     axes[0].set_title(
         f"storm: {settings.get('rate')} req/s open loop, {int(100 * settings.get('fail_ratio', 0))}"
         f"% prefill 500s, decode {settings.get('max_running')} slots, "
-        f"waiting timeout {settings.get('waiting_timeout')} s"
+        f"waiting timeout {settings.get('waiting_timeout')} s, "
+        f"disconnect poll {settings.get('disconnect_poll_secs', 4.0)} s"
     )
     axes[1].set_ylabel("latency of successes (ms)")
     axes[1].set_yscale("log")

@@ -69,6 +69,7 @@ def settings(quick: bool) -> dict[str, Any]:
         "inter_token_ms": 10.0,
         "max_running": 16,
         "waiting_timeout": 30.0,
+        "disconnect_poll_secs": 4.0,  # like SGLang
         "client_timeout": 45.0,
     }
 
@@ -152,7 +153,8 @@ def run(router: str, quick: bool = False) -> dict[str, Any]:
     s = settings(quick)
     decode_args = [
         "--max-running", str(s["max_running"]), "--waiting-timeout", str(s["waiting_timeout"]),
-        "--inter-token-ms", str(s["inter_token_ms"]), "--disconnect-poll-secs", "4",
+        "--inter-token-ms", str(s["inter_token_ms"]),
+        "--disconnect-poll-secs", str(s["disconnect_poll_secs"]),
     ]  # fmt: skip
     with common.cluster(
         router,
