@@ -3,7 +3,8 @@
 Runs every selected scenario for every selected router, alternating routers inside each
 repetition (so slow drifts of a shared machine hit all of them alike), writes one JSON per
 scenario run plus a combined `bench-*.json`, prints the per-scenario tables and, with more than one
-router, one side-by-side table of medians with ratios to trio_pd, and the storm PNG.
+router, the teardown and storm tables that put the routers side by side, one side-by-side table of
+medians with ratios to the first router, and the storm PNG.
 
 `router-bound` (bench/router_bound.py) runs after the others as one block: it alternates its own
 targets (the floor, the instant engine alone, every router) and phases, and prints its own
