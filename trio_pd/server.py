@@ -8,6 +8,7 @@ cancelled from outside (`drain.py`).
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import signal
@@ -103,6 +104,21 @@ def run(config: RouterConfig) -> int:
     return Supervisor(config).run()
 
 
+GC_THRESHOLDS = (20_000, 50, 100)  # Python's default is (700, 10, 10)
+
+
+def tune_gc() -> None:
+    """After startup: freeze what is alive (the app, imports, config) out of the collector's
+    sight, and collect the youngest generation every 20,000 allocations instead of 700.
+
+    Each request leaves short cycles behind (trio's cancellation exceptions and their
+    tracebacks), so the collector ran every few requests; measured on the router-bound bench
+    (c=32/c=256, four alternating runs each) CPU per request fell by about a fifth. Memory
+    stays bounded: a young collection still runs every 20,000 net allocations."""
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
 async def _serve_main(
     config: RouterConfig,
     sockets: Sockets | None = None,
@@ -117,6 +133,7 @@ async def _serve_main(
             )
         )
         log.info("trio-pd routing on %s", ", ".join(urls))
+        tune_gc()
         if ready is not None:
             ready.set()  # the parent may forward SIGTERM now: the drain handles it
     log.info("trio-pd stopped")
