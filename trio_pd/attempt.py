@@ -104,10 +104,12 @@ class Leg:
 
 @attrs.define
 class StreamClock:
-    """What the stream watchdog reads: when decode last sent bytes, when a send started."""
+    """What the stream watchdog reads: counters the relay bumps, no clock reads per event (the
+    watchdog notes the time when it sees them move)."""
 
-    last_chunk_at: float
-    sending_since: float | None = None
+    chunks: int = 0  # decode chunks received
+    started: int = 0  # client writes begun
+    sent: int = 0  # client writes finished (started != sent: a write is in progress)
 
 
 @attrs.define(eq=False)
@@ -337,22 +339,29 @@ class Attempt:
             # Prefill failed while this task held a chunk read before its cancellation landed.
             return
         await self.responder.start(response.status, headers)
-        clock = StreamClock(trio.current_time())
+        clock = StreamClock()
         metrics = self.metrics
-        metrics.first_token.observe(clock.last_chunk_at - self.request_started)
+        last = trio.current_time()
+        metrics.first_token.observe(last - self.request_started)
         gaps = metrics.chunk_gap
+        send = self.responder.send
         events = 1 + rest.count(b"\n\n")
         try:
             async with trio.open_nursery() as guard:
                 guard.start_soon(self._watch_stream, clock, response)
                 try:
-                    await self._send(clock, event + rest)
+                    clock.started += 1
+                    await send(event + rest)
+                    clock.sent += 1
                     async for chunk in chunks:
+                        clock.chunks += 1
                         now = trio.current_time()
-                        gaps.observe(now - clock.last_chunk_at)
-                        clock.last_chunk_at = now
+                        gaps.observe(now - last)
+                        last = now
                         events += chunk.count(b"\n\n")
-                        await self._send(clock, chunk)
+                        clock.started += 1
+                        await send(chunk)
+                        clock.sent += 1
                 except UpstreamError as exc:  # decode broke mid-stream: dispatch sends a frame
                     self._fail_decode(LegFailure(exc.kind, str(exc)))
                     guard.cancel_scope.cancel()
@@ -362,11 +371,6 @@ class Attempt:
             metrics.events_relayed.inc(events)
         await self.responder.finish_stream(b"")
         self.decode.result = LegSuccess(response.status, headers, b"")
-
-    async def _send(self, clock: StreamClock, chunk: bytes) -> None:
-        clock.sending_since = trio.current_time()
-        await self.responder.send(chunk)
-        clock.sending_since = None
 
     async def _watch_stream(self, clock: StreamClock, response: UpstreamResponse) -> None:
         """The stream's watchdog: a client that stopped reading, or a decode gone silent.
@@ -378,18 +382,24 @@ class Attempt:
         """
         stall, idle = self.timeouts.stream_stall_secs, self.timeouts.stream_idle_secs
         period = min(stall, idle) / WATCHDOG_CHECKS  # a few wakeups per timeout, per stream
+        seen = (clock.chunks, clock.started, clock.sent)
+        moved_at = trio.current_time()  # when the counters last moved
         while True:
             await trio.sleep(period)
             now = trio.current_time()
-            if clock.sending_since is not None:
-                if now - clock.sending_since >= stall:
-                    log.warning("client stopped reading for %gs: ending the stream", stall)
-                    self.stalled = True
-                    response.close_connection_now()
-                    self.decode.cancel("stall")
-                    self.prefill.cancel("stall")
-                    return
-            elif now - clock.last_chunk_at >= idle:
+            current = (clock.chunks, clock.started, clock.sent)
+            if current != seen:
+                seen, moved_at = current, now
+                continue
+            writing = clock.started != clock.sent
+            if writing and now - moved_at >= stall:
+                log.warning("client stopped reading for %gs: ending the stream", stall)
+                self.stalled = True
+                response.close_connection_now()
+                self.decode.cancel("stall")
+                self.prefill.cancel("stall")
+                return
+            if not writing and now - moved_at >= idle:
                 self._fail_decode(LegFailure("timeout", f"decode sent nothing for {idle:g}s"))
                 self.decode.scope.cancel()
                 self.decode.abandon()

@@ -215,20 +215,20 @@ async def test_an_internal_error_is_a_json_500_with_the_request_id(cluster: Clus
 async def test_an_internal_error_mid_stream_ends_it_with_an_error_event(
     nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from trio_pd import attempt as attempt_module
+    from trio_pd.respond import Responder
 
     cluster = await start_cluster(nursery, decode={"inter_token_ms": 10.0})
-    original = attempt_module.Attempt._send
+    original = Responder.send
     sends = 0
 
-    async def flaky_send(self, clock, chunk):
+    async def flaky_send(self, chunk):
         nonlocal sends
         sends += 1
         if sends == 3:
             raise RuntimeError("a bug in the relay")
-        await original(self, clock, chunk)
+        await original(self, chunk)
 
-    monkeypatch.setattr(attempt_module.Attempt, "_send", flaky_send)
+    monkeypatch.setattr(Responder, "send", flaky_send)
     body = generate_body(stream=True, max_new_tokens=50)
     async with cluster.client.stream("POST", "/generate", json=body) as response:
         assert response.status_code == 200
