@@ -486,6 +486,7 @@ class KubernetesDiscovery:
         self._seq = 0
         self._rv = ""
         self._listed = False
+        self._progress = False  # the current watch delivered an event or a bookmark
         self._published: dict[str, WorkerRecord] = {}
         self._ok: bool | None = None
         self._registry: Registry | None = None
@@ -536,25 +537,25 @@ class KubernetesDiscovery:
     async def _list_and_watch(self, task_status: trio.TaskStatus[None]) -> None:
         started = False
         need_list = True
-        failures = 0  # consecutive attempts that made no progress
+        failures = 0  # consecutive list/watch cycles whose watch delivered nothing
         last_list = -float("inf")
         while True:
-            progressed = False
+            self._progress = False
             try:
                 if need_list:
                     await self._list()
                     need_list = False
                     last_list = trio.current_time()
-                    progressed = True
                 if not started:
                     task_status.started()
                     started = True
-                if await self._watch():
-                    failures = 0  # a stream that ended as watches end (its timeout): go on
+                await self._watch()
+                if self._progress:
+                    failures = 0  # it ended as watches end (its timeout): watch again at once
                     relist_due = trio.current_time() - last_list >= self.config.relist_secs
                     need_list = self.config.relist_secs > 0 and relist_due
                     continue
-                # An empty watch ended at once: a misbehaving server; do not loop hot on it.
+                # A watch that ended without a single event or bookmark: back off below.
             except Gone as exc:
                 self._error("expired", f"{exc}; listing again", warn=False)
                 self.stats.expired += 1
@@ -566,14 +567,12 @@ class KubernetesDiscovery:
                     f"watch silent for {self.config.stall_timeout_secs:g} s; watching again "
                     f"from resourceVersion {self._rv}",
                 )
-                progressed = True  # it did connect; try again at once-ish
             except _Severed as exc:
                 self.stats.severed += 1
                 self._error(
                     "severed",
                     f"watch stream broke ({exc}); watching again from resourceVersion {self._rv}",
                 )
-                progressed = True
             except ApiError as exc:
                 kind = {401: "unauthorized", 403: "forbidden"}.get(exc.code, f"http_{exc.code}")
                 self._error(kind, str(exc))
@@ -589,7 +588,9 @@ class KubernetesDiscovery:
             if not started:
                 task_status.started()  # the first attempt ended: reported unreachable
                 started = True
-            failures = 1 if progressed else failures + 1
+            # The backoff grows while cycles deliver nothing (a relist that always meets a 410,
+            # a server that drops every watch); a watch that delivered costs one short wait.
+            failures = 1 if self._progress else failures + 1
             await trio.sleep(self._backoff(failures))
 
     def _backoff(self, failures: int) -> float:
@@ -666,10 +667,10 @@ class KubernetesDiscovery:
 
     # -- WATCH ------------------------------------------------------------------------------
 
-    async def _watch(self) -> bool:
-        """One watch from the current resourceVersion until the server ends it. True if it
-        delivered anything. Raises Gone, ApiError, _Stalled, _Severed, httpx2 errors (those
-        before the answer: the server is unreachable)."""
+    async def _watch(self) -> None:
+        """One watch from the current resourceVersion until the server ends it (``_progress``
+        tells whether it delivered anything). Raises Gone, ApiError, _Stalled, _Severed, and
+        httpx2 errors from before the answer (the server is unreachable)."""
         assert self._http is not None
         cfg = self.config
         params = {
@@ -681,7 +682,6 @@ class KubernetesDiscovery:
         }
         timeout = httpx2.Timeout(cfg.request_timeout_secs, read=None)
         headers = await self._headers()
-        progressed = False
         with trio.CancelScope(deadline=trio.current_time() + cfg.stall_timeout_secs) as watchdog:
             async with self._http.stream(
                 "GET", cfg.pods_path(), params=params, headers=headers, timeout=timeout
@@ -696,12 +696,10 @@ class KubernetesDiscovery:
                         watchdog.deadline = trio.current_time() + cfg.stall_timeout_secs
                         if line.strip():
                             self._on_event(orjson.loads(line))
-                            progressed = True
                 except httpx2.TransportError as exc:
                     raise _Severed(f"{type(exc).__name__}: {exc}") from exc
         if watchdog.cancelled_caught:
             raise _Stalled
-        return progressed
 
     def _on_event(self, event: Any) -> None:
         if not isinstance(event, dict) or not isinstance(event.get("object"), dict):
@@ -710,6 +708,7 @@ class KubernetesDiscovery:
         if kind == "ERROR":
             raise ApiError.from_status(obj, 500)
         rv = str((obj.get("metadata") or {}).get("resourceVersion") or "")
+        self._progress = True
         if kind == "BOOKMARK":
             self.stats.bookmarks += 1
             self._rv = rv or self._rv
