@@ -421,7 +421,8 @@ async def test_delete_missed_during_outage_removed_by_relist(
     await eventually(lambda: len(s.lists()) == 2)
     gone = [w for w in s.watches() if w.note == "gone"]
     assert gone and gone[0].at < s.lists()[1].at  # the relist followed a 410
-    await eventually(lambda: s.registry.ok is True)
+    await eventually(lambda: s.discovery.stats.lists == 2)  # the relist's answer was read
+    assert s.registry.ok is True
     assert sorted(s.registry.current) == ["decode-d0", "prefill-p0"]
 
 
@@ -583,8 +584,8 @@ async def test_cluster_scope_forbidden(nursery: trio.Nursery, tmp_path: Path) ->
     s = await start(nursery, tmp_path, fake=fake, namespace=None)
     assert s.lists()[0].status == 403
     assert s.registry.ok is False and "forbidden" in s.registry.statuses[-1][1]
-    await eventually(lambda: len(s.lists()) >= 3)  # retried, with backoff
-    assert s.discovery.errors["forbidden"] >= 3
+    await eventually(lambda: s.discovery.errors["forbidden"] >= 3)  # retried, with backoff
+    assert len(s.lists()) >= 3 and all(r.status in (403, None) for r in s.lists())
 
 
 # -- level-triggered ------------------------------------------------------------------------------
@@ -602,6 +603,16 @@ async def test_resync_restores_the_full_set(nursery: trio.Nursery, tmp_path: Pat
     assert len(s.watches()) == 1  # from the cache: no API call needed
 
 
+async def test_periodic_relist(nursery: trio.Nursery, tmp_path: Path) -> None:
+    s = await start(nursery, tmp_path, relist_secs=0.5, watch_timeout_secs=1)
+    s.fake.add_ready_pod("p0", labels=PREFILL)
+    await eventually(lambda: len(s.lists()) == 2, timeout=5)
+    assert s.watches()[0].note == "timeout" and s.lists()[1].at > s.watches()[0].at
+    await eventually(lambda: len(s.watches()) == 2)
+    assert s.watches()[1].params["resourceVersion"] == str(s.fake.rv)
+    assert list(s.registry.current) == ["prefill-p0"]
+
+
 async def test_first_attempt_unreachable_still_starts(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
@@ -610,11 +621,14 @@ async def test_first_attempt_unreachable_still_starts(
         port = sock.getsockname()[1]
     registry = RecordingRegistry()
     cfg = KubernetesConfig(**{**FAST, "api_server": f"http://127.0.0.1:{port}"})
-    discovery = KubernetesDiscovery(cfg)
+    kinds: list[str] = []
+    discovery = KubernetesDiscovery(cfg, on_error=kinds.append)
     with trio.fail_after(5):
         await nursery.start(discovery.run, registry)
     assert registry.statuses == [(False, registry.statuses[0][1])]
     assert "unreachable" in registry.statuses[0][1] and discovery.errors["unreachable"] == 1
+    assert kinds == ["unreachable"] and registry.calls == []
+    await eventually(lambda: len(kinds) >= 3)  # keeps trying, with backoff
 
 
 # -- annotations ----------------------------------------------------------------------------------
