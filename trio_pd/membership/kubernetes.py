@@ -72,8 +72,6 @@ DEFAULT_BOOTSTRAP_PORT_ANNOTATION = "sglang.ai/bootstrap-port"
 DEFAULT_WORKER_PORTS_ANNOTATION = "smg.ai/worker-ports"
 USER_AGENT = "trio-pd (kubernetes discovery)"
 
-Selector = Mapping[str, str]
-
 
 def _selector(value: Mapping[str, str] | Iterable[str] | None) -> dict[str, str]:
     if value is None:
@@ -346,18 +344,33 @@ def records_for_pod(pod: PodView, config: KubernetesConfig) -> list[WorkerRecord
     return records
 
 
-def desired_records(
-    pods: Iterable[PodView], config: KubernetesConfig, order: Mapping[str, int] | None = None
-) -> dict[str, WorkerRecord]:
+@attrs.frozen
+class CachedPod:
+    """A pod in the cache, with its workers worked out once (when the pod changed)."""
+
+    pod: PodView
+    records: tuple[WorkerRecord, ...]
+    seen: int  # when its uid was first seen here: tells the newer of two same-second pods
+
+    @property
+    def age_key(self) -> tuple[str, int]:
+        return (self.pod.created, self.seen)
+
+
+def merge_records(entries: Iterable[CachedPod]) -> dict[str, WorkerRecord]:
     """The whole desired set by id. Two pods claiming one URL (a new pod on a deleted pod's IP
-    whose DELETE has not arrived yet): the newer pod (creation time, then ``order`` by uid)
-    keeps it."""
-    order = order or {}
+    whose DELETE has not arrived yet): the newer pod keeps it."""
     by_url: dict[str, WorkerRecord] = {}
-    for pod in sorted(pods, key=lambda p: (p.created, order.get(p.uid, 0))):
-        for record in records_for_pod(pod, config):
+    for entry in sorted(entries, key=lambda e: e.age_key):
+        for record in entry.records:
             by_url[record.spec.url] = record  # a newer pod replaces an older one
     return {r.id: r for r in by_url.values()}
+
+
+def desired_records(pods: Iterable[PodView], config: KubernetesConfig) -> dict[str, WorkerRecord]:
+    """`merge_records` for bare pods (newer by creation time, then by position)."""
+    entries = (CachedPod(p, tuple(records_for_pod(p, config)), i) for i, p in enumerate(pods))
+    return merge_records(entries)
 
 
 # -- the API client -----------------------------------------------------------------------------
@@ -433,6 +446,8 @@ def ssl_context(endpoint: ApiEndpoint) -> ssl.SSLContext | bool:
         return ssl.create_default_context(cafile=endpoint.ca_file)
     if endpoint.ca_file and endpoint.ca_file != DEFAULT_CA_FILE:
         raise ValueError(f"Kubernetes CA file not found: {endpoint.ca_file}")
+    if endpoint.ca_file:
+        log.warning("no %s: trusting the system CA store for %s", endpoint.ca_file, endpoint.url)
     return ssl.create_default_context()
 
 
@@ -481,8 +496,7 @@ class KubernetesDiscovery:
         self._on_error = on_error
         self.errors: collections.Counter[str] = collections.Counter()
         self.stats = DiscoveryStats()
-        self._pods: dict[str, PodView] = {}
-        self._order: dict[str, int] = {}  # uid -> when first seen, to tell newer pods
+        self._pods: dict[str, CachedPod] = {}  # by namespace/name: pods matching a selector
         self._seq = 0
         self._rv = ""
         self._listed = False
@@ -651,19 +665,21 @@ class KubernetesDiscovery:
         self.stats.lists += 1
         self._status(True)
         gone = set(self._pods) - set(pods)
-        self._pods = pods
-        for pod in pods.values():
-            self._remember(pod)
-        self._order = {p.uid: self._order[p.uid] for p in pods.values()}
+        self._pods = {key: self._cached(pod) for key, pod in pods.items()}
         self._rv = rv
         self._listed = True
         log.debug("listed %d matching pods at resourceVersion %s", len(pods), rv)
         self._publish("relist" + (f" ({len(gone)} pod(s) absent)" if gone else ""), force=True)
 
-    def _remember(self, pod: PodView) -> None:
-        if pod.uid not in self._order:
+    def _cached(self, pod: PodView) -> CachedPod:
+        """The cache entry for a pod's new state (keeping when its uid was first seen)."""
+        old = self._pods.get(pod.key)
+        if old is not None and old.pod.uid == pod.uid:
+            seen = old.seen
+        else:
             self._seq += 1
-            self._order[pod.uid] = self._seq
+            seen = self._seq
+        return CachedPod(pod, tuple(records_for_pod(pod, self.config)), seen)
 
     # -- WATCH ------------------------------------------------------------------------------
 
@@ -718,16 +734,12 @@ class KubernetesDiscovery:
         self.stats.events += 1
         pod = PodView.from_json(obj, self._annotation_keys)
         if kind == "DELETED" or pod_role(pod, self.config) is None:
-            gone = self._pods.pop(pod.key, None)
-            changed = gone is not None
-            if gone is not None:
-                self._order.pop(gone.uid, None)
+            changed = self._pods.pop(pod.key, None) is not None
             why = "DELETED" if kind == "DELETED" else "labels no longer match"
         else:
             changed = True
             why = kind
-            self._remember(pod)
-            self._pods[pod.key] = pod
+            self._pods[pod.key] = self._cached(pod)
         self._rv = rv or self._rv
         if changed:
             self._publish(f"{why} {pod.key}")
@@ -736,7 +748,7 @@ class KubernetesDiscovery:
 
     def _publish(self, why: str, *, force: bool = False) -> None:
         assert self._registry is not None
-        desired = desired_records(self._pods.values(), self.config, self._order)
+        desired = merge_records(self._pods.values())
         if not force and desired == self._published:
             return
         renewed = [
@@ -760,7 +772,8 @@ class KubernetesDiscovery:
     def _log_changes(self, why: str, desired: dict[str, WorkerRecord], renewed: list[str]) -> None:
         for wid in sorted(set(self._published) - set(desired)):
             old = self._published[wid]
-            pod = self._pods.get(f"{old.meta['namespace']}/{old.meta['pod']}")
+            entry = self._pods.get(f"{old.meta['namespace']}/{old.meta['pod']}")
+            pod = entry.pod if entry else None
             if pod is None:
                 reason = "pod gone"
             elif pod.uid != old.meta["uid"]:
