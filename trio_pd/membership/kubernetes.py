@@ -37,6 +37,9 @@ several ports in the `smg.ai/worker-ports` annotation (comma-separated, one work
 SMG reads it). A prefill's bootstrap port comes from the `sglang.ai/bootstrap-port` annotation:
 one port for every worker of the pod, or a list aligned with the worker ports.
 
+RBAC: the router's service account needs `list` and `watch` on `pods` (a Role in the namespace
+of `--service-discovery-namespace`, or a ClusterRole when watching all namespaces).
+
 When the API server cannot be reached the workers already known stay (reported through
 `Registry.source_status`); discovery errors are logged and counted in `errors` (by kind) and
 passed to `on_error`, for the integrator to turn into a metric.
