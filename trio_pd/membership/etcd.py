@@ -38,7 +38,7 @@ import collections
 import logging
 import random
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
-from contextlib import asynccontextmanager, suppress
+from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -279,21 +279,31 @@ class EtcdClient:
         failures: list[str] = []
         for index in self._order():
             endpoint = self.endpoints[index]
-            try:
-                async with self._http.stream(
-                    "POST", f"{endpoint}/v3/watch", json=body, timeout=self._watch_timeout
-                ) as response:
-                    if response.status_code != 200:
-                        await response.aread()
-                        decode_answer("/v3/watch", response)  # raises
-                    self._current = index
+            async with AsyncExitStack() as stack:
+                try:
+                    response = await stack.enter_async_context(
+                        self._http.stream(
+                            "POST", f"{endpoint}/v3/watch", json=body, timeout=self._watch_timeout
+                        )
+                    )
+                except (httpx2.ConnectError, httpx2.ConnectTimeout) as exc:
+                    failures.append(f"{endpoint}: {exc!r}")
+                    continue
+                except httpx2.TransportError as exc:
+                    raise EtcdUnavailable(f"watch on {endpoint} failed: {exc!r}") from exc
+                if response.status_code != 200:
+                    await response.aread()
+                    try:
+                        decode_answer("/v3/watch", response)  # raises for any non-200
+                    except EtcdUnavailable as exc:
+                        failures.append(f"{endpoint}: {exc}")
+                        continue
+                self._current = index
+                try:
                     yield watch_batches(response)
-                    return
-            except (httpx2.ConnectError, httpx2.ConnectTimeout) as exc:
-                failures.append(f"{endpoint}: {exc!r}")
-                continue
-            except httpx2.TransportError as exc:
-                raise EtcdUnavailable(f"watch on {endpoint} broke: {exc!r}") from exc
+                except httpx2.TransportError as exc:
+                    raise EtcdUnavailable(f"watch on {endpoint} broke: {exc!r}") from exc
+                return
         raise EtcdUnavailable(f"no etcd endpoint accepted a watch: {'; '.join(failures)}")
 
 
@@ -647,8 +657,11 @@ class EtcdMembership:
             if record is None:
                 continue
             if record.id in records:
-                self._count("bad_record")
-                log.warning("etcd key %r ignored: id %r is taken", key.decode(), record.id)
+                kv = self._kvs[key]
+                if (kv.key, kv.mod_revision) not in self._bad:
+                    self._bad.add((kv.key, kv.mod_revision))
+                    self._count("bad_record")
+                    log.warning("etcd key %r ignored: id %r is taken", key.decode(), record.id)
                 continue
             records[record.id] = record
         live = set(self._kvs)
@@ -671,9 +684,11 @@ class EtcdMembership:
             self._workers_prefix, prefix_end(self._workers_prefix)
         )
         self.full_syncs += 1
-        if revision < self._local_revision:
-            # Older than a write of ours already shown: the watch brings what is newer.
-            log.debug("etcd range at %d older than our write at %d", revision, self._local_revision)
+        newest = max(self._revision, self._local_revision)
+        if revision < newest:
+            # The watch (or a write of ours) got ahead while the range was on its way: the view
+            # is newer than this answer, and the watch brings whatever follows.
+            log.debug("etcd range at revision %d older than the view (%d)", revision, newest)
             return
         self._kvs = {kv.key: kv for kv in kvs}
         self._revision = max(self._revision, revision)
@@ -759,6 +774,7 @@ class EtcdMembership:
             log.debug("etcd watch open from revision %d", start)
             async for events in batches:
                 await self._apply_events(events)
+                self._set_status(True)  # after a failed resync, events say etcd is back
 
     async def _resync_loop(self) -> None:
         while True:
@@ -917,7 +933,6 @@ class EtcdMembership:
         """Delete the worker's key (and its URL guard); KeyError if it is not in the view or
         already gone from etcd."""
         record = self._records[worker_id]  # KeyError if unknown
-        self._owned.pop(worker_id, None)
         key = record.meta["etcd_key"].encode()
         url_key = self.url_key(record.spec.role, record.spec.url)
         answer = await self.client.txn(
@@ -925,6 +940,7 @@ class EtcdMembership:
             [op_delete(key), op_delete(url_key)],
             [op_delete(key)],
         )
+        self._owned.pop(worker_id, None)
         self._apply_local(None, key, header_revision(answer))
         if not txn_deleted(answer, 0):
             raise KeyError(worker_id)
