@@ -85,9 +85,14 @@ async def replicas(etcd_server: EtcdServer) -> AsyncIterator[MakeReplica]:
     made: list[EtcdMembership] = []
     async with trio.open_nursery() as nursery:
 
-        async def make(*, endpoints: str | None = None, **options: Any) -> Replica:
+        async def make(
+            *,
+            endpoints: str | None = None,
+            on_error: Callable[[str], None] | None = None,
+            **options: Any,
+        ) -> Replica:
             config = EtcdConfig(endpoints=endpoints or etcd_server.url, prefix=PREFIX, **options)
-            store = EtcdMembership(config)
+            store = EtcdMembership(config, on_error=on_error)
             made.append(store)
             registry, scope, stopped = FakeRegistry(), trio.CancelScope(), trio.Event()
 
@@ -220,6 +225,20 @@ async def test_ids_unique_under_concurrent_adds_from_both_replicas(replicas: Mak
         )
 
 
+async def test_periodic_resync_repairs_a_view_that_missed_a_change(replicas: MakeReplica) -> None:
+    a = await replicas()
+    b = await replicas(resync_secs=0.5)
+    record = await a.store.add(spec(1))
+    await eventually(lambda: record.id in b.registry.workers, PROPAGATION_SECS, "B sees it")
+
+    b.store._kvs.clear()  # as if B had missed the PUT: nothing in etcd changes after this
+    b.store._rebuild()
+    assert b.registry.workers == {}
+    syncs = b.store.full_syncs
+    await eventually(lambda: record.id in b.registry.workers, 3.0, "repaired by a resync")
+    assert b.store.full_syncs > syncs
+
+
 # -- outages -----------------------------------------------------------------------------------
 
 
@@ -286,11 +305,14 @@ async def test_watch_resumes_with_a_full_range_when_its_revision_was_compacted(
 
 async def test_unreachable_at_start_reports_and_reconciles_nothing(replicas: MakeReplica) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
-    r = await replicas(endpoints=dead, dial_timeout_secs=0.5)
+    reported: list[str] = []
+    r = await replicas(endpoints=dead, dial_timeout_secs=0.5, on_error=reported.append)
     # started() came back after the first attempt failed
     assert r.registry.statuses and r.registry.ok is False
     assert "no etcd endpoint answered" in r.registry.statuses[-1][1]
     assert r.registry.reconciles == 0
+    assert reported[0] == "unavailable"
+    assert r.store.errors["unavailable"] == len(reported)
     await r.stop()
 
 
