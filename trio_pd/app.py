@@ -35,9 +35,11 @@ from trio_pd.fanout import (
     handle_flush_cache,
     handle_get_loads,
     handle_health_generate,
+    handle_models,
     proxy_from_prefill,
 )
 from trio_pd.fleet.workers import Fleet
+from trio_pd.injection import DP_KEYS
 from trio_pd.intake import inspect, read_request_body
 from trio_pd.logs import current_request_id, log_access
 from trio_pd.membership.setup import Membership, membership_for
@@ -213,6 +215,9 @@ class Router:
             elapsed = trio.current_time() - started_at
             self.metrics.requests.labels(label, str(status)).inc()
             self.metrics.latency.labels(label).observe(elapsed)
+            model = responder.route_info.get("model")
+            if model not in (None, "-"):
+                self.metrics.model_requests.labels(model, str(status)).inc()
             if self.config.access_log:
                 log_access({
                     "method": scope["method"], "path": path, "status": status,
@@ -294,7 +299,7 @@ async def handle_generation(
     raw = await read_request_body(
         scope, receive, config.max_payload_size, config.timeouts.client_body_secs
     )
-    owned = payload.BOOTSTRAP_KEYS | {"rid"} if gen.dispatch.aborts else payload.BOOTSTRAP_KEYS
+    owned = owned_keys(gen.config, gen.dispatch.aborts is not None)
     inspected = await inspect(scope["path"], raw, config.max_batch_size, owned, gen.parsers)
     request = PDRequest(
         scope["path"],
@@ -319,6 +324,16 @@ async def handle_generation(
         log.info("request cancelled (%s); every leg of it was closed", cancel.cause)
         if cancel.cause == "shutdown":
             await answer_cut(rsp, cut_by_shutdown(gen.drain.grace_secs))
+
+
+def owned_keys(config: RouterConfig, aborts: bool) -> frozenset[str]:
+    """The body keys the router writes itself (a client's own are removed first)."""
+    owned = set(payload.BOOTSTRAP_KEYS)
+    if aborts:
+        owned.add("rid")
+    if config.dp_aware:
+        owned |= DP_KEYS
+    return frozenset(owned)
 
 
 async def answer_cut(rsp: Responder, error: RouterError) -> None:
@@ -425,7 +440,7 @@ def route_table(router: Router) -> dict[str, dict[str, Route]]:
         "/health_generate": {"GET": ctl(handle_health_generate, "read")},
         "/get_model_info": {"GET": ctl(proxy_from_prefill, "read")},
         "/get_server_info": {"GET": ctl(proxy_from_prefill, "read")},
-        "/v1/models": {"GET": ctl(proxy_from_prefill, "data")},
+        "/v1/models": {"GET": ctl(handle_models, "data")},
         **{path: {"POST": generation} for path in GENERATION_PATHS},
         "/health": {"GET": health},
         "/readiness": {"GET": health},

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
+import httpx2
 import trio
 
 from trio_pd.fleet.health import run_health_checks
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("trio_pd.background")
 STARTUP_POLL_SECS = 0.01
+MAX_DP = 1024  # a dp_size beyond this is not believed
 METRICS_SYNC_SECS = 1.0
 RESTART_BACKOFF_SECS = (0.1, 30.0)  # first delay, cap (doubling)
 
@@ -38,10 +40,12 @@ async def run_background(router: Router, *, task_status: trio.TaskStatus[None]) 
 
     async def probe(worker: Worker) -> bool:
         key = worker.spec.api_key or router.config.api_key
-        response = await client.get(
-            worker.url + health.endpoint, headers=worker_authorization(key, None)
-        )
-        return 200 <= response.status_code < 300
+        headers = worker_authorization(key, None)
+        response = await client.get(worker.url + health.endpoint, headers=headers)
+        ok = 200 <= response.status_code < 300
+        if ok and info_due(worker, health.interval_secs):
+            await learn_info(client, worker, headers)
+        return ok
 
     async with trio.open_nursery() as nursery:
         if router.aborts is not None:
@@ -63,6 +67,31 @@ async def run_background(router: Router, *, task_status: trio.TaskStatus[None]) 
             nursery.start_soon(supervised, name, task, metrics)
         await wait_for_first_pair(router, health.timeout_secs)
         task_status.started()
+
+
+def info_due(worker: Worker, interval: float) -> bool:
+    return worker.info_at is None or trio.current_time() - worker.info_at >= interval
+
+
+async def learn_info(
+    client: httpx2.AsyncClient, worker: Worker, headers: list[tuple[bytes, bytes]]
+) -> None:
+    """What a passing worker says about itself: its DP size (`/get_server_info` `dp_size`) and
+    the model it serves (`/v1/models`), refreshed at the health interval. A worker that does not
+    answer these keeps what was known (dp_size 1, no model: the zero-configuration case)."""
+    dp_size = served = None
+    try:
+        info = (await client.get(worker.url + "/get_server_info", headers=headers)).json()
+        value = info.get("dp_size") if isinstance(info, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_DP:
+            dp_size = value
+        models = (await client.get(worker.url + "/v1/models", headers=headers)).json()
+        data = models.get("data") if isinstance(models, dict) else None
+        if isinstance(data, list) and data and isinstance(data[0], dict):
+            served = data[0].get("id") if isinstance(data[0].get("id"), str) else None
+    except (httpx2.HTTPError, ValueError) as exc:
+        log.debug("worker %s: no server info (%r)", worker.id, exc)
+    worker.learn(dp_size, served)
 
 
 async def supervised(

@@ -22,12 +22,14 @@ from trio_pd.urls import check_syntax
 
 
 class PrefillAction(argparse.Action):
-    """`--prefill URL [PORT|none]`: a bootstrap port is optional, `none` means no port."""
+    """`--prefill URL [PORT|none] [model=NAME]`: a bootstrap port is optional, `none` means no
+    port; `model=NAME` names the model the worker serves (else it is learned from the worker)."""
 
     def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
         url, *rest = values
+        model, rest = take_model(parser, option_string, rest)
         if len(rest) > 1:
-            parser.error(f"{option_string} takes URL [PORT|none], got {' '.join(values)}")
+            parser.error(f"{option_string} takes URL [PORT|none] [model=NAME]: {' '.join(values)}")
         port: int | None = None
         if rest and rest[0].lower() != "none":
             try:
@@ -36,8 +38,31 @@ class PrefillAction(argparse.Action):
                 parser.error(f"{option_string}: bootstrap port must be an int or none: {rest[0]}")
         check_url(parser, url)
         items = list(getattr(namespace, self.dest) or [])
-        items.append((url, port))
+        items.append((url, port, model))
         setattr(namespace, self.dest, items)
+
+
+class DecodeAction(argparse.Action):
+    """`--decode URL [model=NAME]`."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
+        url, *rest = values
+        model, rest = take_model(parser, option_string, rest)
+        if rest:
+            parser.error(f"{option_string} takes URL [model=NAME]: {' '.join(values)}")
+        check_url(parser, url)
+        items = list(getattr(namespace, self.dest) or [])
+        items.append((url, model))
+        setattr(namespace, self.dest, items)
+
+
+def take_model(
+    parser: argparse.ArgumentParser, option: str | None, rest: list[str]
+) -> tuple[str | None, list[str]]:
+    models = [v for v in rest if v.startswith("model=")]
+    if len(models) > 1 or any(not m[6:] for m in models):
+        parser.error(f"{option}: one model=NAME at most")
+    return (models[0][6:] if models else None), [v for v in rest if not v.startswith("model=")]
 
 
 def check_url(parser: argparse.ArgumentParser, url: str) -> None:
@@ -45,13 +70,6 @@ def check_url(parser: argparse.ArgumentParser, url: str) -> None:
         check_syntax(url)
     except ValueError as exc:
         parser.error(str(exc))
-
-
-def worker_url(url: str) -> str:
-    try:
-        return check_syntax(url)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,11 +84,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--decode",
-        action="append",
+        nargs="+",
+        action=DecodeAction,
         default=[],
-        type=worker_url,
         metavar="URL",
-        help="decode worker URL; repeatable",
+        help="decode worker URL [model=NAME]; repeatable",
     )
     p.add_argument(
         "--pd-disaggregation",
@@ -87,6 +105,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not POST /abort_request to engines for legs the router cancels "
         "(for engines without that endpoint)",
+    )
+    p.add_argument(
+        "--dp-aware",
+        action="store_true",
+        help="data-parallel engines: choose each worker's DP rank, pin it (routed_dp_rank, "
+        "disagg_prefill_dp_rank) and align bootstrap rooms with it",
+    )
+    p.add_argument(
+        "--default-model",
+        default=None,
+        help="with several models, the one a request naming none goes to",
     )
     p.add_argument(
         "--max-batch-size",
@@ -263,8 +292,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     error = getattr(args, "parser_error", parser_error)
     kube, shared = membership_configs(args, error)
     return RouterConfig(
-        prefill=tuple(WorkerSpec(url, "prefill", port) for url, port in args.prefill),
-        decode=tuple(WorkerSpec(url, "decode") for url in args.decode),
+        prefill=tuple(WorkerSpec(url, "prefill", port, model) for url, port, model in args.prefill),
+        decode=tuple(WorkerSpec(url, "decode", None, model) for url, model in args.decode),
         host=args.host,
         port=args.port,
         workers=args.workers,
@@ -272,6 +301,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         max_payload_size=args.max_payload_size,
         max_batch_size=args.max_batch_size,
         abort_on_cancel=not args.no_abort_on_cancel,
+        dp_aware=args.dp_aware,
+        default_model=args.default_model,
         max_concurrent_requests=args.max_concurrent_requests,
         queue_size=args.queue_size,
         queue_timeout_secs=args.queue_timeout_secs,

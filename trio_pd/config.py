@@ -105,6 +105,8 @@ class RouterConfig:
     max_payload_size: int = 536_870_912
     max_batch_size: int = 1024  # list lengths and chat `n`, checked before any work
     abort_on_cancel: bool = True  # POST /abort_request to engines for legs the router gave up
+    dp_aware: bool = False  # choose DP ranks, pin them and align rooms (SMG's --dp-aware)
+    default_model: str | None = None  # several models: what a request naming none gets
     max_concurrent_requests: int = -1  # -1: unbounded
     queue_size: int = 100
     queue_timeout_secs: float = 60.0

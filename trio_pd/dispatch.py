@@ -22,10 +22,10 @@ import trio
 from trio_pd.aborts import AbortJob, AbortService
 from trio_pd.attempt import Attempt, Leg
 from trio_pd.config import RouterConfig
-from trio_pd.errors import RouterError, no_worker
+from trio_pd.errors import RouterError, bad_request, no_worker
 from trio_pd.fleet.retry import attempts, backoff_delay
 from trio_pd.fleet.workers import Fleet, NoWorkerAvailable, Worker
-from trio_pd.injection import bootstrap_fields, bootstrap_host, rooms_for, splice
+from trio_pd.injection import bootstrap_fields, bootstrap_host, dp_fields, rooms_for, splice
 from trio_pd.metrics import RouterMetrics
 from trio_pd.outcome import FailureHistory, LegFailure, record_outcome
 from trio_pd.payload import Inspected
@@ -90,9 +90,11 @@ async def dispatch(
     total = attempts(ctx.config.retry)
     history = FailureHistory()
     avoid: set[Worker] = set()
+    model = resolve_model(ctx, request.inspected.model)
+    responder.route_info["model"] = model or "-"
     for number in range(1, total + 1):
         try:
-            prefill, decode = ctx.fleet.select_pair(request.inspected.text, frozenset(avoid))
+            prefill, decode = ctx.fleet.select_pair(request.inspected.text, frozenset(avoid), model)
         except NoWorkerAvailable as exc:
             await responder.error(no_worker(str(exc)))
             return
@@ -152,10 +154,11 @@ def new_attempt(
     prefill, decode = pair
     started, deadline = times
     inspected = request.inspected
+    ranks = choose_ranks(ctx, prefill, decode)
     fields: dict[str, Any] = bootstrap_fields(
         bootstrap_host(prefill.url),
         prefill.bootstrap_port,
-        rooms_for(inspected.batch, ctx.rng),
+        rooms_for(inspected.batch, ctx.rng, *ranks.room_alignment),
         inspected.batch,
     )
     rids: tuple[str, ...] = ()
@@ -163,8 +166,13 @@ def new_attempt(
         rid = attempt_rid(inspected.rid, request.request_id, inspected.batch, number, ctx.rng)
         fields["rid"] = rid
         rids = (rid,) if isinstance(rid, str) else tuple(rid)
-    body = splice(inspected.body, inspected.empty, fields)
-    if len(body) > ctx.config.max_payload_size:
+    prefill_body = splice(inspected.body, inspected.empty, {**fields, **ranks.prefill_fields})
+    decode_body = (
+        splice(inspected.body, inspected.empty, {**fields, **ranks.decode_fields})
+        if ranks.decode_fields or ranks.prefill_fields
+        else prefill_body  # the same bytes to both legs (PROTOCOL.md §1) unless ranks differ
+    )
+    if max(len(prefill_body), len(decode_body)) > ctx.config.max_payload_size:
         raise RouterError(
             413,
             f"the request with the router's fields exceeds {ctx.config.max_payload_size} bytes",
@@ -176,17 +184,17 @@ def new_attempt(
         prefill=Leg(
             "prefill",
             prefill.url,
-            body,
+            prefill_body,
             leg_headers_for(ctx, request, prefill),
-            partial(ctx.fleet.track, prefill),
+            partial(ctx.fleet.track, prefill, ranks.prefill),
             abort_hook(ctx, prefill, rids),
         ),
         decode=Leg(
             "decode",
             decode.url,
-            body,
+            decode_body,
             leg_headers_for(ctx, request, decode),
-            partial(ctx.fleet.track, decode),
+            partial(ctx.fleet.track, decode, ranks.decode),
             abort_hook(ctx, decode, rids),
         ),
         stream=inspected.stream,
@@ -198,6 +206,67 @@ def new_attempt(
         metrics=ctx.metrics,
         request_started=started,
     )
+
+
+@attrs.frozen
+class Ranks:
+    """The DP ranks of one attempt (`--dp-aware`); None: the worker's engine chooses."""
+
+    prefill: int | None = None
+    decode: int | None = None
+    prefill_dp: int = 1
+    decode_dp: int = 1
+
+    @property
+    def room_alignment(self) -> tuple[int, int]:
+        """(dp_size, rank) rooms must agree with: `room % dp_size == rank` on the prefill."""
+        return (self.prefill_dp, self.prefill or 0) if self.prefill is not None else (1, 0)
+
+    @property
+    def prefill_fields(self) -> dict[str, Any]:
+        return dp_fields(self.prefill_dp, self.prefill or 0, self.decode_dp, self.decode or 0)[0]
+
+    @property
+    def decode_fields(self) -> dict[str, Any]:
+        return dp_fields(self.prefill_dp, self.prefill or 0, self.decode_dp, self.decode or 0)[1]
+
+
+def choose_ranks(ctx: DispatchContext, prefill: Worker, decode: Worker) -> Ranks:
+    """With `--dp-aware`, the least loaded rank of each worker that has several (the policy
+    chose the worker; the ranks balance inside it): a (worker, rank) pair is the unit of load."""
+    if not ctx.config.dp_aware or (prefill.dp_size <= 1 and decode.dp_size <= 1):
+        return Ranks()
+    return Ranks(
+        prefill=prefill.least_loaded_rank(ctx.rng) if prefill.dp_size > 1 else None,
+        decode=decode.least_loaded_rank(ctx.rng) if decode.dp_size > 1 else None,
+        prefill_dp=prefill.dp_size,
+        decode_dp=decode.dp_size,
+    )
+
+
+def resolve_model(ctx: DispatchContext, requested: str | None) -> str | None:
+    """The model a request routes to, or None when the router serves one model (zero
+    configuration: the `model` field routes nothing, exactly as with one model before).
+
+    Several models: the request's `model`, else `--default-model`; an unknown one is a 404
+    listing the models served, none at all a 400."""
+    models = ctx.fleet.models()
+    if len(models) <= 1:
+        return None
+    model = requested or ctx.config.default_model
+    if model is None:
+        raise bad_request(
+            f"this router serves several models ({', '.join(models)}): name one in `model`, "
+            "or start the router with --default-model"
+        )
+    if model not in models:
+        raise RouterError(
+            404,
+            f"model {model!r} is not served here; models: {', '.join(models)}",
+            "not_found_error",
+            code="model_not_found",
+        )
+    return model
 
 
 def attempt_rid(

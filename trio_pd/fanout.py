@@ -162,6 +162,19 @@ async def proxy_from_prefill(
     )
 
 
+async def handle_models(
+    ctx: ControlContext, scope: Scope, receive: Receive, responder: Responder
+) -> None:
+    """`GET /v1/models`: one model, as a prefill worker answers it (unchanged, zero
+    configuration); several, the router's own list of every model its workers serve."""
+    models = ctx.fleet.models()
+    if len(models) <= 1:
+        await proxy_from_prefill(ctx, scope, receive, responder)
+        return
+    data = [{"id": m, "object": "model", "created": 0, "owned_by": "trio_pd"} for m in models]
+    await json_reply(responder, 200, {"object": "list", "data": data})
+
+
 # -- one pair ----------------------------------------------------------------------------------
 
 

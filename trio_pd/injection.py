@@ -1,7 +1,9 @@
 """The fields the router writes into a client's body for one attempt (PROTOCOL.md §2, §10, §11).
 
 `bootstrap_host`, `bootstrap_port` and a fresh random `bootstrap_room` per attempt (lists of the
-batch's length for batches, distinct rooms), and the request's `rid` on the legs. They are
+batch's length for batches, distinct rooms), the request's `rid` on the legs, and with
+`--dp-aware` the DP ranks (SGLang's names: prefill `routed_dp_rank`; decode `routed_dp_rank`
+and `disagg_prefill_dp_rank`, the prefill rank holding its KV cache). They are
 written as bytes just before the body's closing brace: the client's own bytes pass through
 untouched (`payload.inspect_body` already removed any key the router owns), so every value a
 client sent reaches the workers exactly as sent.
@@ -24,14 +26,26 @@ def bootstrap_host(url: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def rooms_for(batch: int | None, rng: random.Random) -> int | list[int]:
-    """A fresh room, or distinct fresh rooms for a batch."""
+def rooms_for(
+    batch: int | None, rng: random.Random, dp_size: int = 1, rank: int = 0
+) -> int | list[int]:
+    """A fresh room, or distinct fresh rooms for a batch.
+
+    With a prefill of `dp_size` ranks and a chosen `rank`, every room satisfies
+    `room % dp_size == rank` (engines that derive the rank from the room then agree with the
+    rank the router pinned); the other bits stay random."""
     if batch is None:
-        return rng.randint(0, MAX_ROOM)
+        return _room(rng, dp_size, rank)
     rooms: set[int] = set()
     while len(rooms) < batch:
-        rooms.add(rng.randint(0, MAX_ROOM))
+        rooms.add(_room(rng, dp_size, rank))
     return list(rooms)
+
+
+def _room(rng: random.Random, dp_size: int, rank: int) -> int:
+    if dp_size <= 1:
+        return rng.randint(0, MAX_ROOM)
+    return rng.randrange(MAX_ROOM // dp_size) * dp_size + rank
 
 
 def bootstrap_fields(
@@ -48,3 +62,20 @@ def splice(body: bytes, empty: bool, fields: dict[str, Any]) -> bytes:
     end = body.rstrip().rindex(b"}")
     members = orjson.dumps(fields)[1:-1]  # `"k":v,...` without the braces
     return b"".join((body[:end], b"" if empty else b",", members, b"}"))
+
+
+DP_KEYS = frozenset(("routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank"))
+
+
+def dp_fields(
+    prefill_dp: int, prefill_rank: int, decode_dp: int, decode_rank: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The rank fields of each leg, for workers that have ranks (SMG's injection)."""
+    prefill: dict[str, Any] = {}
+    decode: dict[str, Any] = {}
+    if prefill_dp > 1:
+        prefill["routed_dp_rank"] = prefill_rank
+        decode["disagg_prefill_dp_rank"] = prefill_rank
+    if decode_dp > 1:
+        decode["routed_dp_rank"] = decode_rank
+    return prefill, decode

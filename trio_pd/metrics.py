@@ -48,6 +48,12 @@ class RouterMetrics:
             ["path", "status"],
             registry=r,
         )
+        self.model_requests = Counter(
+            "trio_pd_model_requests",
+            "Generation requests by model and status, when the router serves several models.",
+            ["model", "status"],
+            registry=r,
+        )
         self.latency = Histogram(
             "trio_pd_request_duration_seconds",
             "Time from request start to the end of the response.",

@@ -52,6 +52,10 @@ class Worker:
     healthy: bool = False  # unhealthy until the first health pass
     removed: bool = False
     in_flight: int = 0
+    dp_size: int = 1  # DP attention ranks behind the URL (learned from /get_server_info)
+    served_model: str | None = None  # learned from /v1/models when the spec names none
+    info_at: float | None = None  # when dp_size / served_model were last learned
+    rank_in_flight: list[int] = attrs.Factory(lambda: [0])  # legs per DP rank (--dp-aware)
     reported_load: int | None = None
     reported_at: float | None = None
     load_fresh_secs: float = 120.0
@@ -67,6 +71,27 @@ class Worker:
     @property
     def bootstrap_port(self) -> int | None:
         return self.spec.bootstrap_port
+
+    @property
+    def model(self) -> str | None:
+        """The model it serves: its spec's `model_id`, else what it reported."""
+        return self.spec.model_id or self.served_model
+
+    def learn(self, dp_size: int | None, served_model: str | None) -> None:
+        """Record what the worker reported about itself (health checks refresh it)."""
+        if dp_size is not None and dp_size >= 1 and dp_size != self.dp_size:
+            self.dp_size = dp_size
+            self.rank_in_flight = [0] * dp_size
+        if served_model:
+            self.served_model = served_model
+        self.info_at = trio.current_time()
+
+    def least_loaded_rank(self, rng: random.Random) -> int:
+        """The DP rank with the fewest of this router's legs (ties at random)."""
+        counts = self.rank_in_flight
+        low = min(counts)
+        ranks = [r for r, c in enumerate(counts) if c == low]
+        return ranks[0] if len(ranks) == 1 else rng.choice(ranks)
 
     def report_load(self, load: int) -> None:
         """Record the engine's own load figure (e.g. from its /get_load), stamped now."""
@@ -98,7 +123,8 @@ class Worker:
             "load": self.load(),
             "in_flight": self.in_flight,
             "source": self.source,
-            **({"model_id": self.spec.model_id} if self.spec.model_id else {}),
+            **({"model_id": self.model} if self.model else {}),
+            **({"dp_size": self.dp_size} if self.dp_size > 1 else {}),
             **({"meta": self.meta} if self.meta else {}),
         }
 
@@ -230,34 +256,51 @@ class Fleet:
             return list(self._workers.values())
         return [w for w in self._workers.values() if w.role == role]
 
-    def available(self, role: Role) -> list[Worker]:
-        """Workers of `role` that take traffic: healthy, registered, breaker allowing."""
-        return [w for w in self._workers.values() if w.role == role and w.available()]
+    def available(self, role: Role, model: str | None = None) -> list[Worker]:
+        """Workers of `role` (serving `model`) that take traffic: healthy, registered, breaker
+        allowing."""
+        return [
+            w
+            for w in self._workers.values()
+            if w.role == role and w.available() and (model is None or w.model == model)
+        ]
 
-    def routable(self, role: Role) -> list[Worker]:
+    def routable(self, role: Role, model: str | None = None) -> list[Worker]:
         """Workers of `role` a request can go to at all: healthy and registered (breakers aside,
         see `select`). Readiness is this list being non-empty for both roles."""
-        return [w for w in self._workers.values() if w.role == role and w.healthy and not w.removed]
+        return [
+            w
+            for w in self._workers.values()
+            if w.role == role
+            and w.healthy
+            and not w.removed
+            and (model is None or w.model == model)
+        ]
 
     # -- selection -----------------------------------------------------------------------------
 
     def select(
-        self, role: Role, text: str | None, avoid: frozenset[Worker] = frozenset()
+        self,
+        role: Role,
+        text: str | None,
+        avoid: frozenset[Worker] = frozenset(),
+        model: str | None = None,
     ) -> Worker:
-        """Choose a worker of `role` for a leg.
+        """Choose a worker of `role` (serving `model`, when given) for a leg.
 
         Candidates are the healthy workers whose breaker allows traffic, preferably not in
         `avoid`. When every healthy worker's breaker is open, they are all candidates anyway
         (panic routing, as Envoy does below its panic threshold): a breaker must never take the
         last workers of a role out of rotation, or a handful of poisonous requests would turn
         into an outage for everyone. A worker that is really dead fails its health checks and
-        leaves rotation that way.
+        leaves rotation that way. Policies only ever see the model's own workers, so cache-aware
+        trees and loads never mix models.
         """
-        candidates = self.available(role)
+        candidates = self.available(role, model)
         if not candidates:
-            candidates = self.routable(role)
+            candidates = self.routable(role, model)
             if not candidates:
-                raise self._why_none(role)
+                raise self._why_none(role, model)
             self.panics[role] += 1
             if self.on_panic is not None:
                 self.on_panic(role)
@@ -268,20 +311,32 @@ class Fleet:
         return self.policies[role].choose(candidates, text)
 
     def select_pair(
-        self, text: str | None, avoid: frozenset[Worker] = frozenset()
+        self, text: str | None, avoid: frozenset[Worker] = frozenset(), model: str | None = None
     ) -> tuple[Worker, Worker]:
         """(prefill, decode). Raises NoWorkerAvailable for the first role with nobody up."""
-        prefill = self.select("prefill", text, avoid)
-        decode = self.select("decode", text, avoid)
+        prefill = self.select("prefill", text, avoid, model)
+        decode = self.select("decode", text, avoid, model)
         return prefill, decode
 
+    def models(self) -> list[str]:
+        """The models registered workers serve (as configured or reported), sorted."""
+        return sorted({w.model for w in self._workers.values() if w.model})
+
     @contextmanager
-    def track(self, worker: Worker) -> Iterator[Worker]:
+    def track(self, worker: Worker, rank: int | None = None) -> Iterator[Worker]:
+        """Count a leg on `worker` (and its DP `rank`) while it runs."""
         worker.in_flight += 1
+        counts = worker.rank_in_flight if rank is not None else None
+        if counts is not None and rank is not None and rank < len(counts):
+            counts[rank] += 1
+        else:
+            counts = None
         try:
             yield worker
         finally:
             worker.in_flight -= 1
+            if counts is not None and rank is not None:
+                counts[rank] -= 1
 
     def record(self, worker: Worker, ok: bool) -> None:
         breaker = worker.breaker
@@ -311,9 +366,12 @@ class Fleet:
         changed, self._changed = self._changed, trio.Event()
         changed.set()
 
-    def _why_none(self, role: Role) -> NoWorkerAvailable:
-        registered = self.workers(role)
+    def _why_none(self, role: Role, model: str | None = None) -> NoWorkerAvailable:
+        registered = [w for w in self.workers(role) if model is None or w.model == model]
         if not registered:
-            return NoWorkerAvailable(role, "none_registered", f"no {role} worker is registered")
+            serving = f" for model {model!r}" if model is not None else ""
+            return NoWorkerAvailable(
+                role, "none_registered", f"no {role} worker{serving} is registered"
+            )
         detail = f"all {len(registered)} are unhealthy"
         return NoWorkerAvailable(role, "all_unhealthy", f"no available {role} worker: {detail}")
