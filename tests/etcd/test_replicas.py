@@ -103,8 +103,9 @@ async def route(clients: Sequence[httpx2.AsyncClient], rounds: int = 2) -> None:
 
 
 async def served_through(clients: Sequence[httpx2.AsyncClient], engine: EngineHandle) -> bool:
+    """One request through each client: did ``engine`` take one?"""
     before = served(engine)
-    await route(clients, rounds=1)
+    await route(clients, rounds=1)  # the flags' decode is healthy throughout: always 200
     return served(engine) > before
 
 

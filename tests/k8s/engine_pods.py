@@ -73,10 +73,13 @@ async def route(client: httpx2.AsyncClient, count: int) -> None:
 
 
 async def served_through(client: httpx2.AsyncClient, engine: EngineHandle) -> bool:
-    """One request through the router; did ``engine`` take it?"""
+    """One request through the router; did ``engine`` take it (and answer)? A 503 is no: a
+    worker that just joined may be the role's only one and not through its first health
+    check yet."""
     before = served(engine)
-    await route(client, 1)
-    return served(engine) > before
+    response = await client.post("/generate", json=BODY)
+    assert response.status_code in (200, 503), response.text
+    return response.status_code == 200 and served(engine) > before
 
 
 async def untouched(
