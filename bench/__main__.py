@@ -3,7 +3,8 @@
 Runs every selected scenario for every selected router, alternating routers inside each
 repetition (so slow drifts of a shared machine hit all of them alike), writes one JSON per
 scenario run plus a combined `bench-*.json`, prints the per-scenario tables and, with more than one
-router, one side-by-side table of medians with ratios to trio_pd, and the storm PNG.
+router, the teardown and storm tables that put the routers side by side, one side-by-side table of
+medians with ratios to the first router, and the storm PNG.
 
 `router-bound` (bench/router_bound.py) runs after the others as one block: it alternates its own
 targets (the floor, the instant engine alone, every router) and phases, and prints its own
@@ -33,6 +34,8 @@ SCENARIOS: dict[str, Any] = {
     "soak": (soak.run, soak.summary, ("router", "requests", "ok", "rss_start_mb", "rss_end_mb",
                                      "rss_idle_mb", "fds_max", "fds_idle", "tcp_max", "tcp_idle")),
 }  # fmt: skip
+# Scenarios with a table of their own that puts the routers side by side (with more than one).
+COMPARE = {"teardown": teardown.compare, "storm": storm.compare}
 # Scenarios that run all their routers themselves (their own alternation and tables).
 WHOLE = {"router-bound": router_bound.run_all}
 # `wide` (1000 concurrent streams) runs on request: `--scenarios wide`.
@@ -111,6 +114,10 @@ def run(args: argparse.Namespace) -> int:
         if rows:
             print_flush(common.table(rows, SCENARIOS[name][2], f"== {name} =="))
             print_flush("")
+        ran = {r: results[name][r] for r in routers if results[name][r]}
+        if name in COMPARE and len(ran) > 1:
+            print_flush(COMPARE[name](ran))
+            print_flush("")
     for result in whole_results.values():
         print_flush(router_bound.render(result))
         print_flush("results:", result["results_file"])
@@ -153,11 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--peers",
         action="store_true",
-        help="all four routers, scenarios 1-4, 3 repetitions (make bench-peers)",
+        help="trio_pd, trio_pd_w2, smg, mini_lb; the peer scenarios; 3 repetitions "
+        "(make bench-peers)",
     )
     args = parser.parse_args(argv)
     if args.peers:
-        args.routers = args.routers if args.routers != "trio_pd" else ",".join(common.ROUTERS)
+        args.routers = args.routers if args.routers != "trio_pd" else ",".join(common.PEER_ROUTERS)
         args.scenarios = args.scenarios or ",".join(PEER_SCENARIOS)
     if args.repeat is None:
         args.repeat = 3 if args.peers else 1

@@ -34,7 +34,11 @@ PEERS = BENCH / ".peers"
 VENV_BIN = Path(sys.executable).parent
 HOST = "127.0.0.1"  # the only valid load target
 
-ROUTERS = ("trio_pd", "trio_pd_w2", "smg", "mini_lb")
+ROUTERS = ("trio_pd", "trio_pd_w2", "trio_pd_noabort", "smg", "mini_lb")
+# `--peers` (make bench-peers) compares against SGLang's routers; trio_pd_noabort (trio_pd with
+# `--no-abort-on-cancel`) runs on request: `--routers trio_pd,trio_pd_noabort`.
+PEER_ROUTERS = ("trio_pd", "trio_pd_w2", "smg", "mini_lb")
+TRIO_PD_KINDS = ("trio_pd", "trio_pd_w2", "trio_pd_noabort")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -310,11 +314,13 @@ def router_argv(
     for prefill in prefills:
         common += ["--prefill", prefill.url, str(prefill.bootstrap_port)]
     common += ["--decode", decode.url, "--host", HOST, "--port", str(port)]
-    if kind in ("trio_pd", "trio_pd_w2"):
+    if kind in TRIO_PD_KINDS:
         argv = [trio_pd_bin(), "serve", *common, "--log-level", "warning"]
         argv += ["--policy", "round_robin"]
         if kind == "trio_pd_w2":
             argv += ["--workers", "2"]
+        if kind == "trio_pd_noabort":  # closing a cancelled leg is all: the engine's poll frees it
+            argv += ["--no-abort-on-cancel"]
         return argv + list(extra)
     python = str(PEERS / "bin" / "python")
     argv = [python, "-m", "sglang_router.launch_router", "--pd-disaggregation", *common]

@@ -1,6 +1,7 @@
 """The floor of the stack: a bare ASGI app served exactly like trio_pd serves its router.
 
-Same server code path as `trio-pd serve` with one worker: hypercorn's trio `worker_serve` on the
+Same server code path as `trio-pd serve` with one worker: `trio_pd.serving.serve_app` (hypercorn's
+trio connection handling with trio_pd's fair accept loop) on the
 sockets `trio_pd.server.make_sockets` makes, with the config `trio_pd.server.hypercorn_config`
 builds (keep-alive 5 s, no access log, backlog 4096), the app wrapped by `hypercorn.utils.wrap_app`.
 What the app does is as little as an HTTP answer can be, so its CPU is hypercorn + trio + the
@@ -31,11 +32,11 @@ from typing import Any
 
 import orjson
 import trio
-from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 
 from trio_pd.config import RouterConfig
 from trio_pd.server import hypercorn_config, make_sockets
+from trio_pd.serving import serve_app
 
 JSON = b'{"text":" the quick brown fox jumps over the lazy dog","meta_info":{"id":"floor"}}'
 JSON_HEADERS = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(JSON))]
@@ -141,7 +142,7 @@ async def serve(args: argparse.Namespace) -> None:
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(on_signals)
-        await worker_serve(app, hc, sockets=sockets, shutdown_trigger=stop.wait)
+        await serve_app(app, hc, sockets, stop.wait)
         nursery.cancel_scope.cancel()
 
 

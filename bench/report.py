@@ -13,8 +13,16 @@ from bench import common
 HIGHER_IS_BETTER = ("req/s", "tokens/s", "goodput", "vs direct")
 
 
+def middle(values: Any) -> Any:
+    """The median of numbers; for text (e.g. the storm's `freed_by`), the distinct values."""
+    vals = [v for v in values if v is not None]
+    if any(isinstance(v, str) for v in vals):
+        return " / ".join(dict.fromkeys(str(v) for v in vals)) or None
+    return common.median(vals)
+
+
 def side_by_side(
-    summaries: dict[str, list[dict[str, Any]]], reference: str = "trio_pd"
+    summaries: dict[str, list[dict[str, Any]]], reference: str = "trio_pd", title: str = ""
 ) -> tuple[str, list[dict[str, Any]]]:
     """summaries: router -> one flat summary per repetition. Returns (text, rows)."""
     routers = list(summaries)
@@ -28,19 +36,20 @@ def side_by_side(
     for metric in metrics:
         row: dict[str, Any] = {"metric": metric}
         for router in routers:
-            row[router] = common.median(rep.get(metric) for rep in summaries[router])
+            row[router] = middle(rep.get(metric) for rep in summaries[router])
         ref = row.get(reference)
         for router in routers:
             if router == reference:
                 continue
             value = row.get(router)
-            row[f"{router}/{reference}"] = (
-                round(value / ref, 2) if value is not None and ref not in (None, 0) else None
-            )
+            numbers = isinstance(value, int | float) and isinstance(ref, int | float)
+            row[f"{router}/{reference}"] = round(value / ref, 2) if numbers and ref else None
         rows.append(row)
     columns = ["metric", *routers] + [f"{r}/{reference}" for r in routers if r != reference]
     reps = max((len(v) for v in summaries.values()), default=0)
-    title = f"medians of {reps} repetition(s); ratio columns: router / {reference}"
+    title = (title + "\n" if title else "") + (
+        f"medians of {reps} repetition(s); ratio columns: router / {reference}"
+    )
     return common.table(rows, columns, title), rows
 
 
@@ -54,19 +63,28 @@ def plot_storm(results: dict[str, dict[str, Any]], path: Path | None = None) -> 
     except ImportError:  # pragma: no cover - matplotlib is in the bench extra
         return None
     fig, axes = plt.subplots(3, 1, figsize=(10, 10), sharex=True)
-    for router, result in results.items():
+    for n, (router, result) in enumerate(results.items()):
         s = result["series"]
         t = [row["t"] for row in s]
-        axes[0].plot(t, [row["ok"] for row in s], label=router)
-        axes[1].plot(t, [row["p50_ms"] for row in s], label=f"{router} p50")
-        axes[1].plot(t, [row["p99_ms"] for row in s], linestyle="--", label=f"{router} p99")
-        axes[2].plot(t, [row["wasted_slots"] for row in s], label=router)
+        color = f"C{n}"  # one colour per router on every panel
+        total = result["rows"][0]
+        label = (
+            f"{router}: p99 {common.fmt(total.get('ok_p99_ms'), 0)} ms, "
+            f"wasted {common.fmt(total.get('wasted_slot_s'))} slot-s"
+        )
+        axes[0].plot(t, [row["ok"] for row in s], color=color, label=label)
+        axes[1].plot(t, [row["p50_ms"] for row in s], color=color, label=f"{router} p50")
+        axes[1].plot(
+            t, [row["p99_ms"] for row in s], color=color, linestyle="--", label=f"{router} p99"
+        )
+        axes[2].plot(t, [row["wasted_slots"] for row in s], color=color, label=router)
     settings = next(iter(results.values())).get("settings", {})
     axes[0].set_ylabel("successful req/s")
     axes[0].set_title(
         f"storm: {settings.get('rate')} req/s open loop, {int(100 * settings.get('fail_ratio', 0))}"
         f"% prefill 500s, decode {settings.get('max_running')} slots, "
-        f"waiting timeout {settings.get('waiting_timeout')} s"
+        f"waiting timeout {settings.get('waiting_timeout')} s, "
+        f"disconnect poll {settings.get('disconnect_poll_secs', 4.0)} s"
     )
     axes[1].set_ylabel("latency of successes (ms)")
     axes[1].set_yscale("log")

@@ -75,6 +75,7 @@ WRK_SCRIPT = common.BENCH / "wrk" / "generate.lua"
 LABELS = {
     "trio_pd": "trio_pd",
     "trio_pd_w2": "trio_pd --workers 2",
+    "trio_pd_noabort": "trio_pd --no-abort-on-cancel",
     "smg": "SMG",
     "mini_lb": "mini_lb",
     "floor": "floor (bare ASGI app, hypercorn trio worker)",

@@ -11,6 +11,16 @@ Reports goodput (successful requests per second of the run), p50/p99 latency of 
 requests, the client wait of the failed ones, and the decode slot-seconds wasted on doomed
 requests (slots held by requests whose slot was not freed with reason `finished`, from the decode
 engine's event log), all also as per-second series (by completion second; slots by occupancy).
+`doomed_slots` counts those slots, `wasted_per_doomed_ms` is their mean hold and `freed_by` says
+what freed them (as in teardown: `abort` = the router's POST /abort_request, `poll` = the
+engine's 4 s disconnect poll, `timeout` = the waiting timeout, `held` = still held at the end).
+A doomed request that never got a slot (it queued behind 16 busy ones and was cancelled first)
+wastes none and is not counted.
+
+With trio_pd (which aborts cancelled legs) and trio_pd_noabort (`--no-abort-on-cancel`) in one
+run, `compare` puts them side by side: without aborts each doomed slot is held until the next
+poll tick (0-4 s, 2 s on average), about 10 doomed requests a second against 16 slots, so the
+successes queue behind them.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from typing import Any
 import orjson
 import trio
 
-from bench import common
+from bench import common, teardown
 from bench.common import CpuMeter, pct, print_flush
 from bench.httpc import one_request
 from bench.loadgen import sleep_until
@@ -30,8 +40,23 @@ from bench.loadgen import sleep_until
 NAME = "storm"
 COLUMNS = (
     "router", "rate", "seconds", "sent", "ok", "goodput", "good_ratio", "ok_p50_ms", "ok_p99_ms",
-    "fail_wait_p50_ms", "wasted_slot_s", "useful_slot_s", "router_cpu_s", "loadgen_cpu_s",
+    "fail_wait_p50_ms", "wasted_slot_s", "doomed_slots", "wasted_per_doomed_ms", "freed_by",
+    "useful_slot_s", "router_cpu_s", "loadgen_cpu_s",
 )  # fmt: skip
+# the side-by-side table (`compare`): row key -> label
+COMPARE_METRICS = {
+    "goodput": "goodput req/s",
+    "ok": "successful requests",
+    "ok_p50_ms": "successes p50 ms",
+    "ok_p99_ms": "successes p99 ms",
+    "fail_wait_p50_ms": "failed clients' wait p50 ms",
+    "wasted_slot_s": "decode slot-s wasted (doomed)",
+    "doomed_slots": "doomed requests holding a slot",
+    "wasted_per_doomed_ms": "mean hold per doomed slot ms",
+    "freed_by": "doomed slots freed by",
+    "router_cpu_s": "router CPU s",
+}
+FREED_BY = {**teardown.FREED_BY, "held at end": "held"}
 SERIES_COLUMNS = ("t", "sent", "ok", "failed", "p50_ms", "p99_ms", "wasted_slots", "useful_slots")
 
 
@@ -44,6 +69,7 @@ def settings(quick: bool) -> dict[str, Any]:
         "inter_token_ms": 10.0,
         "max_running": 16,
         "waiting_timeout": 30.0,
+        "disconnect_poll_secs": 4.0,  # like SGLang
         "client_timeout": 45.0,
     }
 
@@ -127,7 +153,8 @@ def run(router: str, quick: bool = False) -> dict[str, Any]:
     s = settings(quick)
     decode_args = [
         "--max-running", str(s["max_running"]), "--waiting-timeout", str(s["waiting_timeout"]),
-        "--inter-token-ms", str(s["inter_token_ms"]), "--disconnect-poll-secs", "4",
+        "--inter-token-ms", str(s["inter_token_ms"]),
+        "--disconnect-poll-secs", str(s["disconnect_poll_secs"]),
     ]  # fmt: skip
     with common.cluster(
         router,
@@ -152,8 +179,10 @@ def run(router: str, quick: bool = False) -> dict[str, Any]:
     for r in records:
         key = str(r["error"] or r["status"])
         statuses[key] = statuses.get(key, 0) + 1
-    wasted = sum(e - b for b, e, reason in slots if reason != "finished")
+    doomed = [(b, e, reason) for b, e, reason in slots if reason != "finished"]
+    wasted = sum(e - b for b, e, _ in doomed)
     useful = sum(e - b for b, e, reason in slots if reason == "finished")
+    freed_by = teardown.tally([FREED_BY.get(reason, reason) for _, _, reason in doomed])
     row = {
         "router": router,
         "rate": s["rate"],
@@ -166,6 +195,9 @@ def run(router: str, quick: bool = False) -> dict[str, Any]:
         "ok_p99_ms": common.ms(pct(lat, 99)),
         "fail_wait_p50_ms": common.ms(pct([r["t_end"] - r["t_send"] for r in failed], 50)),
         "wasted_slot_s": round(wasted, 1),
+        "doomed_slots": len(doomed),
+        "wasted_per_doomed_ms": common.ms(wasted / len(doomed)) if doomed else None,
+        "freed_by": freed_by,
         "useful_slot_s": round(useful, 1),
         "statuses": statuses,
         "router_cpu_s": meter.result.get("router"),
@@ -177,7 +209,7 @@ def run(router: str, quick: bool = False) -> dict[str, Any]:
         f"  storm {router}: goodput {row['goodput']} req/s ({row['ok']} ok of "
         f"{len(records)}, {row['good_ratio']} of the healthy prefill's share), "
         f"p50/p99 {row['ok_p50_ms']}/{row['ok_p99_ms']} ms, "
-        f"wasted {row['wasted_slot_s']} slot-s"
+        f"wasted {row['wasted_slot_s']} slot-s ({len(doomed)} doomed slots freed by {freed_by})"
     )
     return {
         "scenario": NAME,
@@ -197,7 +229,24 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
         "storm ok p99 ms": row["ok_p99_ms"],
         "storm fail wait p50 ms": row["fail_wait_p50_ms"],
         "storm wasted slot-s": row["wasted_slot_s"],
+        "storm doomed slots": row.get("doomed_slots"),
     }
+
+
+def compare(results: dict[str, list[dict[str, Any]]]) -> str:
+    """The routers side by side (a row per metric, medians over the repetitions, ratios to the
+    first router): the successes' latency and the decode slots the doomed requests held."""
+    from bench.report import side_by_side
+
+    summaries = {
+        router: [{label: res["rows"][0].get(key) for key, label in COMPARE_METRICS.items()}
+                 for res in reps]
+        for router, reps in results.items()
+    }  # fmt: skip
+    text, _ = side_by_side(
+        summaries, reference=next(iter(results)), title="== storm side by side =="
+    )
+    return text
 
 
 def main(argv: list[str] | None = None) -> None:

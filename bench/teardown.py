@@ -7,9 +7,14 @@ x-request-id):
 
 - `closed_ms`: from the failure to the decode engine seeing its connection closed
   (`connection_closed`): the router side of the teardown;
-- `freed_ms`: from the failure to the decode slot being freed (`slot_freed`); the decode engine
-  polls for disconnects every 4 s like SGLang, so this adds up to 4 s to `closed_ms`; a router
-  that never closes the decode connection holds the slot until the decode's waiting timeout;
+- `freed_ms`: from the failure to the decode slot being freed (`slot_freed`, whatever freed it);
+- `freed_by`: what freed it: `abort` (the router's `POST /abort_request` reached the decode engine:
+  reason `aborted_request`, milliseconds), `poll` (the engine's disconnect poll noticed the closed
+  connection: `aborted_disconnect`; every 4 s like SGLang, so up to 4 s after `closed_ms`),
+  `timeout` (the KV never came: `kv_wait_timeout`, the waiting timeout, 20 s here), `never` (still
+  held when the phase gave up waiting), `no slot` (the request ended before it took a slot);
+  requests the decode engine never received are left out (`decode_saw` counts the others);
+  mixed outcomes read `abort 2, poll 1`;
 - the client's status and how long the client waited.
 
 The failure instant is the prefill engine's `fault` event; for "refused" (nothing listens on the
@@ -43,8 +48,16 @@ NAME = "teardown"
 KINDS = ("500", "400", "sse_error", "close")
 COLUMNS = (
     "router", "case", "stream", "n", "decode_saw", "client_status", "client_wait_p50_ms",
-    "closed_p50_ms", "closed_max_ms", "freed_p50_ms", "freed_max_ms", "not_closed", "freed_reason",
+    "closed_p50_ms", "closed_max_ms", "freed_p50_ms", "freed_max_ms", "freed_by", "abort_early",
+    "not_closed",
 )  # fmt: skip
+# slot_freed reason -> what freed the slot (the `freed_by` column)
+FREED_BY = {
+    "aborted_request": "abort",
+    "aborted_disconnect": "poll",
+    "kv_wait_timeout": "timeout",
+    "finished": "finished",
+}
 POLL_SECS = 4.0
 
 
@@ -109,20 +122,40 @@ async def disconnect_one(port: int, b: dict[str, Any], after_s: float, after_eve
 
 # ---- engine side ----------------------------------------------------------------------------
 def index(events: list[dict[str, Any]]) -> dict[Any, dict[str, dict[str, Any]]]:
-    """room -> event name -> first record."""
+    """room -> event name -> first record. An `abort_request` that came before the engine had
+    the request (`matched` false, no room: the engine dropped it) is filed under its rid's room
+    as `abort_early` (the first one, with `count`)."""
     out: dict[Any, dict[str, dict[str, Any]]] = {}
+    unmatched: dict[str, list[float]] = {}
     for e in events:
         room = e.get("room")
         if room is None:
+            rid = e.get("sglang_rid")
+            if e["event"] == "abort_request" and not e.get("matched") and isinstance(rid, str):
+                unmatched.setdefault(rid, []).append(e["t"])
             continue
         out.setdefault(room, {}).setdefault(e["event"], e)
+    for ev in out.values():
+        start = ev.get("request_start")
+        rid = start.get("sglang_rid") if start else None
+        if not isinstance(rid, str):
+            continue
+        early = [t for t in unmatched.get(rid, []) if t < start["t"]]
+        if early:
+            ev["abort_early"] = {"event": "abort_early", "t": early[0], "count": len(early)}
     return out
 
 
-def wait_freed(c: common.Cluster, rooms: set[Any], deadline: float) -> None:
+def wait_freed(c: common.Cluster, rooms: set[Any], deadline: float, unseen_s: float = 2.0):
+    """Until the decode engine is done with every room (its slot freed, or the request ended
+    without one), or the deadline; rooms the decode engine has not seen after `unseen_s` (the
+    router gave up on the decode leg before the request got there) are not waited for."""
+    t0 = time.monotonic()
     while time.monotonic() < deadline:
-        freed = {r for r, ev in index(c.decode.events()).items() if "slot_freed" in ev}
-        if rooms <= freed:
+        dec = index(c.decode.events())
+        if time.monotonic() - t0 > unseen_s:
+            rooms = {r for r in rooms if r in dec}
+        if all("slot_freed" in dec.get(r, {}) or "request_end" in dec.get(r, {}) for r in rooms):
             return
         time.sleep(0.25)
 
@@ -131,12 +164,45 @@ def measure(room: Any, t_fail: float, dec: dict[Any, dict[str, dict[str, Any]]])
     ev = dec.get(room, {})
     closed = ev.get("connection_closed")
     freed = ev.get("slot_freed")
+    reason = freed.get("reason") if freed else "not freed"
+    abort = ev.get("abort_request")  # the first abort that found the request (matched)
+    if freed is None and "slot_acquired" not in ev:
+        freed = ev.get("request_end")  # it never took a slot: done when the engine was
+        reason = "no slot"
     return {
         "closed_s": closed["t"] - t_fail if closed else None,
         "freed_s": freed["t"] - t_fail if freed else None,
-        "freed_reason": freed.get("reason") if freed else "not freed",
+        "abort_s": abort["t"] - t_fail if abort else None,
+        "abort_early": "abort_early" in ev,
+        "freed_reason": reason,
+        "freed_by": freed_by(ev),
         "decode_seen": bool(ev),
     }
+
+
+def freed_by(ev: dict[str, dict[str, Any]]) -> str:
+    """What freed a request's decode slot, from its decode events (event name -> first record).
+    A request that ended before it took a slot (the abort came while it registered its room) is
+    `abort (no slot)` (or `no slot` when something else ended it)."""
+    if not ev:
+        return "not seen"
+    freed = ev.get("slot_freed")
+    if freed is not None:
+        reason = freed.get("reason") or "?"
+        return FREED_BY.get(reason, reason)
+    if "slot_acquired" in ev:
+        return "never"
+    return "abort (no slot)" if "abort_request" in ev else "no slot"
+
+
+def tally(values: list[str]) -> str:
+    """`abort` when all agree, else `abort 2, poll 1` (most frequent first); `-` for none."""
+    counts: dict[str, int] = {}
+    for v in values:
+        counts[v] = counts.get(v, 0) + 1
+    if len(counts) <= 1:
+        return next(iter(counts), "-")
+    return ", ".join(f"{k} {n}" for k, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def aggregate(
@@ -144,7 +210,8 @@ def aggregate(
 ) -> dict[str, Any]:
     closed = [i["closed_s"] for i in items if i["closed_s"] is not None]
     freed = [i["freed_s"] for i in items if i["freed_s"] is not None]
-    reasons = sorted({i["freed_reason"] for i in items})
+    aborts = [i["abort_s"] for i in items if i["abort_s"] is not None]
+    reasons = sorted({i["freed_reason"] for i in items if i["decode_seen"]})
     statuses: dict[str, int] = {}
     waits = []
     for r in clients:
@@ -168,6 +235,10 @@ def aggregate(
         "closed_max_ms": common.ms(max(closed)) if closed else None,
         "freed_p50_ms": common.ms(pct(freed, 50)),
         "freed_max_ms": common.ms(max(freed)) if freed else None,
+        "freed_by": tally([i["freed_by"] for i in items if i["decode_seen"]]),
+        "abort_p50_ms": common.ms(pct(aborts, 50)),
+        "abort_early": sum(1 for i in items if i["abort_early"]),
+        "aborts_matched": len(aborts),
         "not_closed": sum(1 for i in items if i["decode_seen"] and i["closed_s"] is None),
         "not_freed": sum(1 for i in items if i["decode_seen"] and i["freed_s"] is None),
         "freed_reason": ",".join(reasons),
@@ -318,7 +389,7 @@ def run(router: str, quick: bool = False) -> dict[str, Any]:
     for row in rows:
         print_flush(
             f"  teardown {router} {row['case']} stream={row['stream']}: decode closed "
-            f"{row['closed_p50_ms']} ms, slot freed {row['freed_p50_ms']} ms, "
+            f"{row['closed_p50_ms']} ms, slot freed {row['freed_p50_ms']} ms by {row['freed_by']}, "
             f"client {row['client_status']} after {row['client_wait_p50_ms']} ms"
         )
     return {
@@ -340,6 +411,54 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
         out[f"teardown {tag} slot freed ms"] = freed
         if row["client_wait_p50_ms"] is not None:
             out[f"teardown {tag} client wait ms"] = row["client_wait_p50_ms"]
+    return out
+
+
+def compare(results: dict[str, list[dict[str, Any]]]) -> str:
+    """The routers side by side, one line per case: closed_ms, freed_ms (medians over the
+    repetitions of each repetition's p50) and freed_by (every repetition's, tallied)."""
+    routers = [r for r, reps in results.items() if reps]
+    keys: list[tuple[str, bool]] = []
+    cells: dict[tuple[str, bool, str], list[dict[str, Any]]] = {}
+    for router in routers:
+        for result in results[router]:
+            for row in result["rows"]:
+                key = (row["case"], row["stream"])
+                if key not in keys:
+                    keys.append(key)
+                cells.setdefault((*key, router), []).append(row)
+    columns = ["case", "stream"]
+    for router in routers:
+        columns += [f"{router} closed_ms", f"{router} freed_ms", f"{router} freed_by"]
+    lines = []
+    for case, stream in keys:
+        line: dict[str, Any] = {"case": case, "stream": stream}
+        for router in routers:
+            rows = cells.get((case, stream, router), [])
+            line[f"{router} closed_ms"] = common.median(r["closed_p50_ms"] for r in rows)
+            line[f"{router} freed_ms"] = common.median(r["freed_p50_ms"] for r in rows)
+            by = [part for r in rows for part in _untally(r.get("freed_by", "-"))]
+            line[f"{router} freed_by"] = tally(by)
+        lines.append(line)
+    reps = max(len(results[r]) for r in routers) if routers else 0
+    title = (
+        f"== teardown side by side (ms from the failure to the decode engine's connection_closed "
+        f"and slot_freed; medians of {reps} repetition(s)) =="
+    )
+    return common.table(lines, columns, title)
+
+
+def _untally(text: str) -> list[str]:
+    """`abort 2, poll 1` -> ["abort", "abort", "poll"] (the inverse of tally)."""
+    out: list[str] = []
+    for part in text.split(", "):
+        if part == "-":
+            continue
+        name, _, count = part.rpartition(" ")
+        if name and count.isdigit():
+            out += [name] * int(count)
+        else:
+            out.append(part)
     return out
 
 

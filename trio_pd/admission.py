@@ -8,9 +8,6 @@ is cancelled with the rest of its request.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-
 import trio
 from prometheus_client import Histogram
 
@@ -39,21 +36,10 @@ class Admission:
         self.waiting = 0
         self.waits = waits  # trio_pd_admission_wait_seconds{outcome}
 
-    @asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        """Hold one of the concurrent slots for the block, or raise the 429 to answer."""
-        limiter = self.limiter
-        if limiter is None:
-            yield
-            return
-        try:
-            limiter.acquire_nowait()
-        except trio.WouldBlock:
-            await self._wait_in_line(limiter)
-        try:
-            yield
-        finally:
-            limiter.release()
+    def slot(self) -> Slot:
+        """`async with admission.slot()`: hold one of the concurrent slots for the block, or
+        raise the 429 to answer."""
+        return Slot(self)
 
     async def _wait_in_line(self, limiter: trio.CapacityLimiter) -> None:
         if self.waiting >= self.queue_size:
@@ -76,3 +62,28 @@ class Admission:
     def _observe(self, outcome: str, waited: float) -> None:
         if self.waits is not None:
             self.waits.labels(outcome).observe(waited)
+
+
+class Slot:
+    """One admission (a class, not a generator: it is on every request's path)."""
+
+    __slots__ = ("_admission", "_held")
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+        self._held: trio.CapacityLimiter | None = None
+
+    async def __aenter__(self) -> None:
+        limiter = self._admission.limiter
+        if limiter is None:
+            return
+        try:
+            limiter.acquire_nowait()
+        except trio.WouldBlock:
+            await self._admission._wait_in_line(limiter)
+        self._held = limiter
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._held is not None:
+            self._held.release()
+            self._held = None

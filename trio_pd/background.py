@@ -43,8 +43,9 @@ async def run_background(router: Router, *, task_status: trio.TaskStatus[None]) 
         headers = worker_authorization(key, None)
         response = await client.get(worker.url + health.endpoint, headers=headers)
         ok = 200 <= response.status_code < 300
-        if ok and info_due(worker, health.interval_secs):
-            await learn_info(client, worker, headers)
+        due = ok and info_due(worker, health.interval_secs)
+        if due and await learn_info(client, worker, headers):
+            router.fleet.models_changed()
         return ok
 
     async with trio.open_nursery() as nursery:
@@ -75,10 +76,11 @@ def info_due(worker: Worker, interval: float) -> bool:
 
 async def learn_info(
     client: httpx2.AsyncClient, worker: Worker, headers: list[tuple[bytes, bytes]]
-) -> None:
+) -> bool:
     """What a passing worker says about itself: its DP size (`/get_server_info` `dp_size`) and
     the model it serves (`/v1/models`), refreshed at the health interval. A worker that does not
-    answer these keeps what was known (dp_size 1, no model: the zero-configuration case)."""
+    answer these keeps what was known (dp_size 1, no model: the zero-configuration case).
+    True when the worker's model changed."""
     dp_size = served = None
     try:
         info = (await client.get(worker.url + "/get_server_info", headers=headers)).json()
@@ -91,7 +93,7 @@ async def learn_info(
             served = data[0].get("id") if isinstance(data[0].get("id"), str) else None
     except (httpx2.HTTPError, ValueError) as exc:
         log.debug("worker %s: no server info (%r)", worker.id, exc)
-    worker.learn(dp_size, served)
+    return worker.learn(dp_size, served)
 
 
 async def supervised(

@@ -24,7 +24,7 @@ from trio_pd.attempt import Attempt, Leg
 from trio_pd.config import RouterConfig
 from trio_pd.errors import RouterError, bad_request, no_worker
 from trio_pd.fleet.retry import attempts, backoff_delay
-from trio_pd.fleet.workers import Fleet, NoWorkerAvailable, Worker
+from trio_pd.fleet.workers import Fleet, NoWorkerAvailable, RankHold, Worker
 from trio_pd.injection import bootstrap_fields, bootstrap_host, dp_fields, rooms_for, splice
 from trio_pd.metrics import RouterMetrics
 from trio_pd.outcome import FailureHistory, LegFailure, record_outcome
@@ -98,15 +98,22 @@ async def dispatch(
         except NoWorkerAvailable as exc:
             await responder.error(no_worker(str(exc)))
             return
-        attempt = new_attempt(
-            ctx, request, responder, cancel, (prefill, decode), (started, deadline), number
-        )
+        ranks = choose_ranks(ctx, prefill, decode)
+        try:
+            attempt = new_attempt(
+                ctx, request, responder, cancel, (prefill, decode), (started, deadline), number,
+                ranks,
+            )  # fmt: skip
+        except BaseException:
+            ranks.release()
+            raise
         responder.route_info.update(prefill=prefill.id, decode=decode.id, attempts=number)
         if number > 1:
             ctx.metrics.retries.inc()
         try:
             await attempt.run()
         finally:
+            ranks.release()  # a leg that never started still held its rank
             account_cancelled_legs(ctx.metrics, attempt)
         record_outcome(
             ctx.fleet, (prefill, attempt.prefill.result), (decode, attempt.decode.result), history
@@ -148,13 +155,14 @@ def new_attempt(
     pair: tuple[Worker, Worker],
     times: tuple[float, float],
     number: int = 1,
+    ranks: Ranks | None = None,
 ) -> Attempt:
     """An attempt on this pair, its body carrying fresh bootstrap fields; `times` are the
     request's start and deadline."""
     prefill, decode = pair
     started, deadline = times
     inspected = request.inspected
-    ranks = choose_ranks(ctx, prefill, decode)
+    ranks = ranks or Ranks()
     fields: dict[str, Any] = bootstrap_fields(
         bootstrap_host(prefill.url),
         prefill.bootstrap_port,
@@ -186,7 +194,7 @@ def new_attempt(
             prefill.url,
             prefill_body,
             leg_headers_for(ctx, request, prefill),
-            partial(ctx.fleet.track, prefill, ranks.prefill),
+            partial(ctx.fleet.track, prefill, ranks.prefill_hold),
             abort_hook(ctx, prefill, rids),
         ),
         decode=Leg(
@@ -194,7 +202,7 @@ def new_attempt(
             decode.url,
             decode_body,
             leg_headers_for(ctx, request, decode),
-            partial(ctx.fleet.track, decode, ranks.decode),
+            partial(ctx.fleet.track, decode, ranks.decode_hold),
             abort_hook(ctx, decode, rids),
         ),
         stream=inspected.stream,
@@ -216,6 +224,13 @@ class Ranks:
     decode: int | None = None
     prefill_dp: int = 1
     decode_dp: int = 1
+    prefill_hold: RankHold | None = None
+    decode_hold: RankHold | None = None
+
+    def release(self) -> None:
+        for hold in (self.prefill_hold, self.decode_hold):
+            if hold is not None:
+                hold.release()
 
     @property
     def room_alignment(self) -> tuple[int, int]:
@@ -236,11 +251,15 @@ def choose_ranks(ctx: DispatchContext, prefill: Worker, decode: Worker) -> Ranks
     chose the worker; the ranks balance inside it): a (worker, rank) pair is the unit of load."""
     if not ctx.config.dp_aware or (prefill.dp_size <= 1 and decode.dp_size <= 1):
         return Ranks()
+    p_rank = prefill.least_loaded_rank() if prefill.dp_size > 1 else None
+    d_rank = decode.least_loaded_rank() if decode.dp_size > 1 else None
     return Ranks(
-        prefill=prefill.least_loaded_rank(ctx.rng) if prefill.dp_size > 1 else None,
-        decode=decode.least_loaded_rank(ctx.rng) if decode.dp_size > 1 else None,
+        prefill=p_rank,
+        decode=d_rank,
         prefill_dp=prefill.dp_size,
         decode_dp=decode.dp_size,
+        prefill_hold=RankHold(prefill, p_rank) if p_rank is not None else None,
+        decode_hold=RankHold(decode, d_rank) if d_rank is not None else None,
     )
 
 
@@ -296,9 +315,10 @@ def abort_hook(
     aborts = ctx.aborts
     if aborts is None or not rids:
         return None
-    headers = tuple(worker_authorization(worker.spec.api_key or ctx.config.api_key, None))
 
     def abandon(leg: Leg) -> None:
+        key = worker.spec.api_key or ctx.config.api_key
+        headers = tuple(worker_authorization(key, None))
         aborts.request(AbortJob(leg.role, worker.url, rids, headers))
 
     return abandon

@@ -1,8 +1,9 @@
 """Serving a Router with hypercorn's trio worker: one process, or several sharing the sockets.
 
-Every mode runs `serve`: hypercorn's `worker_serve` on sockets made here (so they get
-TCP_USER_TIMEOUT, see `make_sockets`) with the router's drain as `shutdown_trigger`: hypercorn
-drains through that trigger, never by having `serve` cancelled from outside (`drain.py`).
+Every mode runs `serve`: hypercorn's trio connection handling (`serving.py`, with a fair accept
+loop) on sockets made here (so they get TCP_USER_TIMEOUT, see `make_sockets`) with the router's
+drain as the shutdown trigger: the server drains through that trigger, never by having `serve`
+cancelled from outside (`drain.py`).
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from typing import Any
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
-from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 
 from trio_pd.app import Router
 from trio_pd.config import RouterConfig
 from trio_pd.logs import configure as configure_logging
+from trio_pd.serving import serve_app
 
 log = logging.getLogger("trio_pd.server")
 KEEP_ALIVE_SECS = 5.0  # hypercorn holds a closed client socket (CLOSE_WAIT) until this runs out
@@ -87,9 +88,7 @@ async def serve(
         if signals or parent_sentinel is not None:
             nursery.start_soon(app.drain.run, stop, signals, parent_sentinel)
         wrapped = wrap_app(app, hc.wsgi_max_body_size, "asgi")
-        await worker_serve(
-            wrapped, hc, sockets=sockets, shutdown_trigger=stop.wait, task_status=task_status
-        )
+        await serve_app(wrapped, hc, sockets, stop.wait, task_status=task_status)
         nursery.cancel_scope.cancel(reason="served")
 
 

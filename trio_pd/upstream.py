@@ -15,8 +15,6 @@ budgets are trio deadlines; the only timeout here is the connect timeout.
 from __future__ import annotations
 
 import ssl
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from urllib.parse import urlsplit
 
 import attrs
@@ -112,35 +110,20 @@ class UpstreamPool:
             self._ssl_context = ssl.create_default_context()
         return self._ssl_context
 
-    @asynccontextmanager
-    async def post(
+    def post(
         self, url: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes
-    ) -> AsyncIterator[Response]:
-        """POST `body` to `url + path`; the connection is reused only if the answer was read."""
-        endpoint = self.endpoint(url)
-        connection = await self._checkout(url, endpoint)
-        self._busy[connection] = url
-        response = None
-        try:
-            response = await connection.request(
-                b"POST",
-                endpoint.prefix + path.encode(),
-                [
-                    (b"host", endpoint.host_header),
-                    (b"content-length", str(len(body)).encode()),
-                    *headers,
-                ],
-                body,
-            )
-            yield response
-        finally:
-            del self._busy[connection]
-            if response is not None:
-                await response.aclose()  # not a checkpoint; an unread body spends the connection
-            if connection.is_reusable():
-                self._idle.setdefault(url, []).append(connection)
-            else:
-                await _close_all([connection])
+    ) -> Exchange:
+        """`async with pool.post(...) as response`: POST `body` to `url + path`; the connection
+        is reused only if the answer was read to its end."""
+        return Exchange(self, url, path, headers, body)
+
+    def _release(self, url: str, connection: Connection) -> bool:
+        """Take a connection back: True if it was pooled, False if the caller must close it."""
+        del self._busy[connection]
+        if connection.is_reusable():
+            self._idle.setdefault(url, []).append(connection)
+            return True
+        return False
 
     async def _checkout(self, url: str, endpoint: Endpoint) -> Connection:
         """The most recently used live idle connection to `url`, or a new one.
@@ -196,6 +179,66 @@ class UpstreamPool:
         result = [(url, "idle") for url, stack in self._idle.items() for _ in stack]
         result.extend((url, "active") for url in self._busy.values())
         return result
+
+
+class Exchange:
+    """One request/response on a pooled connection, owned from `__aenter__` to `__aexit__`.
+
+    A class rather than an `@asynccontextmanager`: two of these per PD request, and the
+    generator machinery cost more than the bookkeeping it wraps."""
+
+    __slots__ = ("_body", "_connection", "_headers", "_path", "_pool", "_response", "_url")
+
+    def __init__(
+        self,
+        pool: UpstreamPool,
+        url: str,
+        path: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> None:
+        self._pool = pool
+        self._url = url
+        self._path = path
+        self._headers = headers
+        self._body = body
+        self._connection: Connection | None = None
+        self._response: Response | None = None
+
+    async def __aenter__(self) -> Response:
+        pool, url, body = self._pool, self._url, self._body
+        endpoint = pool.endpoint(url)
+        connection = await pool._checkout(url, endpoint)
+        pool._busy[connection] = url
+        self._connection = connection
+        try:
+            self._response = await connection.request(
+                b"POST",
+                endpoint.prefix + self._path.encode(),
+                [
+                    (b"host", endpoint.host_header),
+                    (b"content-length", str(len(body)).encode()),
+                    *self._headers,
+                ],
+                body,
+            )
+        except BaseException:
+            await self._release()
+            raise
+        return self._response
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._release()
+
+    async def _release(self) -> None:
+        connection = self._connection
+        if connection is None:
+            return
+        self._connection = None
+        if self._response is not None:
+            await self._response.aclose()  # not a checkpoint; an unread body spends it
+        if not self._pool._release(self._url, connection):
+            await _close_all([connection])
 
 
 async def _close_all(connections: list[Connection]) -> None:

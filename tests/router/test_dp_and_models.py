@@ -72,8 +72,11 @@ async def test_dp_aware_pins_ranks_the_engines_then_use(nursery: trio.Nursery) -
         assert cluster.decode.events.find("slot_freed", rid=rid)[0]["reason"] == "finished"
         prefill_ranks.append(p_rank)
         decode_ranks.append(d_rank)
-    assert sorted(set(prefill_ranks)) == [0, 1] and sorted(set(decode_ranks)) == [0, 1]
-    assert abs(decode_ranks.count(0) - decode_ranks.count(1)) <= 2  # balanced
+    assert sorted(set(prefill_ranks)) == [0, 1] and sorted(set(decode_ranks)) == [0, 1], (
+        prefill_ranks,
+        decode_ranks,
+    )
+    assert abs(decode_ranks.count(0) - decode_ranks.count(1)) <= 2, decode_ranks  # balanced
     assert not cluster.prefill.events.find("rank_mismatch")
     await cluster.client.aclose()
 
@@ -84,12 +87,15 @@ async def test_without_dp_aware_the_body_is_as_before(nursery: trio.Nursery) -> 
     )
     await settle(lambda: all(w.dp_size == 2 for w in cluster.router.fleet.workers()), LOOSE)
     response = await cluster.client.post(
-        "/generate", json=generate_body(routed_dp_rank=1), headers={"x-request-id": "plain"}
+        "/generate", json=generate_body(), headers={"x-request-id": "plain"}
     )
     assert response.status_code == 200
     body = orjson.loads(cluster.prefill.events.find("request_start", rid="plain")[0]["raw"])
-    assert body["routed_dp_rank"] == 1  # the client's own, untouched
-    assert "disagg_prefill_dp_rank" not in body
+    assert not {"routed_dp_rank", "disagg_prefill_dp_rank"} & set(body)  # nothing pinned
+    room = body["bootstrap_room"]
+    # The engines derive the rank from the room on both sides, as SGLang does unpinned.
+    assert cluster.prefill.events.find("kv_sent", rid="plain")[0]["dp_rank"] == room % 2
+    assert cluster.decode.events.find("room_registered", rid="plain")[0]["dp_rank"] == room % 2
     await cluster.client.aclose()
 
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 
 import attrs
 import trio
@@ -56,6 +55,7 @@ class Worker:
     served_model: str | None = None  # learned from /v1/models when the spec names none
     info_at: float | None = None  # when dp_size / served_model were last learned
     rank_in_flight: list[int] = attrs.Factory(lambda: [0])  # legs per DP rank (--dp-aware)
+    rank_turn: int = 0  # where the next tie between ranks starts
     reported_load: int | None = None
     reported_at: float | None = None
     load_fresh_secs: float = 120.0
@@ -77,21 +77,31 @@ class Worker:
         """The model it serves: its spec's `model_id`, else what it reported."""
         return self.spec.model_id or self.served_model
 
-    def learn(self, dp_size: int | None, served_model: str | None) -> None:
-        """Record what the worker reported about itself (health checks refresh it)."""
+    def learn(self, dp_size: int | None, served_model: str | None) -> bool:
+        """Record what the worker reported about itself (health checks refresh it); True when
+        the model it serves changed."""
         if dp_size is not None and dp_size >= 1 and dp_size != self.dp_size:
             self.dp_size = dp_size
             self.rank_in_flight = [0] * dp_size
+        changed = bool(served_model) and served_model != self.served_model
         if served_model:
             self.served_model = served_model
         self.info_at = trio.current_time()
+        return changed
 
-    def least_loaded_rank(self, rng: random.Random) -> int:
-        """The DP rank with the fewest of this router's legs (ties at random)."""
+    def least_loaded_rank(self) -> int:
+        """The DP rank with the fewest of this router's legs; ties go round the ranks, so a
+        burst chosen before any of its legs started still spreads evenly."""
         counts = self.rank_in_flight
         low = min(counts)
-        ranks = [r for r, c in enumerate(counts) if c == low]
-        return ranks[0] if len(ranks) == 1 else rng.choice(ranks)
+        size = len(counts)
+        start = self.rank_turn
+        for step in range(size):
+            rank = (start + step) % size
+            if counts[rank] == low:
+                self.rank_turn = rank + 1
+                return rank
+        return 0  # unreachable: some rank holds the minimum
 
     def report_load(self, load: int) -> None:
         """Record the engine's own load figure (e.g. from its /get_load), stamped now."""
@@ -129,6 +139,44 @@ class Worker:
         }
 
 
+class RankHold:
+    """One leg's claim on a DP rank of its worker, counted from the moment the rank is chosen
+    (so a burst chosen before any of its legs started still spreads) until `release()`, which
+    the leg calls when it ends and its attempt calls again in case it never started."""
+
+    __slots__ = ("_rank", "_worker")
+
+    def __init__(self, worker: Worker, rank: int) -> None:
+        self._worker: Worker | None = worker
+        self._rank = rank
+        worker.rank_in_flight[rank] += 1
+
+    def release(self) -> None:
+        worker, self._worker = self._worker, None
+        if worker is not None and self._rank < len(worker.rank_in_flight):
+            worker.rank_in_flight[self._rank] -= 1
+
+
+class Tracked:
+    """A leg counted on its worker while it runs (and its rank hold released when it ends); a
+    class, not a generator: it is on every leg's path."""
+
+    __slots__ = ("_hold", "_worker")
+
+    def __init__(self, worker: Worker, hold: RankHold | None) -> None:
+        self._worker = worker
+        self._hold = hold
+
+    def __enter__(self) -> Worker:
+        self._worker.in_flight += 1
+        return self._worker
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._worker.in_flight -= 1
+        if self._hold is not None:
+            self._hold.release()
+
+
 class Fleet:
     """All workers of one router, one selection policy per role.
 
@@ -156,6 +204,7 @@ class Fleet:
         self.panics: dict[Role, int] = dict.fromkeys(ROLES, 0)  # selections in panic routing
         self.on_panic = on_panic  # e.g. a metric
         self.sources: dict[str, tuple[bool, str]] = {}  # source -> (reachable, detail)
+        self._models: tuple[int, list[str]] | None = None
         if static:  # with a shared membership store the static workers live in the store
             for spec in (*config.prefill, *config.decode):
                 self.add(spec)
@@ -319,24 +368,20 @@ class Fleet:
         return prefill, decode
 
     def models(self) -> list[str]:
-        """The models registered workers serve (as configured or reported), sorted."""
-        return sorted({w.model for w in self._workers.values() if w.model})
+        """The models this router can serve: those a prefill AND a decode worker serve (as
+        configured or reported), sorted. Asked on every request: cached until membership or a
+        worker's reported model changes."""
+        if self._models is None or self._models[0] != self.version:
+            by_role = {role: {w.model for w in self.workers(role) if w.model} for role in ROLES}
+            self._models = (self.version, sorted(by_role["prefill"] & by_role["decode"]))
+        return self._models[1]
 
-    @contextmanager
-    def track(self, worker: Worker, rank: int | None = None) -> Iterator[Worker]:
-        """Count a leg on `worker` (and its DP `rank`) while it runs."""
-        worker.in_flight += 1
-        counts = worker.rank_in_flight if rank is not None else None
-        if counts is not None and rank is not None and rank < len(counts):
-            counts[rank] += 1
-        else:
-            counts = None
-        try:
-            yield worker
-        finally:
-            worker.in_flight -= 1
-            if counts is not None and rank is not None:
-                counts[rank] -= 1
+    def models_changed(self) -> None:
+        self._models = None
+
+    def track(self, worker: Worker, hold: RankHold | None = None) -> Tracked:
+        """`with fleet.track(worker, hold)`: count a leg on `worker`; release its rank hold."""
+        return Tracked(worker, hold)
 
     def record(self, worker: Worker, ok: bool) -> None:
         breaker = worker.breaker
