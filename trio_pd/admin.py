@@ -1,8 +1,13 @@
 """Membership routes: `POST /workers`, `GET /workers`, `GET /workers/{id}`,
 `DELETE /workers/{id}` (who may call them: `auth.py`).
 
-Changes go through the router's membership store (`membership/`): in one process the Fleet
-itself, with `--workers N` the shared file every process reads, with etcd the cluster's store.
+Changes go through the router's membership store (`membership/setup.py` chooses it): in one
+process the Fleet itself, with `--workers N` the shared file every process reads, with etcd the
+replicas' shared store. Answers: 409 for a URL and role already registered (by any source) and
+for a worker another source manages (Kubernetes, flags under etcd); 400 for a spec the store
+cannot hold (a per-worker api_key in etcd); 503 when the store cannot be written (etcd or the
+file unreachable): nothing was changed, or, for a write that broke after it was sent, the watch
+shows whether it landed.
 A worker added at runtime starts unhealthy and takes traffic after the health checker's first
 pass (the checker follows fleet membership). A removed worker is never selected again; requests
 already running on it finish. URLs that cannot be a worker (link-local, cloud metadata, this
@@ -19,6 +24,7 @@ from trio_pd.asgi import Receive, Scope, json_reply, read_json_object
 from trio_pd.config import WorkerSpec
 from trio_pd.control import ControlContext
 from trio_pd.errors import RouterError, bad_request
+from trio_pd.membership.etcd import EtcdError, UnstorableSpec
 from trio_pd.membership.source import NotOwned, StoreUnavailable
 from trio_pd.respond import JSON_HEADERS, Reply, Responder
 from trio_pd.urls import check_destination, check_syntax
@@ -70,16 +76,33 @@ async def add_worker(ctx: ControlContext, scope: Scope, receive: Receive, rsp: R
     body = await read_json_object(scope, receive, ADMIN_BODY_LIMIT)
     spec = parse_worker_spec(body)
     await check_destination(spec.url, ctx.url_allow, [tuple(scope["server"])])
+    for known in ctx.fleet.workers(spec.role):  # any source's: a store sees only its own
+        if known.url == spec.url:
+            raise conflict(f"{spec.role} worker {spec.url} is already registered as {known.id}")
     try:
         record = await ctx.store.add(spec)
+    except UnstorableSpec as exc:
+        raise bad_request(str(exc)) from None
     except ValueError as exc:
-        raise RouterError(409, str(exc), "conflict") from None
-    except StoreUnavailable as exc:
-        raise RouterError(503, str(exc), "service_unavailable") from None
-    worker = ctx.fleet.get(record.id)
-    rsp.audit = f"added {worker.id} {worker.role} {worker.url}"
-    headers = [*JSON_HEADERS, (b"location", f"{WORKERS_PATH}/{worker.id}".encode())]
-    await rsp.reply(Reply(201, headers, orjson.dumps(worker.to_json())))
+        raise conflict(str(exc)) from None
+    except (StoreUnavailable, EtcdError) as exc:
+        raise unavailable(exc) from None
+    try:
+        shown = ctx.fleet.get(record.id).to_json()
+    except KeyError:  # stored, but another source took the URL meanwhile (the log says which)
+        shown = {"id": record.id, "url": spec.url, "worker_type": spec.role,
+                 "bootstrap_port": spec.bootstrap_port, "source": record.source}  # fmt: skip
+    rsp.audit = f"added {record.id} {spec.role} {spec.url}"
+    headers = [*JSON_HEADERS, (b"location", f"{WORKERS_PATH}/{record.id}".encode())]
+    await rsp.reply(Reply(201, headers, orjson.dumps(shown)))
+
+
+def conflict(message: str) -> RouterError:
+    return RouterError(409, message, "conflict")
+
+
+def unavailable(exc: Exception) -> RouterError:
+    return RouterError(503, f"membership store unavailable: {exc}", "service_unavailable")
 
 
 async def list_workers(ctx: ControlContext, scope: Scope, receive: Receive, rsp: Responder) -> None:
@@ -108,10 +131,12 @@ async def delete_worker(
     try:
         await ctx.store.remove(worker.id)
     except (NotOwned, KeyError):
-        raise RouterError(
-            409, f"worker {worker.id!r} is managed by {worker.source}; change it there", "conflict"
+        if worker.source == ctx.store.name:  # removed meanwhile, through another replica
+            raise RouterError(404, f"no worker {worker.id!r}", "not_found_error") from None
+        raise conflict(
+            f"worker {worker.id!r} is managed by {worker.source}; change it there"
         ) from None
-    except StoreUnavailable as exc:
-        raise RouterError(503, str(exc), "service_unavailable") from None
+    except (StoreUnavailable, EtcdError) as exc:
+        raise unavailable(exc) from None
     rsp.audit = f"removed {worker.id} {worker.role} {worker.url}"
     await json_reply(rsp, 200, {**worker.to_json(), "removed": True})

@@ -14,7 +14,6 @@ import random
 import ssl
 import uuid
 from functools import partial
-from pathlib import Path
 
 import attrs
 import trio
@@ -43,8 +42,7 @@ from trio_pd.fleet.workers import Fleet
 from trio_pd.injection import DP_KEYS
 from trio_pd.intake import inspect, read_request_body
 from trio_pd.logs import current_request_id, log_access
-from trio_pd.membership.memory import MemoryStore
-from trio_pd.membership.shared_file import FileMembership
+from trio_pd.membership.setup import Membership, membership_for
 from trio_pd.membership.source import MembershipSource, MembershipStore
 from trio_pd.metrics import RouterMetrics
 from trio_pd.relay import error_frame
@@ -75,8 +73,7 @@ class Router:
     aborts: AbortService | None = attrs.field()
     access: Access = attrs.field()
     drain: Drain = attrs.field()
-    store: MembershipStore = attrs.field()  # where the admin API writes membership
-    sources: list[MembershipSource] = attrs.field()  # long-lived membership readers
+    membership: Membership = attrs.field()  # the admin API's store and the sources
     control: ControlContext = attrs.field()
     generation: GenerationContext = attrs.field()
     routes: dict[str, dict[str, Route]] = attrs.field()
@@ -124,15 +121,9 @@ class Router:
     def _default_drain(self) -> Drain:
         return Drain(self.config.shutdown_grace_period_secs)
 
-    @store.default
-    def _default_store(self) -> MembershipStore:
-        if self.config.membership_file:
-            return FileMembership(Path(self.config.membership_file), self.fleet)
-        return MemoryStore(self.fleet)
-
-    @sources.default
-    def _default_sources(self) -> list[MembershipSource]:
-        return [self.store] if isinstance(self.store, FileMembership) else []
+    @membership.default
+    def _default_membership(self) -> Membership:
+        return membership_for(self.config, self.fleet, self.metrics)
 
     @control.default
     def _default_control(self) -> ControlContext:
@@ -149,6 +140,16 @@ class Router:
     @routes.default
     def _default_routes(self) -> dict[str, dict[str, Route]]:
         return route_table(self)
+
+    @property
+    def store(self) -> MembershipStore:
+        """Where the admin API writes membership (`membership/setup.py` chooses)."""
+        return self.membership.store
+
+    @property
+    def sources(self) -> tuple[MembershipSource, ...]:
+        """The long-lived membership readers, run in the lifespan (`background.py`)."""
+        return self.membership.sources
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -181,6 +182,7 @@ class Router:
             with trio.CancelScope(shield=True):
                 await self.control.http.aclose()
                 await self.pool.aclose()
+                await close_membership(self.membership)
         await send({"type": "lifespan.shutdown.complete"})
 
     # -- http -------------------------------------------------------------------------------
@@ -254,6 +256,16 @@ class Router:
         if route is None:
             raise method_not_allowed(method, path, tuple(methods))
         return route
+
+
+async def close_membership(membership: Membership) -> None:
+    """Close the clients the store and sources hold (etcd's), once their tasks have ended."""
+    closers = {id(x): x for x in (membership.store, *membership.sources) if hasattr(x, "aclose")}
+    for thing in closers.values():
+        try:
+            await thing.aclose()
+        except Exception:
+            log.exception("closing membership %s failed", getattr(thing, "name", thing))
 
 
 def first_leaf(group: BaseExceptionGroup) -> RouterError:
@@ -368,11 +380,21 @@ async def handle_health(
     fleet: Fleet, drain: Drain, scope: Scope, receive: Receive, rsp: Responder
 ) -> None:
     """200 only when a prefill and a decode can take traffic (breakers aside: see
-    `Fleet.select`'s panic routing) and the process is not draining."""
+    `Fleet.select`'s panic routing) and the process is not draining.
+
+    A membership source that cannot be read (etcd or the Kubernetes API server down) does not
+    make the router unready: the replica keeps routing to the last membership it knew, which is
+    what the issue asks, and an etcd outage reaches every replica at once, so a 503 here would
+    take the whole Service out of its endpoints because of a control-plane blip while every
+    worker still serves. The answer says so instead: `"status": "degraded"` and `"membership":
+    {"etcd": "down"}` (the details are in the log and `trio_pd_membership_source_up`).
+    """
     if drain.draining:
         error = {"message": "shutting down", "type": "service_unavailable", "code": 503}
         await json_reply(rsp, 503, {"status": "draining", "error": error})
         return
+    membership = {name: "up" if ok else "down" for name, (ok, _) in fleet.sources.items()}
+    extra = {"membership": membership} if membership else {}
     missing = [role for role in ("prefill", "decode") if not fleet.routable(role)]
     if missing:
         error = {
@@ -380,9 +402,10 @@ async def handle_health(
             "type": "service_unavailable",
             "code": 503,
         }
-        await json_reply(rsp, 503, {"status": "unavailable", "error": error})
+        await json_reply(rsp, 503, {"status": "unavailable", "error": error, **extra})
     else:
-        await json_reply(rsp, 200, {"status": "ok"})
+        status = "degraded" if "down" in membership.values() else "ok"
+        await json_reply(rsp, 200, {"status": status, **extra})
 
 
 async def handle_metrics(

@@ -108,27 +108,43 @@ async def supervised(
 
     Started with `nursery.start`, the first run gets the task status (a `task_status`
     parameter), so a source's first reconcile is done before startup goes on; restarts do not.
+    A first run that ends before reporting itself started still releases startup (else one
+    crashing source would hold the router's startup forever).
     """
     delay, cap = RESTART_BACKOFF_SECS
-    first = task_status is not trio.TASK_STATUS_IGNORED
+    status = _StartOnce(task_status) if task_status is not trio.TASK_STATUS_IGNORED else None
     while True:
         started = trio.current_time()
         try:
-            if first:
-                first = False
-                await task(task_status=task_status)
+            if status is not None and not status.done:
+                await task(task_status=status)
             else:
                 await task()
             problem = "returned"
         except Exception:
             log.exception("background task %s crashed", name)
             problem = "crashed"
+        if status is not None and not status.done:
+            status.started()
         if trio.current_time() - started > 60:
             delay = RESTART_BACKOFF_SECS[0]
         log.error("background task %s %s; restarting it in %.1fs", name, problem, delay)
         metrics.background_restarts.labels(name).inc()
         await trio.sleep(delay)
         delay = min(cap, delay * 2)
+
+
+class _StartOnce:
+    """A task status that remembers whether it was used."""
+
+    def __init__(self, status: trio.TaskStatus[None]) -> None:
+        self.status = status
+        self.done = False
+
+    def started(self, value: None = None) -> None:
+        if not self.done:
+            self.done = True
+            self.status.started(value)
 
 
 async def prune_idle_connections(router: Router) -> None:

@@ -17,6 +17,7 @@ from trio_pd.config import (
     TimeoutConfig,
     WorkerSpec,
 )
+from trio_pd.membership import etcd, kubernetes
 from trio_pd.urls import check_syntax
 
 
@@ -248,6 +249,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-failure-threshold", type=int, default=h.failure_threshold)
     p.add_argument("--health-success-threshold", type=int, default=h.success_threshold)
     p.add_argument("--health-check-endpoint", default=h.endpoint)
+    kubernetes.add_arguments(p)
+    etcd.add_arguments(p)
+    p.set_defaults(parser_error=p.error)  # router_config's complaints come with serve's usage
 
 
 def control_keys(error: Callable[[str], None], values: Sequence[str]) -> tuple[ControlKey, ...]:
@@ -262,7 +266,31 @@ def parser_error(message: str) -> None:
     raise SystemExit(f"trio-pd serve: error: {message}")
 
 
+def membership_configs(
+    args: argparse.Namespace, error: Callable[[str], None]
+) -> tuple[kubernetes.KubernetesConfig | None, etcd.EtcdConfig | None]:
+    """The Kubernetes and etcd configs the flags ask for; a bad value is a usage error now,
+    not a discovery task failing after startup."""
+    try:
+        kube = kubernetes.config_from_args(args)
+        if kube is not None:  # outside a cluster without --kube-api-server; a missing CA file
+            kubernetes.ssl_context(kubernetes.resolve_endpoint(kube, os.environ))
+    except ValueError as exc:
+        error(f"service discovery: {exc}")
+        raise
+    try:
+        shared = etcd.config_from_args(args)
+    except ValueError as exc:
+        error(f"--etcd-*: {exc}")
+        raise
+    if shared is not None and args.membership_file:
+        error("--etcd-endpoints and --membership-file are two membership stores: pick one")
+    return kube, shared
+
+
 def router_config(args: argparse.Namespace) -> RouterConfig:
+    error = getattr(args, "parser_error", parser_error)
+    kube, shared = membership_configs(args, error)
     return RouterConfig(
         prefill=tuple(WorkerSpec(url, "prefill", port, model) for url, port, model in args.prefill),
         decode=tuple(WorkerSpec(url, "decode", None, model) for url, model in args.decode),
@@ -279,7 +307,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         queue_size=args.queue_size,
         queue_timeout_secs=args.queue_timeout_secs,
         api_key=args.api_key or os.environ.get("TRIO_PD_API_KEY") or None,
-        control_plane_api_keys=control_keys(parser_error, args.control_plane_api_keys),
+        control_plane_api_keys=control_keys(error, args.control_plane_api_keys),
         control_plane_audit_enabled=args.control_plane_audit_enabled,
         data_plane_api_keys=tuple(
             args.data_plane_api_keys
@@ -290,6 +318,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         client_cert_path=args.client_cert_path,
         client_key_path=args.client_key_path,
         membership_file=args.membership_file,
+        kubernetes=kube,
+        etcd=shared,
         access_log=args.access_log,
         log_json=args.log_json,
         log_level=args.log_level,

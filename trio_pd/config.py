@@ -6,11 +6,17 @@ without rewriting their flags.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import attrs
 
 from trio_pd.auth import ControlKey
+
+if TYPE_CHECKING:
+    # Only as annotations: both modules import this one (WorkerSpec, Role), and they pull in
+    # httpx2; `cli.py` builds their configs and `membership/setup.py` reads them.
+    from trio_pd.membership.etcd import EtcdConfig
+    from trio_pd.membership.kubernetes import KubernetesConfig
 
 Role = Literal["prefill", "decode"]
 PolicyName = Literal["random", "round_robin", "power_of_two", "cache_aware"]
@@ -113,6 +119,8 @@ class RouterConfig:
     client_cert_path: str | None = None  # mTLS to workers
     client_key_path: str | None = None
     membership_file: str | None = None  # shared membership (--workers N, or a ConfigMap)
+    kubernetes: KubernetesConfig | None = None  # --service-discovery: workers from pods
+    etcd: EtcdConfig | None = None  # --etcd-endpoints: membership shared by router replicas
     access_log: bool = False
     log_json: bool = False
     log_level: str = "info"

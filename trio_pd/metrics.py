@@ -196,7 +196,23 @@ class FleetCollector(Collector):
         )
         for source, (ok, _) in self.fleet.sources.items():
             sources.add_metric([source], 1.0 if ok else 0.0)
-        yield from (in_flight, healthy, breaker, pool, queue, sources)
+        members = GaugeMetricFamily(
+            "trio_pd_membership_workers",
+            "Registered workers by the membership source that added them and role.",
+            labels=["source", "role"],
+        )
+        counted: dict[tuple[str, str], int] = {}
+        info = GaugeMetricFamily(
+            "trio_pd_worker_info",
+            "1 per registered worker, labelled with its membership source (join on worker).",
+            labels=[*WORKER_LABELS, "source"],
+        )
+        for worker in self.fleet.workers():
+            counted[worker.source, worker.role] = counted.get((worker.source, worker.role), 0) + 1
+            info.add_metric([worker.id, worker.role, worker.url, worker.source], 1.0)
+        for (source, role), count in sorted(counted.items()):
+            members.add_metric([source, role], count)
+        yield from (in_flight, healthy, breaker, pool, queue, sources, members, info)
 
 
 # How each gauge combines over processes in multiprocess mode.
@@ -207,6 +223,8 @@ MULTIPROCESS_MODES = {
     "trio_pd_upstream_connections": "livesum",
     "trio_pd_admission_queue_depth": "livesum",
     "trio_pd_membership_source_up": "livemin",
+    "trio_pd_membership_workers": "livemax",  # every process registers the same workers
+    "trio_pd_worker_info": "livemax",
 }
 
 

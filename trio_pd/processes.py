@@ -5,7 +5,8 @@ The parent owns what must be one for all:
   spreads connections evenly (a shared accept queue lets the quickest process take most);
 - membership: the command line's workers go into a JSON file in a private run directory that
   every process reads and writes (`membership/shared_file.py`), so a `POST /workers` through any
-  process is seen by all within a second and ids agree;
+  process is seen by all within a second and ids agree; with etcd there is no file: every
+  process watches etcd itself, as replicas do (`membership/setup.py`);
 - metrics: `PROMETHEUS_MULTIPROC_DIR` in the run directory, so `/metrics` on any process reports
   the sum over all of them (prometheus-client's multiprocess mode);
 - the processes themselves: a child that dies is restarted with a doubling backoff, logged and
@@ -43,10 +44,11 @@ POLL_SECS = 0.2
 def per_process(config: RouterConfig, workers: int, run_dir: Path) -> RouterConfig:
     """The config each router process runs with."""
     limit = config.max_concurrent_requests
+    shared = config.membership_file or str(run_dir / "membership.json")
     return attrs.evolve(
         config,
         workers=1,
-        membership_file=config.membership_file or str(run_dir / "membership.json"),
+        membership_file=None if config.etcd is not None else shared,
         max_concurrent_requests=limit if limit <= 0 else math.ceil(limit / workers),
         queue_size=math.ceil(config.queue_size / workers),
     )
@@ -111,7 +113,9 @@ class Supervisor:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)  # inherited by the children
         self.restarts = parent_restart_counter()
         membership = Path(self.child_config.membership_file or "")
-        if self.config.membership_file is None or not membership.exists():
+        if not self.child_config.membership_file:
+            pass  # etcd: every process watches it, the flags' workers stay "static"
+        elif self.config.membership_file is None or not membership.exists():
             seed(membership, (*self.config.prefill, *self.config.decode))
         hc = hypercorn_config(self.config)
         hc.workers = self.config.workers  # hypercorn then sets SO_REUSEPORT

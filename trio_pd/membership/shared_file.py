@@ -24,7 +24,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +107,11 @@ def seed(path: Path, specs: Iterable[WorkerSpec]) -> None:
 
 
 class FileMembership:
-    """A MembershipSource (watching the file) and a MembershipStore (writing it)."""
+    """A MembershipSource (watching the file) and a MembershipStore (writing it).
+
+    ``on_error(kind)``, when given, is called for each failure: "read" (the file could not be
+    read or parsed: the last good view stays), "write" (an admin change could not be stored).
+    """
 
     name = SOURCE
 
@@ -118,8 +122,10 @@ class FileMembership:
         *,
         poll_secs: float = POLL_SECS,
         resync_secs: float = RESYNC_SECS,
+        on_error: Callable[[str], None] | None = None,
     ) -> None:
         self.path = Path(path)
+        self.on_error = on_error
         self.lock_path = self.path.with_name(self.path.name + ".lock")
         self.registry = registry
         self.poll_secs = poll_secs
@@ -153,11 +159,19 @@ class FileMembership:
                 return
             records = parse_workers(json.loads(self.path.read_bytes()))
         except (OSError, ValueError) as exc:
+            self._count("read")
             self.registry.source_status(SOURCE, False, f"{self.path}: {exc}")
             return
         self._seen = seen
         self._apply(records)
         self.registry.source_status(SOURCE, True)
+
+    def _count(self, kind: str) -> None:
+        if self.on_error is not None:
+            try:
+                self.on_error(kind)
+            except Exception:
+                log.exception("membership file on_error callback failed")
 
     def _apply(self, records: list[WorkerRecord]) -> None:
         self._records = {r.id: r for r in records}
@@ -210,6 +224,7 @@ class FileMembership:
         try:
             result, records = await trio.to_thread.run_sync(self._locked_update, change)
         except OSError as exc:
+            self._count("write")
             raise StoreUnavailable(f"membership file {self.path}: {exc}") from exc
         self._seen = None  # our own write: read it back on the next poll too
         self._apply(records)
