@@ -135,7 +135,8 @@ class Router:
         dispatch_context = DispatchContext(
             self.pool, self.fleet, self.config, self.rng, self.metrics, self.aborts
         )
-        return GenerationContext(self.config, self.admission, self.drain, dispatch_context)
+        owned = owned_keys(self.config, self.aborts is not None)
+        return GenerationContext(self.config, self.admission, self.drain, dispatch_context, owned)
 
     @routes.default
     def _default_routes(self) -> dict[str, dict[str, Route]]:
@@ -194,7 +195,6 @@ class Router:
         path = scope["path"]
         label = path if path in self.routes else "other"
         started_at = trio.current_time()
-        route = None
         try:
             route = self.route(scope["method"], path)
             caller = self.access.check(route.access, scope["headers"], scope.get("client"))
@@ -213,8 +213,7 @@ class Router:
         finally:
             status = responder.status if responder.finished else CLIENT_GONE_STATUS
             elapsed = trio.current_time() - started_at
-            self.metrics.requests.labels(label, str(status)).inc()
-            self.metrics.latency.labels(label).observe(elapsed)
+            self.metrics.count_request(label, status, elapsed)
             model = responder.route_info.get("model")
             if model not in (None, "-"):
                 self.metrics.model_requests.labels(model, str(status)).inc()
@@ -285,6 +284,7 @@ class GenerationContext:
     admission: Admission
     drain: Drain
     dispatch: DispatchContext
+    owned_keys: frozenset[str]  # body keys the router writes itself
     parsers: trio_parallel.WorkerContext | None = None  # opened by the lifespan
 
 
@@ -299,8 +299,9 @@ async def handle_generation(
     raw = await read_request_body(
         scope, receive, config.max_payload_size, config.timeouts.client_body_secs
     )
-    owned = owned_keys(gen.config, gen.dispatch.aborts is not None)
-    inspected = await inspect(scope["path"], raw, config.max_batch_size, owned, gen.parsers)
+    inspected = await inspect(
+        scope["path"], raw, config.max_batch_size, gen.owned_keys, gen.parsers
+    )
     request = PDRequest(
         scope["path"],
         inspected,

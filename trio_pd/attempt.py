@@ -229,8 +229,11 @@ class Attempt:
         if is_sse(response):
             await self._read_prefill_stream(response)
             return
-        answer = parse_json(await read_answer(response))
-        found = inband_failure(answer)
+        body = await read_answer(response)
+        # Parsed only when something is to be read in it: a failure marker, or logprobs.
+        suspect = b"error" in body or b"abort" in body
+        answer = parse_json(body) if suspect or self.logprobs else None
+        found = inband_failure(answer) if suspect else None
         if found is not None:
             self._fail_prefill(LegFailure("inband", found.message, found.code))
             return

@@ -186,25 +186,22 @@ def new_attempt(
             f"the request with the router's fields exceeds {ctx.config.max_payload_size} bytes",
             "payload_too_large",
         )
+
+    def leg(worker: Worker, body: bytes, hold: RankHold | None) -> Leg:
+        return Leg(
+            worker.role,
+            worker.url,
+            body,
+            leg_headers_for(ctx, request, worker),
+            partial(ctx.fleet.track, worker, hold),
+            abort_hook(ctx, worker, rids),
+        )
+
     return Attempt(
         pool=ctx.pool,
         path=request.path,
-        prefill=Leg(
-            "prefill",
-            prefill.url,
-            prefill_body,
-            leg_headers_for(ctx, request, prefill),
-            partial(ctx.fleet.track, prefill, ranks.prefill_hold),
-            abort_hook(ctx, prefill, rids),
-        ),
-        decode=Leg(
-            "decode",
-            decode.url,
-            decode_body,
-            leg_headers_for(ctx, request, decode),
-            partial(ctx.fleet.track, decode, ranks.decode_hold),
-            abort_hook(ctx, decode, rids),
-        ),
+        prefill=leg(prefill, prefill_body, ranks.prefill_hold),
+        decode=leg(decode, decode_body, ranks.decode_hold),
         stream=inspected.stream,
         logprobs=inspected.logprobs,
         responder=responder,

@@ -135,6 +135,16 @@ class RouterMetrics:
             registry=r,
         )
         self._gauges: SyncedGauges | None = None
+        self._per_request: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
+
+    def count_request(self, path: str, status: int, seconds: float) -> None:
+        """One answered request (the hot path: its labelled children are looked up once)."""
+        children = self._per_request.get((path, status))
+        if children is None:
+            children = (self.requests.labels(path, str(status)), self.latency.labels(path))
+            self._per_request[(path, status)] = children
+        children[0].inc()
+        children[1].observe(seconds)
 
     def attach(self, fleet: Fleet, pool: UpstreamPool, queue_depth: Callable[[], int]) -> None:
         """Add the fleet, pool and queue gauges (read at scrape time, or synced)."""

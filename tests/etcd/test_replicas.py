@@ -14,7 +14,7 @@ issue's second for a change to reach the other replica.
 from __future__ import annotations
 
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from tests.conftest import start_engine
 from tests.etcd.conftest import EtcdServer
 from tests.ops.serve import ServeProcess, start_serve
 from tests.ops.test_processes import clients_per_process
+from tests.router.helpers import eventually
 from trio_pd.engine import EngineHandle
 
 PROPAGATION_SECS = 1.0  # the issue's bound: a change through one replica reaches the others
@@ -69,18 +70,6 @@ async def replicas(
 
 async def ids(client: httpx2.AsyncClient) -> list[str]:
     return [w["id"] for w in (await client.get("/workers")).json()["workers"]]
-
-
-async def eventually(
-    check: Callable[[], Awaitable[bool]], timeout: float, what: str, every: float = 0.02
-) -> float:
-    """Wait until ``await check()`` holds; how long it took. Fails the test after ``timeout``."""
-    start = trio.current_time()
-    with trio.move_on_after(timeout):
-        while not await check():
-            await trio.sleep(every)
-        return trio.current_time() - start
-    raise AssertionError(f"not within {timeout} s: {what}")
 
 
 async def all_have(clients: Sequence[httpx2.AsyncClient], worker_id: str, present: bool) -> bool:

@@ -7,11 +7,10 @@ the engine's, so the real router in front of them routes real requests to real e
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import httpx2
-import trio
 
 from tests.k8s.fake_apiserver import FakeApiServer
 from trio_pd.engine import EngineHandle
@@ -48,18 +47,6 @@ def ready_engine_pod(fake: FakeApiServer, name: str, engine: EngineHandle) -> di
 
 async def workers(client: httpx2.AsyncClient) -> dict[str, dict[str, Any]]:
     return {w["id"]: w for w in (await client.get("/workers")).json()["workers"]}
-
-
-async def eventually(
-    check: Callable[[], Awaitable[bool]], timeout: float, what: str, every: float = 0.02
-) -> float:
-    """Wait until ``await check()`` holds; how long it took. Fails the test after ``timeout``."""
-    start = trio.current_time()
-    with trio.move_on_after(timeout):
-        while not await check():
-            await trio.sleep(every)
-        return trio.current_time() - start
-    raise AssertionError(f"not within {timeout} s: {what}")
 
 
 def served(engine: EngineHandle) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx2
@@ -43,3 +43,15 @@ async def settle(condition: Callable[[], bool], timeout: float = 5.0) -> None:
     with trio.fail_after(timeout):
         while not condition():
             await trio.sleep(0.02)
+
+
+async def eventually(
+    check: Callable[[], Awaitable[bool]], timeout: float, what: str, every: float = 0.02
+) -> float:
+    """Wait until ``await check()`` holds; how long it took. Fails the test after ``timeout``."""
+    start = trio.current_time()
+    with trio.move_on_after(timeout):
+        while not await check():
+            await trio.sleep(every)
+        return trio.current_time() - start
+    raise AssertionError(f"not within {timeout} s: {what}")
