@@ -138,8 +138,8 @@ class Attempt:
         try:
             with trio.CancelScope(deadline=self.deadline) as deadline_scope:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._prefill_leg)
                     nursery.start_soon(self._decode_leg)
+                    await self._prefill_leg()  # the nursery's own task: one task spawn less
             ended = True
         finally:
             if not ended:  # an enclosing scope cancelled us (client gone, shutdown)
@@ -270,30 +270,38 @@ class Attempt:
 
     async def _decode_leg(self) -> None:
         leg = self.decode
-        first_token = self.timeouts.first_token_secs if self.stream else math.inf
         with leg.scope, leg.track():
+            if not self.stream:
+                await self._post_decode(None)
+                return
             # Streams: decode's first event must come within `first_token_secs` of the start;
             # the relay lifts this deadline once it has arrived.
+            first_token = self.timeouts.first_token_secs
             with trio.CancelScope(deadline=trio.current_time() + first_token) as first_scope:
-                try:
-                    leg.posted = True
-                    async with self.pool.post(
-                        leg.url, self.path, leg.headers, leg.body
-                    ) as response:
-                        await self._read_decode(response, first_scope)
-                except UpstreamError as exc:
-                    self._fail_decode(LegFailure(exc.kind, str(exc)))
-                finally:
-                    leg.ended_at = trio.current_time()
+                await self._post_decode(first_scope)
             if first_scope.cancelled_caught:
                 self._fail_decode(LegFailure("timeout", f"no first token within {first_token:g}s"))
+                leg.abandon()
 
-    async def _read_decode(self, response: UpstreamResponse, first_scope: trio.CancelScope) -> None:
+    async def _post_decode(self, first_scope: trio.CancelScope | None) -> None:
+        leg = self.decode
+        try:
+            leg.posted = True
+            async with self.pool.post(leg.url, self.path, leg.headers, leg.body) as response:
+                await self._read_decode(response, first_scope)
+        except UpstreamError as exc:
+            self._fail_decode(LegFailure(exc.kind, str(exc)))
+        finally:
+            leg.ended_at = trio.current_time()
+
+    async def _read_decode(
+        self, response: UpstreamResponse, first_scope: trio.CancelScope | None
+    ) -> None:
         if not 200 <= response.status < 300:
             self._fail_decode(await status_failure(response))
             return
         headers = relayable_headers(response)
-        if self.stream and is_sse(response):
+        if first_scope is not None and is_sse(response):
             await self._relay_decode_stream(response, headers, first_scope)
             return
         body = await read_answer(response)
