@@ -211,7 +211,10 @@ class Demo:
         if freed is not None:
             ms = (freed["t"] - fault["t"]) * 1000
             line("  prefill failure -> slot freed", f"{ms:8.1f} ms  (reason: {freed['reason']})")
-            line("", "(the engine frees slots at its 1 s disconnect-poll tick)")
+            if freed["reason"] == "aborted_request":
+                line("", "(freed by the router's /abort_request, before the engine's 1 s poll)")
+            else:
+                line("", "(freed at the engine's 1 s disconnect-poll tick)")
         else:
             line("  decode slot_freed", "not within 5 s (the slot is still held)")
 
