@@ -30,6 +30,7 @@ import orjson
 import trio
 
 from trio_pd.config import Role, TimeoutConfig
+from trio_pd.fleet.workers import Worker
 from trio_pd.metrics import RouterMetrics
 from trio_pd.outcome import LegFailure, LegResult, LegSuccess
 from trio_pd.relay import (
@@ -61,7 +62,7 @@ class Leg:
     """
 
     role: Role
-    url: str
+    worker: Worker
     body: bytes
     headers: list[tuple[bytes, bytes]]
     track: Callable[[], AbstractContextManager[Any]]  # load accounting while the leg runs
@@ -100,6 +101,10 @@ class Leg:
     @property
     def failed(self) -> bool:
         return isinstance(self.result, LegFailure)
+
+    @property
+    def url(self) -> str:
+        return self.worker.url
 
 
 @attrs.define

@@ -125,26 +125,42 @@ async def dispatch(
             return
         reply = attempt.reply()
         assert reply is not None
-        culprit = attempt.culprit()
-        if culprit is not None and number < total:
-            failure = culprit.result
-            assert isinstance(failure, LegFailure)
-            worker = prefill if culprit is attempt.prefill else decode
-            history.add(culprit.role, worker, failure)
-            delay = backoff_delay(number, ctx.config.retry, ctx.rng)
-            if (
-                failure.retryable()
-                and not history.repeats_across_workers(culprit.role, failure)
-                and trio.current_time() + delay < deadline
-            ):
-                log.info(
-                    "attempt %d failed with %d, retrying in %.3fs", number, reply.status, delay
-                )
-                avoid.add(worker)
-                await trio.sleep(delay)
-                continue
+        retry = retry_plan(ctx, attempt, history, number, total, deadline)
+        if retry is not None:
+            culprit, delay = retry
+            log.info("attempt %d failed with %d, retrying in %.3fs", number, reply.status, delay)
+            avoid.add(prefill if culprit is attempt.prefill else decode)
+            await trio.sleep(delay)
+            continue
         await responder.reply(reply)
         return
+
+
+def retry_plan(
+    ctx: DispatchContext,
+    attempt: Attempt,
+    history: FailureHistory,
+    number: int,
+    total: int,
+    deadline: float,
+) -> tuple[Leg, float] | None:
+    """(the leg to blame, the backoff) when another attempt may help, else None: a failure
+    another worker might not have, not already seen on two workers of that role, attempts left,
+    and time before the deadline."""
+    culprit = attempt.culprit()
+    if culprit is None or number >= total:
+        return None
+    failure = culprit.result
+    assert isinstance(failure, LegFailure)
+    history.add(culprit.role, culprit.worker, failure)
+    delay = backoff_delay(number, ctx.config.retry, ctx.rng)
+    if (
+        failure.retryable()
+        and not history.repeats_across_workers(culprit.role, failure)
+        and trio.current_time() + delay < deadline
+    ):
+        return culprit, delay
+    return None
 
 
 def new_attempt(
@@ -190,7 +206,7 @@ def new_attempt(
     def leg(worker: Worker, body: bytes, hold: RankHold | None) -> Leg:
         return Leg(
             worker.role,
-            worker.url,
+            worker,
             body,
             leg_headers_for(ctx, request, worker),
             partial(ctx.fleet.track, worker, hold),
