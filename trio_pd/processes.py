@@ -103,8 +103,6 @@ class Supervisor:
     # -- set-up -----------------------------------------------------------------------------
 
     def _prepare(self) -> None:
-        from hypercorn.config import Sockets  # noqa: F401 - the children's socket type
-
         from trio_pd.membership.shared_file import seed
         from trio_pd.server import hypercorn_config, make_sockets
 
@@ -112,11 +110,10 @@ class Supervisor:
         metrics_dir.mkdir()
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)  # inherited by the children
         self.restarts = parent_restart_counter()
-        membership = Path(self.child_config.membership_file or "")
-        if not self.child_config.membership_file:
-            pass  # etcd: every process watches it, the flags' workers stay "static"
-        elif self.config.membership_file is None or not membership.exists():
-            seed(membership, (*self.config.prefill, *self.config.decode))
+        # With etcd every process watches it and the flags' workers stay "static": no file.
+        shared = self.child_config.membership_file
+        if shared and (self.config.membership_file is None or not Path(shared).exists()):
+            seed(Path(shared), (*self.config.prefill, *self.config.decode))
         hc = hypercorn_config(self.config)
         hc.workers = self.config.workers  # hypercorn then sets SO_REUSEPORT
         config = self.config
