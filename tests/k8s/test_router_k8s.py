@@ -18,13 +18,13 @@ from tests.conftest import cluster_of, start_engine
 from tests.k8s.engine_pods import (
     DECODE,
     PREFILL,
-    eventually,
     ready_engine_pod,
     served_through,
     untouched,
     workers,
 )
 from tests.k8s.fake_apiserver import serve_fake_apiserver
+from tests.router.helpers import eventually
 from trio_pd.cli import build_parser, router_config
 from trio_pd.membership.kubernetes import KubernetesConfig, KubernetesDiscovery
 from trio_pd.membership.memory import MemoryStore

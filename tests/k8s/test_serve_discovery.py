@@ -27,7 +27,6 @@ from tests.k8s.engine_pods import (
     DECODE,
     SELECTOR_FLAGS,
     create_engine_pod,
-    eventually,
     ready_engine_pod,
     served,
     served_through,
@@ -36,7 +35,7 @@ from tests.k8s.engine_pods import (
 )
 from tests.k8s.fake_apiserver import FakeApiServer, serve_fake_apiserver
 from tests.ops.serve import free_port, start_serve
-from tests.router.helpers import generate_body, read_sse
+from tests.router.helpers import eventually, generate_body, read_sse
 
 PROPAGATION_SECS = 1.0  # a pod change reaches the router's /workers
 SERVE_SECS = 5.0  # a joining worker passes its first health check and takes a request

@@ -9,6 +9,7 @@ import signal
 from pathlib import Path
 
 import httpx2
+import orjson
 import trio
 
 from tests.conftest import start_cluster, start_engine
@@ -138,3 +139,30 @@ async def test_prometheus_port_serves_metrics_only(nursery: trio.Nursery) -> Non
     assert (await cluster.client.get("/workers")).status_code == 200  # the main port has it all
     assert not cluster.prefill.events.find("request_start")
     await cluster.client.aclose()
+
+
+async def test_json_logs_and_the_access_log(nursery: trio.Nursery, tmp_path: Path) -> None:
+    prefill = await start_engine(nursery, "prefill")
+    decode = await start_engine(nursery, "decode")
+    router = await start_serve(
+        [prefill], [decode], str(tmp_path / "router.log"), "--log-json", "--access-log"
+    )
+    try:
+        await router.wait_ready()
+        async with httpx2.AsyncClient(base_url=router.url) as client:
+            response = await client.post(
+                "/generate", json=generate_body(), headers={"x-request-id": "logged-1"}
+            )
+            assert response.status_code == 200
+        router.signal(signal.SIGTERM)
+        assert await router.wait_exit() == 0
+    finally:
+        await router.stop()
+    lines = [orjson.loads(line) for line in router.log().splitlines() if line.startswith("{")]
+    assert lines and all({"ts", "level", "logger", "pid", "message"} <= set(x) for x in lines)
+    access = [x for x in lines if x["logger"] == "trio_pd.access" and x["request_id"] == "logged-1"]
+    assert len(access) == 1
+    entry = access[0]
+    assert (entry["method"], entry["path"], entry["status"]) == ("POST", "/generate", 200)
+    assert entry["prefill"] == "prefill-1" and entry["decode"] == "decode-1"
+    assert entry["attempts"] == 1 and entry["bytes"] > 0 and entry["ms"] > 0
