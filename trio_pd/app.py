@@ -116,7 +116,10 @@ class Router:
     def _default_access(self) -> Access:
         c = self.config
         return Access(
-            c.control_plane_api_keys, c.data_plane_api_keys, c.control_plane_audit_enabled
+            c.control_plane_api_keys,
+            c.data_plane_api_keys,
+            c.control_plane_audit_enabled,
+            router_key=c.api_key,
         )
 
     @drain.default
@@ -138,7 +141,14 @@ class Router:
             self.pool, self.fleet, self.config, self.rng, self.metrics, self.aborts
         )
         owned = owned_keys(self.config, self.aborts is not None)
-        return GenerationContext(self.config, self.admission, self.drain, dispatch_context, owned)
+        return GenerationContext(
+            self.config,
+            self.admission,
+            self.drain,
+            dispatch_context,
+            owned,
+            client_key_is_ours=bool(self.access.client_keys),
+        )
 
     @routes.default
     def _default_routes(self) -> dict[str, dict[str, Route]]:
@@ -293,6 +303,7 @@ class GenerationContext:
     drain: Drain
     dispatch: DispatchContext
     owned_keys: frozenset[str]  # body keys the router writes itself
+    client_key_is_ours: bool = False  # --api-key/--data-plane-api-keys: not for the workers
     parsers: trio_parallel.WorkerContext | None = None  # opened by the lifespan
 
 
@@ -314,8 +325,8 @@ async def handle_generation(
         scope["path"],
         inspected,
         leg_headers(scope["headers"], rsp.request_id),
-        # With data-plane keys the client's authorization is the router's credential: kept.
-        None if gen.config.data_plane_api_keys else client_authorization(scope["headers"]),
+        # With client keys the client's authorization is the router's credential: kept.
+        None if gen.client_key_is_ours else client_authorization(scope["headers"]),
         rsp.request_id.decode("latin-1"),
     )
     cancel = RequestCancel()

@@ -1,19 +1,23 @@
-"""Who may call what: control-plane keys with roles, an optional data-plane key, loopback rules.
+"""Who may call what: the router's API key, control-plane keys with roles, loopback rules.
 
-SGLang's router (SMG) meanings, kept: `--api-key` is the key the router sends TO WORKERS (see
-`upstream.leg_headers`); the router's own control plane is guarded by
-`--control-plane-api-keys 'id:name:role:key'` (role `admin` may change, `user` may read), keys
-compared in constant time, with `--control-plane-audit-enabled` logging who changed what.
+SGLang's router (SMG 0.3.2, `server.rs::build_app`) meanings, kept: `--api-key` is both the key
+the router sends TO WORKERS (see `dispatch.leg_headers_for`) and, when set, the key clients must
+present on the generation routes and, without control-plane keys, on the control plane; the
+control plane is otherwise guarded by `--control-plane-api-keys 'id:name:role:key'` (role
+`admin` may change, `user` may read), keys compared in constant time, with
+`--control-plane-audit-enabled` logging who changed what.
 
 Routes by class:
-- data plane (generation, `/v1/models`, health, metrics): open, unless `--data-plane-api-keys`
-  is set (our addition; SMG has none): then generation and `/v1/models` need one of them;
+- data plane (generation, `/v1/models`): open unless `--api-key` or `--data-plane-api-keys` (our
+  addition: more client keys, e.g. one per team, rotated without touching the workers' key) is
+  set: then one of those keys. Health, readiness and metrics stay open, as in SMG;
 - control read (`GET /workers...`, `/get_loads`, `/health_generate`, `/get_model_info`,
-  `/get_server_info`): a `user` or `admin` key when keys are configured, else open;
+  `/get_server_info`): a `user` or `admin` key when control-plane keys are configured, else the
+  `--api-key` when set, else open;
 - control write (`POST /workers`, `DELETE /workers/{id}`, `POST /flush_cache`): an `admin` key;
-  without any control-plane key, loopback clients only (a deliberate difference from SMG, whose
-  control plane is open by default: anyone who reaches the port could add a worker and receive
-  users' prompts). The router warns at startup when it runs like that.
+  without control-plane keys, the `--api-key` (as SMG); without either, loopback clients only (a
+  deliberate difference from SMG, whose control plane is then open: anyone who reaches the port
+  could add a worker and receive users' prompts). The router warns at startup when it runs so.
 A key is given as `Authorization: Bearer <key>` or `x-api-key: <key>`.
 """
 
@@ -115,6 +119,12 @@ class Access:
     control_keys: tuple[ControlKey, ...] = ()
     data_keys: tuple[str, ...] = attrs.field(default=(), repr=False)
     audit: bool = False
+    router_key: str | None = attrs.field(default=None, repr=False)  # --api-key
+
+    @property
+    def client_keys(self) -> tuple[str, ...]:
+        """The keys a client may present on the data plane (none: the data plane is open)."""
+        return self.data_keys + ((self.router_key,) if self.router_key else ())
 
     def check(
         self, access: AccessClass, headers: list[tuple[bytes, bytes]], client: object
@@ -123,9 +133,14 @@ class Access:
         if access == "open":
             return None
         if access == "data":
-            if self.data_keys and not _matches_any(presented_key(headers), self.data_keys):
+            keys = self.client_keys
+            if keys and not _matches_any(presented_key(headers), keys):
                 raise unauthorized()
             return None
+        if not self.control_keys and self.router_key:
+            if not _matches_any(presented_key(headers), (self.router_key,)):
+                raise unauthorized()
+            return Caller("api-key", "--api-key", "admin")
         if not self.control_keys:
             if access == "write" and not is_loopback(client):  # type: ignore[arg-type]
                 raise forbidden(
@@ -160,7 +175,7 @@ def _matches_any(given: bytes | None, keys: tuple[str, ...]) -> bool:
 
 
 def startup_warnings(access: Access) -> None:
-    if not access.control_keys:
+    if not access.control_keys and not access.router_key:
         log.warning(
             "no --control-plane-api-keys: worker membership and cache flushes answer loopback "
             "clients only; read-only control routes are open"

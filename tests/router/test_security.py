@@ -118,7 +118,8 @@ def test_worker_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) ->
     assert router_config(args).api_key == "flag"
 
 
-async def test_api_key_is_sent_to_workers_instead_of_the_clients(nursery: trio.Nursery) -> None:
+async def test_api_key_is_sent_to_workers_and_required_of_clients(nursery: trio.Nursery) -> None:
+    """SMG's `--api-key`: the workers get it, and clients must present it on the data plane."""
     cluster = await start_cluster(
         nursery,
         prefill={"api_key": WORKER_KEY},
@@ -126,8 +127,13 @@ async def test_api_key_is_sent_to_workers_instead_of_the_clients(nursery: trio.N
         api_key=WORKER_KEY,
         control_plane_api_keys=(ADMIN,),
     )
+    for headers in ({}, {"authorization": "Bearer client-token"}):
+        refused = await cluster.client.post("/generate", json=generate_body(), headers=headers)
+        envelope(refused, 401)
+    for engine in (cluster.prefill, cluster.decode):
+        assert not engine.events.find("request_start")  # refused before any worker
     response = await cluster.client.post(
-        "/generate", json=generate_body(), headers={"authorization": "Bearer client-token"}
+        "/generate", json=generate_body(), headers={"authorization": f"Bearer {WORKER_KEY}"}
     )
     assert response.status_code == 200
     rid = response.headers["x-request-id"]
@@ -142,6 +148,25 @@ async def test_api_key_is_sent_to_workers_instead_of_the_clients(nursery: trio.N
     ).status_code == 200
     for engine in (cluster.prefill, cluster.decode):
         assert not engine.events.find("unauthorized")
+    assert (await cluster.client.get("/health")).status_code == 200  # open, as in SMG
+    await cluster.client.aclose()
+
+
+async def test_api_key_guards_the_control_plane_without_control_keys(
+    nursery: trio.Nursery,
+) -> None:
+    """SMG: without --control-plane-api-keys the admin and worker routes take --api-key."""
+    cluster = await start_cluster(nursery, api_key=WORKER_KEY)
+    body = {"url": "http://127.0.0.1:9", "worker_type": "decode"}
+    for headers in ({}, {"authorization": "Bearer wrong"}):
+        envelope(await cluster.client.post("/workers", json=body, headers=headers), 401)
+        envelope(await cluster.client.get("/workers", headers=headers), 401)
+    assert [w.id for w in cluster.router.fleet.workers()] == ["prefill-1", "decode-1"]
+    key = {"authorization": f"Bearer {WORKER_KEY}"}
+    added = await cluster.client.post("/workers", json=body, headers=key)
+    assert added.status_code == 201
+    listed = await cluster.client.get("/workers", headers=key)
+    assert added.json()["id"] in {w["id"] for w in listed.json()["workers"]}
     await cluster.client.aclose()
 
 
@@ -159,6 +184,7 @@ async def test_a_per_worker_key_overrides_the_router_key(nursery: trio.Nursery) 
     from tests.conftest import start_engine
 
     cluster = await start_cluster(nursery, health=FAST_HEALTH, api_key="router-wide")
+    cluster.client.headers["authorization"] = "Bearer router-wide"  # the router's key
     special = await start_engine(nursery, "decode", api_key="its-own")
     added = await cluster.client.post(
         "/workers", json={"url": special.url, "worker_type": "decode", "api_key": "its-own"}
