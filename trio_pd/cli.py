@@ -6,6 +6,7 @@ import argparse
 import os
 from collections.abc import Callable, Sequence
 
+from trio_pd import compat
 from trio_pd.auth import ControlKey, parse_keys
 from trio_pd.config import (
     POLICY_NAMES,
@@ -95,6 +96,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="accepted for SGLang router compatibility (always on)",
     )
+    p.add_argument(
+        "--mini-lb",
+        action="store_true",
+        help="SGLang's debugging MiniLB: its one behaviour, random prefill and decode choice, "
+        "is applied (--policy random for both roles) with a warning",
+    )
+    p.add_argument(
+        "--enable-igw",
+        action="store_true",
+        help="accepted: trio_pd always routes by model when its workers serve several "
+        "(SGLang's router needs this flag for that)",
+    )
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port)
     p.add_argument("--workers", type=int, default=d.workers, help="hypercorn worker processes")
@@ -129,12 +142,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--api-key",
         default=None,
-        help="the key sent to workers as `Authorization: Bearer` (as in SGLang's router; "
-        "default: $TRIO_PD_API_KEY)",
+        help="sent to workers as `Authorization: Bearer`, and required of clients on the "
+        "generation routes (and the control plane without control-plane keys), as in SGLang's "
+        "router; also read from $TRIO_PD_API_KEY",
     )
     p.add_argument(
         "--control-plane-api-keys",
-        nargs="+",
+        nargs="*",
         default=[],
         metavar="ID:NAME:ROLE:KEY",
         help="keys of the router's control plane; role admin may change, user may read",
@@ -149,8 +163,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         nargs="+",
         default=[],
         metavar="KEY",
-        help="keys clients must present on generation routes (default: open; "
-        "$TRIO_PD_DATA_PLANE_API_KEYS, comma-separated)",
+        help="more keys clients may present on the generation routes, beside --api-key "
+        "(also $TRIO_PD_DATA_PLANE_API_KEYS, comma-separated)",
     )
     p.add_argument(
         "--worker-url-allow",
@@ -161,7 +175,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--ca-cert-paths",
-        nargs="+",
+        nargs="*",
         default=[],
         metavar="FILE",
         help="CA certificates for https workers (added to the system store)",
@@ -251,6 +265,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-check-endpoint", default=h.endpoint)
     kubernetes.add_arguments(p)
     etcd.add_arguments(p)
+    compat.add_arguments(p)
     p.set_defaults(parser_error=p.error)  # router_config's complaints come with serve's usage
 
 
@@ -288,9 +303,25 @@ def membership_configs(
     return kube, shared
 
 
+def compatibility(args: argparse.Namespace, error: Callable[[str], None]) -> tuple[str, ...]:
+    """The warnings about SGLang flags given but not acted on; a refused one is a usage error."""
+    errors, warnings = compat.check(args)
+    if errors:
+        error("; ".join(errors))
+    if args.mini_lb:
+        warnings.append(
+            "--mini-lb: SGLang's MiniLB routes at random; trio_pd keeps serving and applies "
+            "that: --policy random for prefill and decode"
+        )
+    return tuple(warnings)
+
+
 def router_config(args: argparse.Namespace) -> RouterConfig:
     error = getattr(args, "parser_error", parser_error)
+    warnings = compatibility(args, error)
     kube, shared = membership_configs(args, error)
+    if args.mini_lb:
+        args.policy, args.prefill_policy, args.decode_policy = "random", None, None
     return RouterConfig(
         prefill=tuple(WorkerSpec(url, "prefill", port, model) for url, port, model in args.prefill),
         decode=tuple(WorkerSpec(url, "decode", None, model) for url, model in args.decode),
@@ -324,6 +355,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         log_json=args.log_json,
         log_level=args.log_level,
         prometheus_port=args.prometheus_port,
+        startup_warnings=warnings,
         retry=RetryConfig(
             max_retries=args.retry_max_retries,
             initial_backoff_ms=args.retry_initial_backoff_ms,

@@ -125,6 +125,7 @@ class RouterConfig:
     log_json: bool = False
     log_level: str = "info"
     prometheus_port: int | None = None
+    startup_warnings: tuple[str, ...] = ()  # about SGLang flags given but not acted on (compat.py)
     shutdown_grace_period_secs: float = 180.0  # in-flight requests' time to finish on SIGTERM
     tls_cert_path: str | None = None  # serve HTTPS (hypercorn does it)
     tls_key_path: str | None = None

@@ -96,6 +96,8 @@ async def serve(
 def run(config: RouterConfig) -> int:
     """Blocking entry point of `trio-pd serve`; the exit status."""
     configure_logging(config.log_level, json_lines=config.log_json)
+    for warning in config.startup_warnings:
+        log.warning("%s", warning)
     if config.workers <= 1:
         trio.run(partial(_serve_main, config))
         return 0
