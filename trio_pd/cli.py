@@ -405,7 +405,15 @@ def build_parser() -> argparse.ArgumentParser:
         prog="trio-pd", description="Prefill/decode disaggregated LLM router on trio."
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    add_serve_arguments(commands.add_parser("serve", help="run the PD router"))
+    serve = commands.add_parser(
+        "serve",
+        help="run the PD router",
+        description="Run the PD router. Takes every flag of SGLang's router "
+        "(python -m sglang_router.launch_router, sglang-router 0.3.2) with the same meaning; "
+        "the README's flag table says where trio_pd differs.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_serve_arguments(serve)
     from trio_pd.engine.cli import add_arguments as add_engine_arguments
 
     add_engine_arguments(commands.add_parser("engine", help="run a simulated PD engine"))

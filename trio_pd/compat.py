@@ -184,3 +184,20 @@ def check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         elif not foreign.matches(value):
             warnings.append(f"{flag} is ignored: {foreign.why}")
     return errors, warnings
+
+
+# Implemented flags whose meaning in trio_pd is wider or stricter than in SGLang's router: the
+# README's flag table shows these notes (tests/flag_surface.py), and a default that differs from
+# SGLang's must have one (tests/test_flag_surface.py).
+DIFFERS: dict[str, str] = {
+    "--prefill": "also takes `model=NAME`, the model the worker serves (else learned from it)",
+    "--decode": "also takes `model=NAME`",
+    "--pd-disaggregation": "always on: trio_pd routes prefill/decode pairs only",
+    "--mini-lb": "trio_pd keeps serving and applies SGLang's MiniLB's one routing rule, "
+    "`--policy random` for both roles, with a warning",
+    "--enable-igw": "no effect: trio_pd routes by `model` whenever its workers serve several "
+    "models (SGLang's router ignores `model` without this flag)",
+    "--api-key": "also read from `$TRIO_PD_API_KEY`; `--data-plane-api-keys` adds client keys",
+    "--control-plane-api-keys": "without them and without `--api-key`, the changing routes "
+    "answer loopback clients only (SGLang's are open to anyone who reaches the port)",
+}
