@@ -108,11 +108,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="accepted: trio_pd always routes by model when its workers serve several "
         "(SGLang's router needs this flag for that)",
     )
-    p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--host", default=d.host, help="address to listen on (IPv4 or IPv6)")
+    p.add_argument("--port", type=int, default=d.port, help="port to listen on")
     p.add_argument("--workers", type=int, default=d.workers, help="hypercorn worker processes")
-    p.add_argument("--request-timeout-secs", type=float, default=d.request_timeout_secs)
-    p.add_argument("--max-payload-size", type=int, default=d.max_payload_size)
+    p.add_argument(
+        "--request-timeout-secs",
+        type=float,
+        default=d.request_timeout_secs,
+        help="a request's whole time, all attempts included (504 after it)",
+    )
+    p.add_argument(
+        "--max-payload-size",
+        type=int,
+        default=d.max_payload_size,
+        help="largest request body in bytes (413 beyond)",
+    )
     p.add_argument(
         "--no-abort-on-cancel",
         action="store_true",
@@ -136,9 +146,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=d.max_batch_size,
         help="longest batch (text/input_ids/prompt lists, chat n) a request may carry",
     )
-    p.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests)
-    p.add_argument("--queue-size", type=int, default=d.queue_size)
-    p.add_argument("--queue-timeout-secs", type=float, default=d.queue_timeout_secs)
+    p.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=d.max_concurrent_requests,
+        help="requests routed at once; -1: no limit (with --workers N, divided among them)",
+    )
+    p.add_argument(
+        "--queue-size",
+        type=int,
+        default=d.queue_size,
+        help="requests waiting for a slot beyond --max-concurrent-requests (0: 429 at once)",
+    )
+    p.add_argument(
+        "--queue-timeout-secs",
+        type=float,
+        default=d.queue_timeout_secs,
+        help="longest wait in that queue (then 429)",
+    )
     p.add_argument(
         "--api-key",
         default=None,
@@ -201,23 +226,88 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=POLICY_NAMES, default=pol.policy)
     p.add_argument("--prefill-policy", choices=POLICY_NAMES, default=None)
     p.add_argument("--decode-policy", choices=POLICY_NAMES, default=None)
-    p.add_argument("--cache-threshold", type=float, default=pol.cache_threshold)
-    p.add_argument("--balance-abs-threshold", type=int, default=pol.balance_abs_threshold)
-    p.add_argument("--balance-rel-threshold", type=float, default=pol.balance_rel_threshold)
-    p.add_argument("--eviction-interval-secs", type=float, default=pol.eviction_interval_secs)
-    p.add_argument("--max-tree-size", type=int, default=pol.max_tree_size)
+    p.add_argument(
+        "--cache-threshold",
+        type=float,
+        default=pol.cache_threshold,
+        help="cache_aware: prefix match ratio above which the matching worker is chosen",
+    )
+    p.add_argument(
+        "--balance-abs-threshold",
+        type=int,
+        default=pol.balance_abs_threshold,
+        help="cache_aware: balance load instead when max - min load exceeds this...",
+    )
+    p.add_argument(
+        "--balance-rel-threshold",
+        type=float,
+        default=pol.balance_rel_threshold,
+        help="...and max load exceeds min load times this",
+    )
+    p.add_argument(
+        "--eviction-interval-secs",
+        type=float,
+        default=pol.eviction_interval_secs,
+        help="cache_aware: how often the prefix tree is trimmed",
+    )
+    p.add_argument(
+        "--max-tree-size",
+        type=int,
+        default=pol.max_tree_size,
+        help="cache_aware: prefix tree size it is trimmed to",
+    )
     r = RetryConfig()
-    p.add_argument("--retry-max-retries", type=int, default=r.max_retries)
-    p.add_argument("--retry-initial-backoff-ms", type=int, default=r.initial_backoff_ms)
-    p.add_argument("--retry-max-backoff-ms", type=int, default=r.max_backoff_ms)
-    p.add_argument("--retry-backoff-multiplier", type=float, default=r.backoff_multiplier)
-    p.add_argument("--retry-jitter-factor", type=float, default=r.jitter_factor)
-    p.add_argument("--disable-retries", action="store_true")
+    p.add_argument(
+        "--retry-max-retries",
+        type=int,
+        default=r.max_retries,
+        help="attempts per request, the first included",
+    )
+    p.add_argument(
+        "--retry-initial-backoff-ms",
+        type=int,
+        default=r.initial_backoff_ms,
+        help="wait before the first retry",
+    )
+    p.add_argument(
+        "--retry-max-backoff-ms",
+        type=int,
+        default=r.max_backoff_ms,
+        help="longest wait between attempts",
+    )
+    p.add_argument(
+        "--retry-backoff-multiplier",
+        type=float,
+        default=r.backoff_multiplier,
+        help="growth of the wait per attempt",
+    )
+    p.add_argument(
+        "--retry-jitter-factor",
+        type=float,
+        default=r.jitter_factor,
+        help="random share (0-1) added to or taken from each wait",
+    )
+    p.add_argument("--disable-retries", action="store_true", help="one attempt per request")
     b = BreakerConfig()
-    p.add_argument("--cb-failure-threshold", type=int, default=b.failure_threshold)
-    p.add_argument("--cb-success-threshold", type=int, default=b.success_threshold)
-    p.add_argument("--cb-timeout-duration-secs", type=float, default=b.timeout_duration_secs)
-    p.add_argument("--disable-circuit-breaker", action="store_true")
+    p.add_argument(
+        "--cb-failure-threshold",
+        type=int,
+        default=b.failure_threshold,
+        help="failures that open a worker's circuit breaker",
+    )
+    p.add_argument(
+        "--cb-success-threshold",
+        type=int,
+        default=b.success_threshold,
+        help="successes in half-open state that close it",
+    )
+    p.add_argument(
+        "--cb-timeout-duration-secs",
+        type=float,
+        default=b.timeout_duration_secs,
+        help="how long an open breaker waits before a half-open trial",
+    )
+    p.add_argument("--disable-circuit-breaker", action="store_true", help="no circuit breakers")
     t = TimeoutConfig()
     p.add_argument(
         "--first-token-timeout-secs",
@@ -258,11 +348,31 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert-path", default=None, help="serve HTTPS with this certificate")
     p.add_argument("--tls-key-path", default=None, help="the key of --tls-cert-path")
     h = HealthConfig()
-    p.add_argument("--health-check-interval-secs", type=float, default=h.interval_secs)
-    p.add_argument("--health-check-timeout-secs", type=float, default=h.timeout_secs)
-    p.add_argument("--health-failure-threshold", type=int, default=h.failure_threshold)
-    p.add_argument("--health-success-threshold", type=int, default=h.success_threshold)
-    p.add_argument("--health-check-endpoint", default=h.endpoint)
+    p.add_argument(
+        "--health-check-interval-secs",
+        type=float,
+        default=h.interval_secs,
+        help="time between a worker's health checks",
+    )
+    p.add_argument(
+        "--health-check-timeout-secs",
+        type=float,
+        default=h.timeout_secs,
+        help="a health check's time limit",
+    )
+    p.add_argument(
+        "--health-failure-threshold",
+        type=int,
+        default=h.failure_threshold,
+        help="failed checks in a row that take a worker out of rotation",
+    )
+    p.add_argument(
+        "--health-success-threshold",
+        type=int,
+        default=h.success_threshold,
+        help="passed checks in a row that bring it back",
+    )
+    p.add_argument("--health-check-endpoint", default=h.endpoint, help="the path health checks GET")
     kubernetes.add_arguments(p)
     etcd.add_arguments(p)
     compat.add_arguments(p)

@@ -461,8 +461,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="0: workers added here stay until removed; N: they hang on this replica's lease "
         "and vanish N seconds after the replica dies",
     )
-    group.add_argument("--etcd-dial-timeout-secs", type=float, default=2.0)
-    group.add_argument("--etcd-request-timeout-secs", type=float, default=5.0)
+    group.add_argument(
+        "--etcd-dial-timeout-secs", type=float, default=2.0, help="connecting to etcd"
+    )
+    group.add_argument("--etcd-request-timeout-secs", type=float, default=5.0, help="one etcd call")
     group.add_argument(
         "--etcd-resync-secs",
         type=float,
