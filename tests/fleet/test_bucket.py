@@ -179,18 +179,22 @@ async def test_membership_change_resets_the_ranges_and_the_next_adjustment_recom
     ws = prefills(3)
     p = bucket(ws[:2], **BALANCE_OFF)
     send(p, ws[:2], 5, 10, 15, 20)
-    await trio.sleep(4)
-    send(p, ws[:2], 1)
+    await trio.sleep(3)
+    send(p, ws[:2], 0)  # adjusts: 25 characters each
     assert uppers(p) == [15, math.inf]
-    share = p.buckets[None].share
+    await trio.sleep(0.5)
+    send(p, ws[:2], 5, 10, 15, 20)  # the same traffic again
     p.add_worker(ws[2])
     send(p, ws, 1)
     assert p.buckets[None].members == ws
     assert uppers(p) == [1364, 2729, math.inf]  # the even split over the new members
     assert p.buckets[None].chars[ws[2]] == 0 and p.buckets[None].chars[ws[0]] > 0
-    await trio.sleep(3)
-    send(p, ws, 3)  # the load per worker hardly moved, yet the ranges are recomputed
-    assert p.buckets[None].share <= share and uppers(p) != [1364, 2729, math.inf]
+    await trio.sleep(2.5)
+    send(p, ws, 3)
+    # 17 characters each now, against 25 when last adjusted: less than twofold, yet the ranges
+    # are recomputed from the window, since the membership changed.
+    assert p.buckets[None].share == 17
+    assert uppers(p) == [15, 20, math.inf]
     p.remove_worker(ws[1])
     assert p.buckets[None].members == [ws[0], ws[2]]
     assert uppers(p) == [2047, math.inf]
