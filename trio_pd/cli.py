@@ -340,7 +340,7 @@ def check_policy_flags(args: argparse.Namespace, error: Callable[[str], None]) -
     """The bounds SGLang's router puts on the manual and bucket knobs, as usage errors."""
     if args.max_idle_secs < 0:
         error(f"--max-idle-secs must be 0 (never forget) or more: {args.max_idle_secs}")
-    if (args.prefill_policy == "bucket") and args.bucket_adjust_interval_secs < 1:
+    if args.prefill_policy == "bucket" and args.bucket_adjust_interval_secs < 1:
         error(
             f"--bucket-adjust-interval-secs must be 1 or more: {args.bucket_adjust_interval_secs}"
         )

@@ -26,7 +26,7 @@ from trio_pd.http11 import Connection, Response
 
 KEEPALIVE_EXPIRY_SECS = 2.0  # below the engines' keep-alive, so we never reuse a closing socket
 CONNECT_TIMEOUT_SECS = 10.0  # a black-holed worker fails the leg instead of eating the deadline
-# The routing key too: SGLang's router (SMG) forwards it, engines may key sessions on it.
+# X-SMG-Routing-Key too: SGLang's router (SMG) forwards it to the workers as well.
 FORWARDED_HEADERS = frozenset(
     (b"x-correlation-id", b"traceparent", b"tracestate", b"x-smg-routing-key")
 )
