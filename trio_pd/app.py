@@ -47,6 +47,7 @@ from trio_pd.membership.source import MembershipSource, MembershipStore
 from trio_pd.metrics import RouterMetrics
 from trio_pd.relay import error_frame
 from trio_pd.respond import Reply, Responder
+from trio_pd.routing_key import routing_key
 from trio_pd.tls import worker_ssl_context
 from trio_pd.upstream import UpstreamPool, client_authorization, leg_headers, make_client
 from trio_pd.urls import parse_allow
@@ -147,6 +148,7 @@ class Router:
             self.drain,
             dispatch_context,
             owned,
+            self.config.policy.uses_routing_key,
             client_key_is_ours=bool(self.access.client_keys),
         )
 
@@ -303,6 +305,7 @@ class GenerationContext:
     drain: Drain
     dispatch: DispatchContext
     owned_keys: frozenset[str]  # body keys the router writes itself
+    reads_routing_key: bool = False  # a manual policy routes by X-SMG-Routing-Key
     client_key_is_ours: bool = False  # --api-key/--data-plane-api-keys: not for the workers
     parsers: trio_parallel.WorkerContext | None = None  # opened by the lifespan
 
@@ -328,6 +331,7 @@ async def handle_generation(
         # With client keys the client's authorization is the router's credential: kept.
         None if gen.client_key_is_ours else client_authorization(scope["headers"]),
         rsp.request_id.decode("latin-1"),
+        routing_key(scope["headers"]) if gen.reads_routing_key else None,
     )
     cancel = RequestCancel()
     with gen.drain.track(cancel), cancel.scope:

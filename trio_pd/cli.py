@@ -9,7 +9,9 @@ from collections.abc import Callable, Sequence
 from trio_pd import compat
 from trio_pd.auth import ControlKey, parse_keys
 from trio_pd.config import (
+    ASSIGNMENT_MODES,
     POLICY_NAMES,
+    PREFILL_POLICY_NAMES,
     BreakerConfig,
     HealthConfig,
     PolicyConfig,
@@ -223,9 +225,27 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--prometheus-port", type=int, default=None)
     pol = PolicyConfig()
-    p.add_argument("--policy", choices=POLICY_NAMES, default=pol.policy)
-    p.add_argument("--prefill-policy", choices=POLICY_NAMES, default=None)
-    p.add_argument("--decode-policy", choices=POLICY_NAMES, default=None)
+    p.add_argument(
+        "--policy",
+        type=not_bucket,
+        choices=POLICY_NAMES,
+        default=pol.policy,
+        help="selection policy of both roles unless overridden (manual: sticky by the "
+        "X-SMG-Routing-Key header)",
+    )
+    p.add_argument(
+        "--prefill-policy",
+        choices=PREFILL_POLICY_NAMES,
+        default=None,
+        help="selection policy of prefill workers (bucket: by prompt length); default --policy",
+    )
+    p.add_argument(
+        "--decode-policy",
+        type=not_bucket,
+        choices=POLICY_NAMES,
+        default=None,
+        help="selection policy of decode workers; default --policy",
+    )
     p.add_argument(
         "--cache-threshold",
         type=float,
@@ -255,6 +275,25 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=pol.max_tree_size,
         help="cache_aware: prefix tree size it is trimmed to",
+    )
+    p.add_argument(
+        "--max-idle-secs",
+        type=int,
+        default=pol.max_idle_secs,
+        help="manual policy: forget a routing key unused this long (0: never)",
+    )
+    p.add_argument(
+        "--assignment-mode",
+        choices=ASSIGNMENT_MODES,
+        default=pol.assignment_mode,
+        help="manual policy: where a new routing key goes: random, min_load (fewest requests "
+        "in flight), min_group (fewest routing keys in flight)",
+    )
+    p.add_argument(
+        "--bucket-adjust-interval-secs",
+        type=int,
+        default=pol.bucket_adjust_interval_secs,
+        help="bucket policy: its load window, and how often the length ranges are adjusted",
     )
     r = RetryConfig()
     p.add_argument(
@@ -379,6 +418,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(parser_error=p.error)  # router_config's complaints come with serve's usage
 
 
+def not_bucket(name: str) -> str:
+    """`--policy` and `--decode-policy` refuse bucket with a usage error saying why."""
+    if name == "bucket":
+        raise argparse.ArgumentTypeError(
+            "bucket balances prefill workers by prompt length: use --prefill-policy bucket"
+        )
+    return name
+
+
 def control_keys(error: Callable[[str], None], values: Sequence[str]) -> tuple[ControlKey, ...]:
     try:
         return parse_keys(values)
@@ -426,10 +474,21 @@ def compatibility(args: argparse.Namespace, error: Callable[[str], None]) -> tup
     return tuple(warnings)
 
 
+def check_policy_flags(args: argparse.Namespace, error: Callable[[str], None]) -> None:
+    """The bounds SGLang's router puts on the manual and bucket knobs, as usage errors."""
+    if args.max_idle_secs < 0:
+        error(f"--max-idle-secs must be 0 (never forget) or more: {args.max_idle_secs}")
+    if args.prefill_policy == "bucket" and args.bucket_adjust_interval_secs < 1:
+        error(
+            f"--bucket-adjust-interval-secs must be 1 or more: {args.bucket_adjust_interval_secs}"
+        )
+
+
 def router_config(args: argparse.Namespace) -> RouterConfig:
     error = getattr(args, "parser_error", parser_error)
     warnings = compatibility(args, error)
     kube, shared = membership_configs(args, error)
+    check_policy_flags(args, error)
     if args.mini_lb:
         args.policy, args.prefill_policy, args.decode_policy = "random", None, None
     return RouterConfig(
@@ -506,6 +565,9 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
             balance_rel_threshold=args.balance_rel_threshold,
             eviction_interval_secs=args.eviction_interval_secs,
             max_tree_size=args.max_tree_size,
+            max_idle_secs=args.max_idle_secs,
+            assignment_mode=args.assignment_mode,
+            bucket_adjust_interval_secs=args.bucket_adjust_interval_secs,
         ),
     )
 

@@ -19,8 +19,12 @@ if TYPE_CHECKING:
     from trio_pd.membership.kubernetes import KubernetesConfig
 
 Role = Literal["prefill", "decode"]
-PolicyName = Literal["random", "round_robin", "power_of_two", "cache_aware"]
-POLICY_NAMES: tuple[str, ...] = ("random", "round_robin", "power_of_two", "cache_aware")
+PolicyName = Literal["random", "round_robin", "power_of_two", "cache_aware", "manual", "bucket"]
+# As SGLang's router: `bucket` balances prefill by request length and is a prefill policy only.
+POLICY_NAMES: tuple[str, ...] = ("random", "round_robin", "cache_aware", "power_of_two", "manual")
+PREFILL_POLICY_NAMES: tuple[str, ...] = (*POLICY_NAMES, "bucket")
+AssignmentMode = Literal["random", "min_load", "min_group"]
+ASSIGNMENT_MODES: tuple[str, ...] = ("random", "min_load", "min_group")
 
 
 @attrs.frozen
@@ -78,20 +82,37 @@ class TimeoutConfig:
     stream_stall_secs: float = 30.0  # the client has not drained the stream for this long
 
 
+def _not_bucket(instance: object, attribute: attrs.Attribute[object], value: object) -> None:
+    """SGLang's router refuses a bucket decode policy: decode has no prompt to balance."""
+    if value == "bucket":
+        raise ValueError(f"{attribute.name}: bucket is a prefill policy (--prefill-policy bucket)")
+
+
 @attrs.frozen
 class PolicyConfig:
-    policy: PolicyName = "cache_aware"
+    """Selection policies and their knobs (SMG's flags; `balance_*` serve cache_aware and bucket,
+    `eviction_interval_secs` both the cache-aware trees and manual's idle routing keys)."""
+
+    policy: PolicyName = attrs.field(default="cache_aware", validator=_not_bucket)
     prefill_policy: PolicyName | None = None  # None: use `policy`
-    decode_policy: PolicyName | None = None
+    decode_policy: PolicyName | None = attrs.field(default=None, validator=_not_bucket)
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
     eviction_interval_secs: float = 60.0
     max_tree_size: int = 67_108_864
+    max_idle_secs: int = 14_400  # manual: a routing key unused this long is forgotten (0: never)
+    assignment_mode: AssignmentMode = "random"  # manual: where a new routing key goes
+    bucket_adjust_interval_secs: int = 5  # bucket: its load window and boundary adjustment
 
     def for_role(self, role: Role) -> PolicyName:
         chosen = self.prefill_policy if role == "prefill" else self.decode_policy
         return chosen or self.policy
+
+    @property
+    def uses_routing_key(self) -> bool:
+        """A manual policy routes by `X-SMG-Routing-Key`: only then is the header read."""
+        return "manual" in (self.for_role("prefill"), self.for_role("decode"))
 
 
 @attrs.frozen

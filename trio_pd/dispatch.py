@@ -23,6 +23,7 @@ from trio_pd.aborts import AbortJob, AbortService
 from trio_pd.attempt import Attempt, Leg
 from trio_pd.config import RouterConfig
 from trio_pd.errors import RouterError, bad_request, no_worker
+from trio_pd.fleet.hints import RouteHints
 from trio_pd.fleet.retry import attempts, backoff_delay
 from trio_pd.fleet.workers import Fleet, NoWorkerAvailable, RankHold, Worker
 from trio_pd.injection import bootstrap_fields, bootstrap_host, dp_fields, rooms_for, splice
@@ -45,6 +46,7 @@ class PDRequest:
     headers: list[tuple[bytes, bytes]]  # the legs' headers, less authorization
     authorization: bytes | None = None  # the client's, forwarded when a worker has no key
     request_id: str = ""
+    routing_key: str | None = None  # X-SMG-Routing-Key, read only for a manual policy
 
 
 @attrs.define(eq=False)
@@ -92,9 +94,11 @@ async def dispatch(
     avoid: set[Worker] = set()
     model = resolve_model(ctx, request.inspected.model)
     responder.route_info["model"] = model or "-"
+    inspected = request.inspected
+    hints = RouteHints(inspected.text, inspected.length, request.routing_key, model)
     for number in range(1, total + 1):
         try:
-            prefill, decode = ctx.fleet.select_pair(request.inspected.text, frozenset(avoid), model)
+            prefill, decode = ctx.fleet.select_pair(hints, frozenset(avoid))
         except NoWorkerAvailable as exc:
             await responder.error(no_worker(str(exc)))
             return
@@ -209,7 +213,7 @@ def new_attempt(
             worker,
             body,
             leg_headers_for(ctx, request, worker),
-            partial(ctx.fleet.track, worker, hold),
+            partial(ctx.fleet.track, worker, hold, request.routing_key),
             abort_hook(ctx, worker, rids),
         )
 

@@ -45,6 +45,7 @@ class Inspected:
     logprobs: bool
     batch: int | None  # None: a single sequence (scalar bootstrap fields)
     text: str | None  # the routing text, capped
+    length: int  # characters of the routing text before the cap (bucket policy); 0: no text
     model: str | None
     rid: Any  # the client's own `rid` (str, list or None); the router owns the key on the legs
 
@@ -74,13 +75,15 @@ def inspect_body(
     if present:
         raw = json_body.dump({k: v for k, v in payload.items() if k not in present})
     model = payload.get("model")
+    text = prompt_text(path, payload)
     return Inspected(
         body=raw,
         empty=len(payload) == len(present),
         stream=payload.get("stream") is True,
         logprobs=wants_logprobs(path, payload),
         batch=batch,
-        text=routing_text(path, payload),
+        text=text[:ROUTING_TEXT_LIMIT] if text else None,
+        length=len(text) if text else 0,
         model=model if isinstance(model, str) else None,
         rid=payload.get("rid"),
     )
@@ -117,10 +120,11 @@ def _batch_size(path: str, payload: dict[str, Any]) -> int | None:
     return None
 
 
-def routing_text(path: str, payload: dict[str, Any]) -> str | None:
-    """The text a cache-aware policy matches prefixes on: prompt, text or the conversation,
-    at most `ROUTING_TEXT_LIMIT` characters. Values of unexpected types are skipped: the
-    engines judge the request, the router only needs a routing hint."""
+def prompt_text(path: str, payload: dict[str, Any]) -> str | None:
+    """The prompt as text, uncapped: `/generate` `text`, completions `prompt` (the first of a
+    batch), chat the conversation's text parts joined by newlines. Cache-aware matches on its
+    first `ROUTING_TEXT_LIMIT` characters, bucket balances on its length. Values of unexpected
+    types are skipped: the engines judge the request, the router only needs a routing hint."""
     if path == CHAT:
         text = _conversation(payload.get("messages"))
     else:
@@ -128,7 +132,7 @@ def routing_text(path: str, payload: dict[str, Any]) -> str | None:
         if isinstance(value, list) and value:
             value = value[0]
         text = value if isinstance(value, str) else None
-    return text[:ROUTING_TEXT_LIMIT] if text else None
+    return text or None
 
 
 def _conversation(messages: Any) -> str | None:

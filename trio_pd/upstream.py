@@ -26,7 +26,10 @@ from trio_pd.http11 import Connection, Response
 
 KEEPALIVE_EXPIRY_SECS = 2.0  # below the engines' keep-alive, so we never reuse a closing socket
 CONNECT_TIMEOUT_SECS = 10.0  # a black-holed worker fails the leg instead of eating the deadline
-FORWARDED_HEADERS = frozenset((b"x-correlation-id", b"traceparent", b"tracestate"))
+# X-SMG-Routing-Key too: SGLang's router (SMG) forwards it to the workers as well.
+FORWARDED_HEADERS = frozenset(
+    (b"x-correlation-id", b"traceparent", b"tracestate", b"x-smg-routing-key")
+)
 # Not relayed from an upstream answer: hop-by-hop headers, those hypercorn sets itself, and the
 # request id, which the router sets on every response.
 DROPPED_RESPONSE_HEADERS = frozenset(

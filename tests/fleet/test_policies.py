@@ -6,6 +6,7 @@ import pytest
 import trio
 
 from trio_pd.config import PolicyConfig, WorkerSpec
+from trio_pd.fleet.hints import NO_HINTS, RouteHints
 from trio_pd.fleet.policies import (
     CacheAwarePolicy,
     PowerOfTwoPolicy,
@@ -22,6 +23,10 @@ def workers(n, role="decode"):
     return [Worker(spec=WorkerSpec(f"http://w{i}:8000", role), id=f"{role}-{i}") for i in range(n)]
 
 
+def hint(text):
+    return RouteHints(text=text)
+
+
 def words(rng, n):
     return "".join(rng.choice(string.ascii_lowercase) for _ in range(n))
 
@@ -29,7 +34,7 @@ def words(rng, n):
 def test_round_robin_order():
     ws = workers(3)
     p = RoundRobinPolicy()
-    assert [p.choose(ws, None) for _ in range(7)] == [
+    assert [p.choose(ws, NO_HINTS) for _ in range(7)] == [
         ws[0],
         ws[1],
         ws[2],
@@ -43,10 +48,10 @@ def test_round_robin_order():
 def test_random_is_deterministic_and_spreads():
     ws = workers(4)
     p1, p2 = RandomPolicy(random.Random(42)), RandomPolicy(random.Random(42))
-    seq1 = [p1.choose(ws, "x") for _ in range(400)]
-    seq2 = [p2.choose(ws, "x") for _ in range(400)]
+    seq1 = [p1.choose(ws, hint("x")) for _ in range(400)]
+    seq2 = [p2.choose(ws, hint("x")) for _ in range(400)]
     assert seq1 == seq2
-    assert seq1 != [RandomPolicy(random.Random(43)).choose(ws, "x") for _ in range(400)]
+    assert seq1 != [RandomPolicy(random.Random(43)).choose(ws, hint("x")) for _ in range(400)]
     counts = Counter(seq1)
     assert set(counts) == set(ws)
     assert all(60 < c < 140 for c in counts.values())
@@ -57,7 +62,7 @@ def test_power_of_two_picks_lower_load():
     ws[0].in_flight = 5
     ws[1].in_flight = 1
     p = PowerOfTwoPolicy(random.Random(0))
-    assert all(p.choose(ws, None) is ws[1] for _ in range(50))
+    assert all(p.choose(ws, NO_HINTS) is ws[1] for _ in range(50))
 
 
 def test_power_of_two_never_picks_the_most_loaded_of_three():
@@ -65,7 +70,7 @@ def test_power_of_two_never_picks_the_most_loaded_of_three():
     for w, load in zip(ws, (9, 1, 2), strict=True):
         w.in_flight = load
     p = PowerOfTwoPolicy(random.Random(5))
-    picks = Counter(p.choose(ws, None) for _ in range(300))
+    picks = Counter(p.choose(ws, NO_HINTS) for _ in range(300))
     assert picks[ws[0]] == 0
     assert picks[ws[1]] > picks[ws[2]] > 0
 
@@ -74,7 +79,7 @@ async def test_power_of_two_uses_fresh_reported_load(autojump_clock):
     ws = workers(2)
     ws[0].report_load(50)
     p = PowerOfTwoPolicy(random.Random(0))
-    assert all(p.choose(ws, None) is ws[1] for _ in range(20))
+    assert all(p.choose(ws, NO_HINTS) is ws[1] for _ in range(20))
     await trio.sleep(ws[0].load_fresh_secs)  # report goes stale: both idle again
     assert ws[0].load() == 0
 
@@ -96,30 +101,30 @@ def test_cache_aware_repeated_prefix_goes_to_same_worker():
     ws = workers(4)
     p = CacheAwarePolicy(PolicyConfig(), random.Random(0))
     system = "You are a helpful assistant. " * 10
-    first = p.choose(ws, system + "question one")
+    first = p.choose(ws, hint(system + "question one"))
     for q in ("question two", "another thing entirely", "q3"):
-        assert p.choose(ws, system + q) is first
+        assert p.choose(ws, hint(system + q)) is first
 
 
 def test_cache_aware_spreads_distinct_prefixes():
     ws = workers(4)
     p = CacheAwarePolicy(PolicyConfig(), random.Random(0))
     rng = random.Random(1)
-    chosen = [p.choose(ws, words(rng, 200)) for _ in range(4)]
+    chosen = [p.choose(ws, hint(words(rng, 200))) for _ in range(4)]
     assert set(chosen) == set(ws)  # smallest tree wins for a miss
-    many = Counter(p.choose(ws, words(rng, 200)) for _ in range(40))
+    many = Counter(p.choose(ws, hint(words(rng, 200))) for _ in range(40))
     assert set(many) == set(ws) and max(many.values()) - min(many.values()) <= 1
 
 
 def test_cache_aware_threshold_decides_hit_or_miss():
     ws = workers(2)
     p = CacheAwarePolicy(PolicyConfig(cache_threshold=0.5), random.Random(0))
-    a = p.choose(ws, "a" * 100)
+    a = p.choose(ws, hint("a" * 100))
     assert p.tree.size(a) == 100
     # 40 % match: below the threshold, so the smaller (empty) tree wins.
-    assert p.choose(ws, "a" * 40 + "b" * 60) is not a
+    assert p.choose(ws, hint("a" * 40 + "b" * 60)) is not a
     # 60 % match: above the threshold.
-    assert p.choose(ws, "a" * 60 + "c" * 40) is a
+    assert p.choose(ws, hint("a" * 60 + "c" * 40)) is a
 
 
 def test_cache_aware_sheds_load_only_when_both_thresholds_exceeded():
@@ -127,18 +132,18 @@ def test_cache_aware_sheds_load_only_when_both_thresholds_exceeded():
     cfg = PolicyConfig(balance_abs_threshold=10, balance_rel_threshold=2.0)
     p = CacheAwarePolicy(cfg, random.Random(0))
     text = "shared prefix " * 20
-    hot = p.choose(ws, text)
+    hot = p.choose(ws, hint(text))
     cold = ws[1] if hot is ws[0] else ws[0]
     # abs 30 - 19 = 11 > 10, but rel 30 > 19 * 2 fails: still a cache hit
     hot.in_flight, cold.in_flight = 30, 19
-    assert p.choose(ws, text) is hot
+    assert p.choose(ws, hint(text)) is hot
     # rel 10 > 1 * 2 holds, but abs 10 - 1 = 9 > 10 fails: still a cache hit
     hot.in_flight, cold.in_flight = 10, 1
-    assert p.choose(ws, text) is hot
+    assert p.choose(ws, hint(text)) is hot
     # both exceeded -> least loaded, and the text is inserted for it
     hot.in_flight, cold.in_flight = 30, 2
     before = p.tree.size(cold)
-    assert p.choose(ws, text) is cold
+    assert p.choose(ws, hint(text)) is cold
     assert p.tree.size(cold) == before + len(text)
 
 
@@ -146,8 +151,8 @@ def test_cache_aware_no_text_goes_to_least_loaded():
     ws = workers(3)
     ws[0].in_flight, ws[1].in_flight, ws[2].in_flight = 3, 1, 2
     p = CacheAwarePolicy(PolicyConfig(), random.Random(0))
-    assert p.choose(ws, None) is ws[1]
-    assert p.choose(ws, "") is ws[1]
+    assert p.choose(ws, NO_HINTS) is ws[1]
+    assert p.choose(ws, hint("")) is ws[1]
     assert p.tree.tenants() == []
 
 
@@ -155,16 +160,16 @@ def test_cache_aware_only_matches_among_candidates():
     ws = workers(3)
     p = CacheAwarePolicy(PolicyConfig(), random.Random(0))
     text = "x" * 300
-    owner = p.choose(ws, text)
+    owner = p.choose(ws, hint(text))
     rest = [w for w in ws if w is not owner]
-    assert p.choose(rest, text) in rest
+    assert p.choose(rest, hint(text)) in rest
 
 
 def test_cache_aware_removed_worker_is_forgotten():
     ws = workers(2)
     p = CacheAwarePolicy(PolicyConfig(), random.Random(0))
-    owner = p.choose(ws, "hello world " * 30)
-    other = p.choose(ws, "zzz " * 30)
+    owner = p.choose(ws, hint("hello world " * 30))
+    other = p.choose(ws, hint("zzz " * 30))
     assert owner is not other
     p.remove_worker(owner)
     assert p.tree.size(owner) == 0
@@ -181,7 +186,7 @@ def test_cache_aware_eviction_bounds_each_tree():
     texts = [words(rng, 100) for _ in range(60)]
     sizes: dict = {w: [] for w in ws}
     for t in texts:
-        chosen = p.choose(ws, t)
+        chosen = p.choose(ws, hint(t))
         sizes[chosen].append(p.tree.size(chosen))
     for w in ws:
         # Between periodic evictions a tree grows, but never past twice the cap: an insert

@@ -5,8 +5,13 @@ import trio
 import trio.testing
 
 from trio_pd.config import BreakerConfig, PolicyConfig, RouterConfig, WorkerSpec
+from trio_pd.fleet.hints import NO_HINTS, RouteHints
 from trio_pd.fleet.policies import CacheAwarePolicy
 from trio_pd.fleet.workers import Fleet, NoWorkerAvailable
+
+
+def hint(text):
+    return RouteHints(text=text)
 
 
 def make_fleet(n_prefill=2, n_decode=2, policy="round_robin", healthy=True, **kw):
@@ -58,7 +63,7 @@ def test_remove_marks_and_drops():
         fleet.get("decode-1")
     with pytest.raises(KeyError):
         fleet.remove("decode-1")
-    assert all(fleet.select("decode", None) is not w for _ in range(5))
+    assert all(fleet.select("decode", NO_HINTS) is not w for _ in range(5))
 
 
 async def test_select_skips_unhealthy_and_open_breakers(autojump_clock):
@@ -68,13 +73,13 @@ async def test_select_skips_unhealthy_and_open_breakers(autojump_clock):
     fleet.record(d2, ok=False)
     assert d2.breaker.state == "open"
     assert fleet.available("decode") == [d3]
-    assert {fleet.select("decode", "hi") for _ in range(6)} == {d3}
+    assert {fleet.select("decode", hint("hi")) for _ in range(6)} == {d3}
 
 
 async def test_no_worker_available_messages(autojump_clock):
     fleet = make_fleet(n_prefill=0, n_decode=2, breaker=BreakerConfig(failure_threshold=1))
     with pytest.raises(NoWorkerAvailable) as e:
-        fleet.select_pair("x")
+        fleet.select_pair(hint("x"))
     assert e.value.role == "prefill" and e.value.reason == "none_registered"
     assert "no prefill worker is registered" in str(e.value)
 
@@ -82,7 +87,7 @@ async def test_no_worker_available_messages(autojump_clock):
     d1, d2 = fleet.workers("decode")
     d1.healthy = d2.healthy = False
     with pytest.raises(NoWorkerAvailable) as e:
-        fleet.select_pair("x")
+        fleet.select_pair(hint("x"))
     assert e.value.role == "decode" and e.value.reason == "all_unhealthy"
     assert str(e.value) == "no available decode worker: all 2 are unhealthy"
 
@@ -91,25 +96,25 @@ async def test_no_worker_available_messages(autojump_clock):
     fleet.record(d2, ok=False)
     assert fleet.available("decode") == []
     # Every breaker open: panic routing among the healthy ones, counted, instead of a 503.
-    assert {fleet.select("decode", None) for _ in range(20)} == {d1, d2}
+    assert {fleet.select("decode", NO_HINTS) for _ in range(20)} == {d1, d2}
     assert fleet.panics["decode"] == 20
 
     d1.healthy = False
-    assert fleet.select("decode", None) is d2  # unhealthy workers stay out, even in a panic
+    assert fleet.select("decode", NO_HINTS) is d2  # unhealthy workers stay out, even in a panic
 
     await trio.sleep(fleet.config.breaker.timeout_duration_secs)  # d2 goes half-open
     assert fleet.available("decode") == [d2]
-    assert fleet.select("decode", None) is d2
+    assert fleet.select("decode", NO_HINTS) is d2
     assert fleet.panics["decode"] == 21
 
 
 def test_avoid_prefers_others_but_falls_back():
     fleet = make_fleet(n_decode=3)
     d1, d2, d3 = fleet.workers("decode")
-    picks = {fleet.select("decode", None, avoid=frozenset({d1, d2})) for _ in range(5)}
+    picks = {fleet.select("decode", NO_HINTS, avoid=frozenset({d1, d2})) for _ in range(5)}
     assert picks == {d3}
-    assert fleet.select("decode", None, avoid=frozenset({d1, d2, d3})) in (d1, d2, d3)
-    p, d = fleet.select_pair(None, avoid=frozenset({fleet.get("prefill-1"), d1, d3}))
+    assert fleet.select("decode", NO_HINTS, avoid=frozenset({d1, d2, d3})) in (d1, d2, d3)
+    p, d = fleet.select_pair(NO_HINTS, avoid=frozenset({fleet.get("prefill-1"), d1, d3}))
     assert (p.id, d.id) == ("prefill-2", "decode-2")
 
 
@@ -161,7 +166,7 @@ def test_cache_aware_fleet_forgets_removed_worker():
     fleet = make_fleet(policy="cache_aware")
     policy = fleet.policies["decode"]
     assert isinstance(policy, CacheAwarePolicy)
-    w = fleet.select("decode", "some long prompt " * 10)
+    w = fleet.select("decode", hint("some long prompt " * 10))
     assert policy.tree.size(w) > 0
     fleet.remove(w.id)
     assert policy.tree.size(w) == 0 and w not in policy.tree.tenants()

@@ -1,8 +1,9 @@
 """Worker selection policies, named as in SGLang's router.
 
 A policy chooses one worker among `candidates` (already filtered by the fleet: healthy, not
-removed, breaker allowing, preferably not avoided; never empty). Policies hold no references to
-the fleet; the fleet tells them about membership through `add_worker` / `remove_worker`.
+removed, breaker allowing, preferably not avoided; never empty), knowing of the request only its
+`RouteHints`. Policies hold no references to the fleet; the fleet tells them about membership
+through `add_worker` / `remove_worker`. `manual` and `bucket` live in their own modules.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from trio_pd.config import PolicyConfig
+from trio_pd.fleet.bucket import BucketPolicy
+from trio_pd.fleet.hints import RouteHints
+from trio_pd.fleet.manual import ManualPolicy
 from trio_pd.fleet.prefix_tree import PrefixTree
 
 if TYPE_CHECKING:
@@ -23,7 +27,7 @@ if TYPE_CHECKING:
 class Policy(Protocol):
     name: str
 
-    def choose(self, candidates: Sequence[Worker], text: str | None) -> Worker: ...
+    def choose(self, candidates: Sequence[Worker], hints: RouteHints) -> Worker: ...
 
     def add_worker(self, worker: Worker) -> None: ...
 
@@ -59,7 +63,7 @@ class RandomPolicy(_Stateless):
     def __init__(self, rng: random.Random | None = None) -> None:
         self.rng = rng or random.Random()
 
-    def choose(self, candidates: Sequence[Worker], text: str | None) -> Worker:
+    def choose(self, candidates: Sequence[Worker], hints: RouteHints) -> Worker:
         return self.rng.choice(candidates)
 
 
@@ -71,7 +75,7 @@ class RoundRobinPolicy(_Stateless):
     def __init__(self) -> None:
         self._next = 0
 
-    def choose(self, candidates: Sequence[Worker], text: str | None) -> Worker:
+    def choose(self, candidates: Sequence[Worker], hints: RouteHints) -> Worker:
         worker = candidates[self._next % len(candidates)]
         self._next += 1
         return worker
@@ -85,7 +89,7 @@ class PowerOfTwoPolicy(_Stateless):
     def __init__(self, rng: random.Random | None = None) -> None:
         self.rng = rng or random.Random()
 
-    def choose(self, candidates: Sequence[Worker], text: str | None) -> Worker:
+    def choose(self, candidates: Sequence[Worker], hints: RouteHints) -> Worker:
         if len(candidates) == 1:
             return candidates[0]
         a, b = self.rng.sample(candidates, 2)
@@ -112,7 +116,8 @@ class CacheAwarePolicy:
         self.rng = rng or random.Random()
         self.tree: PrefixTree[Worker] = PrefixTree()
 
-    def choose(self, candidates: Sequence[Worker], text: str | None) -> Worker:
+    def choose(self, candidates: Sequence[Worker], hints: RouteHints) -> Worker:
+        text = hints.text
         if len(candidates) == 1:
             chosen = candidates[0]
         elif not text:
@@ -166,6 +171,10 @@ def make_policy(
         return PowerOfTwoPolicy(rng)
     if name == "cache_aware":
         return CacheAwarePolicy(config, rng)
+    if name == "manual":
+        return ManualPolicy(config.assignment_mode, config.max_idle_secs, rng)
+    if name == "bucket":
+        return BucketPolicy(config, rng)
     raise ValueError(f"unknown policy {name!r}")
 
 
@@ -174,7 +183,12 @@ class _Evictable(Protocol):
 
 
 async def run_eviction(policy: _Evictable, interval_secs: float) -> None:
-    """Call `policy.evict()` every `interval_secs`, forever (a Fleet works too: it evicts all)."""
+    """Call `policy.evict()` every `interval_secs`, forever (a Fleet works too: it evicts all).
+
+    An interval of 0 (or less) turns periodic eviction off, as SMG's manual policy reads it,
+    rather than spinning: cache-aware trees are still trimmed at twice their bound on insert."""
+    if interval_secs <= 0:
+        await trio.sleep_forever()
     while True:
         await trio.sleep(interval_secs)
         policy.evict()

@@ -14,6 +14,7 @@ import trio
 
 from trio_pd.config import Role, RouterConfig, WorkerSpec
 from trio_pd.fleet.breaker import CircuitBreaker
+from trio_pd.fleet.hints import NO_HINTS, RouteHints
 from trio_pd.fleet.policies import Policy, make_policy
 from trio_pd.membership.source import WorkerRecord
 
@@ -59,6 +60,9 @@ class Worker:
     reported_load: int | None = None
     reported_at: float | None = None
     load_fresh_secs: float = 120.0
+    # Legs in flight per routing key (only counted when a manual policy reads keys): its
+    # min_group assignment mode places a new key where the fewest distinct keys are active.
+    active_keys: dict[str, int] = attrs.Factory(dict)
 
     @property
     def url(self) -> str:
@@ -158,21 +162,31 @@ class RankHold:
 
 
 class Tracked:
-    """A leg counted on its worker while it runs (and its rank hold released when it ends); a
-    class, not a generator: it is on every leg's path."""
+    """A leg counted on its worker while it runs, under its routing key when it has one (and its
+    rank hold released when it ends); a class, not a generator: it is on every leg's path."""
 
-    __slots__ = ("_hold", "_worker")
+    __slots__ = ("_hold", "_key", "_worker")
 
-    def __init__(self, worker: Worker, hold: RankHold | None) -> None:
+    def __init__(self, worker: Worker, hold: RankHold | None, key: str | None = None) -> None:
         self._worker = worker
         self._hold = hold
+        self._key = key
 
     def __enter__(self) -> Worker:
-        self._worker.in_flight += 1
-        return self._worker
+        worker = self._worker
+        worker.in_flight += 1
+        if self._key is not None:
+            worker.active_keys[self._key] = worker.active_keys.get(self._key, 0) + 1
+        return worker
 
     def __exit__(self, *exc_info: object) -> None:
-        self._worker.in_flight -= 1
+        worker = self._worker
+        worker.in_flight -= 1
+        key = self._key
+        if key is not None:
+            left = worker.active_keys.pop(key, 1) - 1
+            if left > 0:
+                worker.active_keys[key] = left
         if self._hold is not None:
             self._hold.release()
 
@@ -329,13 +343,9 @@ class Fleet:
     # -- selection -----------------------------------------------------------------------------
 
     def select(
-        self,
-        role: Role,
-        text: str | None,
-        avoid: frozenset[Worker] = frozenset(),
-        model: str | None = None,
+        self, role: Role, hints: RouteHints = NO_HINTS, avoid: frozenset[Worker] = frozenset()
     ) -> Worker:
-        """Choose a worker of `role` (serving `model`, when given) for a leg.
+        """Choose a worker of `role` (serving `hints.model`, when given) for a leg.
 
         Candidates are the healthy workers whose breaker allows traffic, preferably not in
         `avoid`. When every healthy worker's breaker is open, they are all candidates anyway
@@ -345,6 +355,7 @@ class Fleet:
         leaves rotation that way. Policies only ever see the model's own workers, so cache-aware
         trees and loads never mix models.
         """
+        model = hints.model
         candidates = self.available(role, model)
         if not candidates:
             candidates = self.routable(role, model)
@@ -357,14 +368,14 @@ class Fleet:
             preferred = [w for w in candidates if w not in avoid]
             if preferred:
                 candidates = preferred
-        return self.policies[role].choose(candidates, text)
+        return self.policies[role].choose(candidates, hints)
 
     def select_pair(
-        self, text: str | None, avoid: frozenset[Worker] = frozenset(), model: str | None = None
+        self, hints: RouteHints = NO_HINTS, avoid: frozenset[Worker] = frozenset()
     ) -> tuple[Worker, Worker]:
         """(prefill, decode). Raises NoWorkerAvailable for the first role with nobody up."""
-        prefill = self.select("prefill", text, avoid, model)
-        decode = self.select("decode", text, avoid, model)
+        prefill = self.select("prefill", hints, avoid)
+        decode = self.select("decode", hints, avoid)
         return prefill, decode
 
     def models(self) -> list[str]:
@@ -379,9 +390,12 @@ class Fleet:
     def models_changed(self) -> None:
         self._models = None
 
-    def track(self, worker: Worker, hold: RankHold | None = None) -> Tracked:
-        """`with fleet.track(worker, hold)`: count a leg on `worker`; release its rank hold."""
-        return Tracked(worker, hold)
+    def track(
+        self, worker: Worker, hold: RankHold | None = None, key: str | None = None
+    ) -> Tracked:
+        """`with fleet.track(worker, hold, key)`: count a leg on `worker` (under its routing
+        `key`, if any); release its rank hold."""
+        return Tracked(worker, hold, key)
 
     def record(self, worker: Worker, ok: bool) -> None:
         breaker = worker.breaker

@@ -1,0 +1,25 @@
+"""What a selection policy may know of a request: a few routing facts, never the request.
+
+Built once per request (dispatch) and handed to every selection of it, retries included, so a
+policy reads plain fields and nothing is parsed or scanned on its behalf unless configured.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class RouteHints:
+    """`text`: the routing text (the prompt or conversation, capped) cache-aware matches on.
+    `length`: the prompt's length in characters, uncapped (bucket); 0 without text (token ids).
+    `key`: the client's routing key (manual); None when it sent none or no policy reads it.
+    `model`: the model whose workers are the candidates; None when the router serves one."""
+
+    text: str | None = None
+    length: int = 0
+    key: str | None = None
+    model: str | None = None
+
+
+NO_HINTS = RouteHints()

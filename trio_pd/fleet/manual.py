@@ -1,0 +1,160 @@
+"""SGLang's `manual` policy: sticky routing by the client's routing key (`X-SMG-Routing-Key`).
+
+A key gets a worker the first time it is seen and keeps it: adding workers moves no key, and a
+key moves only when its worker is not among the candidates (unhealthy, removed, breaker open,
+another model's, or avoided by a retry). Each key remembers its last two workers, the newest
+last; a request goes to the first of them that is a candidate, so a key whose worker comes back
+returns to it, and one that had to move three times has forgotten the first. Workers are named by
+URL, as in SMG, so a worker re-registered under the same URL (a new pod id) keeps its keys.
+
+Where a new key goes (`--assignment-mode`), and where a request without a key goes (it is placed
+the same way and remembered nowhere):
+
+- `random`: uniformly over the candidates. With a key, the draw is rendezvous hashing of the key
+  over the candidates' URLs instead of a random number: just as uniform, but every process of
+  `--workers N` (and every replica) that sees the same candidates places a new key on the same
+  worker, where independent draws would scatter one session over N workers.
+- `min_load`: the candidate with the lowest load (`Worker.load()`);
+- `min_group`: the candidate with the fewest distinct routing keys in flight on it.
+  Ties in both are broken as `random` places the key.
+
+Keys unused for `--max-idle-secs` are forgotten when the periodic eviction runs (every
+`--eviction-interval-secs`, the task that also trims cache-aware trees; `0` for either keeps
+them). The table is kept in least-recently-used order, so eviction touches only the keys it
+drops, and it holds at most `MAX_ROUTING_KEYS`: past that the least recently used key is
+forgotten first (SMG bounds it by idle time only). The table is per process, as SMG's is per
+replica.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import trio
+
+from trio_pd.config import AssignmentMode
+from trio_pd.fleet.hints import RouteHints
+
+if TYPE_CHECKING:
+    from trio_pd.fleet.workers import Worker
+
+log = logging.getLogger(__name__)
+
+MAX_CANDIDATE_WORKERS = 2  # SMG: workers remembered per key, for failover and return
+MAX_ROUTING_KEYS = 262_144
+
+
+class KeyRoute:
+    """One key's workers (URLs, newest last) and when it was last used."""
+
+    __slots__ = ("last_used", "urls")
+
+    def __init__(self, url: str, now: float) -> None:
+        self.urls = [url]
+        self.last_used = now
+
+    def remember(self, url: str) -> None:
+        if len(self.urls) >= MAX_CANDIDATE_WORKERS:
+            del self.urls[: len(self.urls) - MAX_CANDIDATE_WORKERS + 1]
+        self.urls.append(url)
+
+
+class ManualPolicy:
+    name = "manual"
+
+    def __init__(
+        self,
+        assignment_mode: AssignmentMode = "random",
+        max_idle_secs: float = 14_400,
+        rng: random.Random | None = None,
+        max_keys: int = MAX_ROUTING_KEYS,
+    ) -> None:
+        self.assignment_mode = assignment_mode
+        self.max_idle_secs = max_idle_secs
+        self.rng = rng or random.Random()
+        self.max_keys = max_keys
+        self.routes: OrderedDict[str, KeyRoute] = OrderedDict()  # least recently used first
+        self.branches: dict[str, int] = dict.fromkeys(
+            ("occupied_hit", "occupied_miss", "vacant", "no_routing_id"), 0
+        )  # SMG's names for what each selection did
+
+    def choose(self, candidates: Sequence[Worker], hints: RouteHints) -> Worker:
+        key = hints.key
+        if key is None:
+            self.branches["no_routing_id"] += 1
+            return self._place(candidates, None)
+        now = trio.current_time()
+        route = self.routes.get(key)
+        if route is None:
+            chosen = self._place(candidates, key)
+            if len(self.routes) >= self.max_keys:
+                self.routes.popitem(last=False)
+            self.routes[key] = KeyRoute(chosen.url, now)
+            self.branches["vacant"] += 1
+            return chosen
+        route.last_used = now
+        self.routes.move_to_end(key)
+        for url in route.urls:
+            for worker in candidates:
+                if worker.url == url:
+                    self.branches["occupied_hit"] += 1
+                    return worker
+        chosen = self._place(candidates, key)
+        route.remember(chosen.url)
+        self.branches["occupied_miss"] += 1
+        return chosen
+
+    def _place(self, candidates: Sequence[Worker], key: str | None) -> Worker:
+        """Where a new key (or a request without one) goes, per the assignment mode."""
+        if len(candidates) == 1:
+            return candidates[0]
+        mode = self.assignment_mode
+        if mode == "min_load":
+            candidates = _lowest(candidates, lambda w: w.load())
+        elif mode == "min_group":
+            candidates = _lowest(candidates, lambda w: len(w.active_keys))
+        if len(candidates) == 1:
+            return candidates[0]
+        if key is None:
+            return self.rng.choice(candidates)
+        return max(candidates, key=lambda w: rendezvous_score(key, w.url))
+
+    def add_worker(self, worker: Worker) -> None:
+        pass  # a new worker takes new keys only
+
+    def remove_worker(self, worker: Worker) -> None:
+        pass  # its keys move on their next request (it is no candidate any more)
+
+    def evict(self) -> None:
+        """Forget the keys unused for `max_idle_secs` (0: never); the oldest come first."""
+        if self.max_idle_secs <= 0 or not self.routes:
+            return
+        oldest_kept = trio.current_time() - self.max_idle_secs
+        routes = self.routes
+        dropped = 0
+        while routes:
+            key, route = next(iter(routes.items()))
+            if route.last_used > oldest_kept:
+                break
+            del routes[key]
+            dropped += 1
+        if dropped:
+            log.info("manual policy: forgot %d idle routing keys, %d kept", dropped, len(routes))
+
+
+def _lowest(candidates: Sequence[Worker], measure: Callable[[Worker], int]) -> list[Worker]:
+    values = [measure(w) for w in candidates]
+    low = min(values)
+    return [w for w, value in zip(candidates, values, strict=True) if value == low]
+
+
+def rendezvous_score(key: str, url: str) -> int:
+    """A stable pseudo-random score of (key, worker): the highest scoring candidate takes the
+    key. Stable across processes (Python's own `hash` is salted per process)."""
+    data = key.encode("utf-8", "surrogatepass") + b"\0" + url.encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
