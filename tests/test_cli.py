@@ -97,3 +97,15 @@ async def test_serve_command_routes_and_stops_on_sigint(
             process.kill()
             await process.wait()
     assert len(decode.events.find("slot_freed", reason="finished")) == 6
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--cb-window-duration-secs", "0"],  # SMG: "Must be > 0"
+        ["--rate-limit-tokens-per-second", "-2"],  # SMG: "Must be >= 0 when specified"
+    ],
+)
+def test_edge_flags_refuse_what_sglang_router_refuses(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        router_config(build_parser().parse_args(["serve", *argv]))

@@ -106,6 +106,7 @@ class Router:
             c.queue_size,
             c.queue_timeout_secs,
             self.metrics.admission_waits,
+            c.rate_limit_tokens_per_second,
         )
 
     @aborts.default

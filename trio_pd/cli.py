@@ -127,6 +127,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue-size", type=int, default=d.queue_size)
     p.add_argument("--queue-timeout-secs", type=float, default=d.queue_timeout_secs)
     p.add_argument(
+        "--rate-limit-tokens-per-second",
+        type=int,
+        default=None,
+        help="refill rate of the admission token bucket (capacity: --max-concurrent-requests); "
+        "default: --max-concurrent-requests; 0: tokens come back only when requests end",
+    )
+    p.add_argument(
         "--api-key",
         default=None,
         help="the key sent to workers as `Authorization: Bearer` (as in SGLang's router; "
@@ -203,6 +210,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cb-failure-threshold", type=int, default=b.failure_threshold)
     p.add_argument("--cb-success-threshold", type=int, default=b.success_threshold)
     p.add_argument("--cb-timeout-duration-secs", type=float, default=b.timeout_duration_secs)
+    p.add_argument(
+        "--cb-window-duration-secs",
+        type=int,
+        default=int(b.window_duration_secs),
+        help="accepted as SGLang's router does: must be > 0, and (as there) no breaker reads "
+        "it; breakers count consecutive failures",
+    )
     p.add_argument("--disable-circuit-breaker", action="store_true")
     t = TimeoutConfig()
     p.add_argument(
@@ -288,9 +302,18 @@ def membership_configs(
     return kube, shared
 
 
+def edge_checks(args: argparse.Namespace, error: Callable[[str], None]) -> None:
+    """SMG's own validation of the rate and breaker window flags (`config/validation.rs`)."""
+    if args.rate_limit_tokens_per_second is not None and args.rate_limit_tokens_per_second < 0:
+        error("--rate-limit-tokens-per-second must be >= 0")
+    if args.cb_window_duration_secs <= 0:
+        error("--cb-window-duration-secs must be > 0")
+
+
 def router_config(args: argparse.Namespace) -> RouterConfig:
     error = getattr(args, "parser_error", parser_error)
     kube, shared = membership_configs(args, error)
+    edge_checks(args, error)
     return RouterConfig(
         prefill=tuple(WorkerSpec(url, "prefill", port, model) for url, port, model in args.prefill),
         decode=tuple(WorkerSpec(url, "decode", None, model) for url, model in args.decode),
@@ -306,6 +329,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         max_concurrent_requests=args.max_concurrent_requests,
         queue_size=args.queue_size,
         queue_timeout_secs=args.queue_timeout_secs,
+        rate_limit_tokens_per_second=args.rate_limit_tokens_per_second,
         api_key=args.api_key or os.environ.get("TRIO_PD_API_KEY") or None,
         control_plane_api_keys=control_keys(error, args.control_plane_api_keys),
         control_plane_audit_enabled=args.control_plane_audit_enabled,
@@ -336,6 +360,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
             failure_threshold=args.cb_failure_threshold,
             success_threshold=args.cb_success_threshold,
             timeout_duration_secs=args.cb_timeout_duration_secs,
+            window_duration_secs=args.cb_window_duration_secs,
             enabled=not args.disable_circuit_breaker,
         ),
         health=HealthConfig(
