@@ -17,6 +17,7 @@ from trio_pd.config import (
     TimeoutConfig,
     WorkerSpec,
 )
+from trio_pd.cors import check_origins
 from trio_pd.membership import etcd, kubernetes
 from trio_pd.urls import check_syntax
 
@@ -132,6 +133,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="refill rate of the admission token bucket (capacity: --max-concurrent-requests); "
         "default: --max-concurrent-requests; 0: tokens come back only when requests end",
+    )
+    p.add_argument(
+        "--request-id-headers",
+        nargs="*",
+        default=None,
+        metavar="HEADER",
+        help="headers a client's request id is taken from, first present wins (default: "
+        "x-request-id x-correlation-id x-trace-id request-id; none listed: always generate)",
+    )
+    p.add_argument(
+        "--cors-allowed-origins",
+        nargs="*",
+        default=[],
+        metavar="ORIGIN",
+        help="origins browsers may call the router from (default: any origin)",
     )
     p.add_argument(
         "--api-key",
@@ -302,18 +318,24 @@ def membership_configs(
     return kube, shared
 
 
-def edge_checks(args: argparse.Namespace, error: Callable[[str], None]) -> None:
-    """SMG's own validation of the rate and breaker window flags (`config/validation.rs`)."""
+def edge_checks(args: argparse.Namespace, error: Callable[[str], None]) -> tuple[str, ...]:
+    """SMG's own validation of the rate, breaker window and CORS flags (`config/validation.rs`;
+    a `*` origin panics there); the checked origins."""
     if args.rate_limit_tokens_per_second is not None and args.rate_limit_tokens_per_second < 0:
         error("--rate-limit-tokens-per-second must be >= 0")
     if args.cb_window_duration_secs <= 0:
         error("--cb-window-duration-secs must be > 0")
+    try:
+        return check_origins(args.cors_allowed_origins)
+    except ValueError as exc:
+        error(f"--cors-allowed-origins: {exc}")
+        raise
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
     error = getattr(args, "parser_error", parser_error)
     kube, shared = membership_configs(args, error)
-    edge_checks(args, error)
+    origins = edge_checks(args, error)
     return RouterConfig(
         prefill=tuple(WorkerSpec(url, "prefill", port, model) for url, port, model in args.prefill),
         decode=tuple(WorkerSpec(url, "decode", None, model) for url, model in args.decode),
@@ -330,6 +352,10 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         queue_size=args.queue_size,
         queue_timeout_secs=args.queue_timeout_secs,
         rate_limit_tokens_per_second=args.rate_limit_tokens_per_second,
+        request_id_headers=(
+            None if args.request_id_headers is None else tuple(args.request_id_headers)
+        ),
+        cors_allowed_origins=origins,
         api_key=args.api_key or os.environ.get("TRIO_PD_API_KEY") or None,
         control_plane_api_keys=control_keys(error, args.control_plane_api_keys),
         control_plane_audit_enabled=args.control_plane_audit_enabled,

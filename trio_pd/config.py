@@ -113,6 +113,8 @@ class RouterConfig:
     queue_size: int = 100
     queue_timeout_secs: float = 60.0
     rate_limit_tokens_per_second: float | None = None  # bucket refill; None: max_concurrent
+    request_id_headers: tuple[str, ...] | None = None  # None: request_ids.DEFAULT_HEADERS
+    cors_allowed_origins: tuple[str, ...] = ()  # empty: any origin (SMG's meaning)
     api_key: str | None = attrs.field(default=None, repr=False)  # sent TO workers (SMG's meaning)
     control_plane_api_keys: tuple[ControlKey, ...] = ()
     control_plane_audit_enabled: bool = False
