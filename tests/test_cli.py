@@ -97,3 +97,44 @@ async def test_serve_command_routes_and_stops_on_sigint(
             process.kill()
             await process.wait()
     assert len(decode.events.find("slot_freed", reason="finished")) == 6
+
+
+def test_edge_flags_keep_sglang_router_defaults_and_values() -> None:
+    parser = build_parser()
+    config = router_config(parser.parse_args(["serve"]))
+    assert config.request_id_headers is None  # the router's default list
+    assert config.cors_allowed_origins == ()  # any origin
+    assert config.rate_limit_tokens_per_second is None  # = --max-concurrent-requests
+    assert config.breaker.window_duration_secs == 120
+    config = router_config(
+        parser.parse_args(
+            [
+                "serve",
+                "--request-id-headers", "X-Trace-Id", "my-id",
+                "--cors-allowed-origins", "http://a.example", "https://b.example:8443",
+                "--rate-limit-tokens-per-second", "5",
+                "--cb-window-duration-secs", "30",
+            ]
+        )
+    )  # fmt: skip
+    assert config.request_id_headers == ("X-Trace-Id", "my-id")
+    assert config.cors_allowed_origins == ("http://a.example", "https://b.example:8443")
+    assert config.rate_limit_tokens_per_second == 5
+    assert config.breaker.window_duration_secs == 30
+    # The flag given with no header: no client id is ever taken (SMG passes an empty list on).
+    empty = router_config(parser.parse_args(["serve", "--request-id-headers"]))
+    assert empty.request_id_headers == ()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--cb-window-duration-secs", "0"],  # SMG: "Must be > 0"
+        ["--rate-limit-tokens-per-second", "-2"],  # SMG: "Must be >= 0 when specified"
+        ["--cors-allowed-origins", "*"],  # SMG 0.3.2 panics at startup
+        ["--cors-allowed-origins", "http://a.example", ""],
+    ],
+)
+def test_edge_flags_refuse_what_sglang_router_refuses(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        router_config(build_parser().parse_args(["serve", *argv]))

@@ -28,6 +28,7 @@ from trio_pd.auth import Access, AccessClass, startup_warnings
 from trio_pd.background import run_background
 from trio_pd.config import RouterConfig
 from trio_pd.control import ControlContext
+from trio_pd.cors import CorsPolicy, handle_preflight
 from trio_pd.dispatch import DispatchContext, PDRequest, RequestCancel, dispatch
 from trio_pd.drain import Drain, cut_by_shutdown, shutting_down
 from trio_pd.errors import RouterError, internal_error, method_not_allowed, not_found
@@ -46,6 +47,7 @@ from trio_pd.membership.setup import Membership, membership_for
 from trio_pd.membership.source import MembershipSource, MembershipStore
 from trio_pd.metrics import RouterMetrics
 from trio_pd.relay import error_frame
+from trio_pd.request_ids import RequestIds
 from trio_pd.respond import Reply, Responder
 from trio_pd.routing_key import routing_key
 from trio_pd.tls import worker_ssl_context
@@ -78,8 +80,9 @@ class Router:
     control: ControlContext = attrs.field()
     generation: GenerationContext = attrs.field()
     routes: dict[str, dict[str, Route]] = attrs.field()
-    _request_prefix: bytes = attrs.field(factory=lambda: os.urandom(11).hex().encode())
-    _request_serial: int = 0
+    request_ids: RequestIds = attrs.field()
+    cors: CorsPolicy = attrs.field()
+    preflight: Route = attrs.field()
 
     @fleet.default
     def _default_fleet(self) -> Fleet:
@@ -107,6 +110,7 @@ class Router:
             c.queue_size,
             c.queue_timeout_secs,
             self.metrics.admission_waits,
+            c.rate_limit_tokens_per_second,
         )
 
     @aborts.default
@@ -156,6 +160,18 @@ class Router:
     def _default_routes(self) -> dict[str, dict[str, Route]]:
         return route_table(self)
 
+    @request_ids.default
+    def _default_request_ids(self) -> RequestIds:
+        return RequestIds(self.config.request_id_headers)
+
+    @cors.default
+    def _default_cors(self) -> CorsPolicy:
+        return CorsPolicy.from_origins(self.config.cors_allowed_origins)
+
+    @preflight.default
+    def _default_preflight(self) -> Route:
+        return Route(partial(handle_preflight, self.cors), "open")
+
     @property
     def store(self) -> MembershipStore:
         """Where the admin API writes membership (`membership/setup.py` chooses)."""
@@ -203,15 +219,17 @@ class Router:
     # -- http -------------------------------------------------------------------------------
 
     async def handle_http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request_id = incoming_request_id(scope["headers"]) or self.new_request_id()
-        current_request_id.set(request_id.decode("latin-1"))
-        responder = Responder(send, request_id)  # echoed as its exact bytes
+        headers = scope["headers"]
         path = scope["path"]
+        request_id = self.request_ids.incoming(headers) or self.request_ids.new(path)
+        current_request_id.set(request_id.decode("latin-1"))
+        # The request id is echoed as its exact bytes; the CORS headers go on every answer.
+        responder = Responder(send, request_id, self.cors.response_headers(headers))
         label = path if path in self.routes else "other"
         started_at = trio.current_time()
         try:
             route = self.route(scope["method"], path)
-            caller = self.access.check(route.access, scope["headers"], scope.get("client"))
+            caller = self.access.check(route.access, headers, scope.get("client"))
             await route.handler(scope, receive, responder)
             if route.access == "write":
                 self.access.record(
@@ -237,12 +255,6 @@ class Router:
                     "ms": round(elapsed * 1000, 1), "bytes": responder.bytes_sent,
                     **responder.route_info,
                 })  # fmt: skip
-
-    def new_request_id(self) -> bytes:
-        """A fresh request id: this process's random prefix and a counter (unique, and cheaper
-        than a uuid4 per request)."""
-        self._request_serial += 1
-        return b"%s%010x" % (self._request_prefix, self._request_serial)
 
     async def handle_metrics_port(self, scope: Scope, receive: Receive, send: Send) -> None:
         """`--prometheus-port` serves `/metrics` and nothing else."""
@@ -271,6 +283,8 @@ class Router:
             methods = self.routes["/workers/{id}"]
         if methods is None:
             raise not_found(path)
+        if method == "OPTIONS":  # a CORS preflight, answered by the router on every route
+            return self.preflight
         route = methods.get(method)
         if route is None:
             raise method_not_allowed(method, path, tuple(methods))
@@ -382,17 +396,6 @@ async def watch_disconnect(receive: Receive, responder: Responder, cancel: Reque
             if not responder.finished:
                 cancel.cancel("client_gone")
             return
-
-
-def incoming_request_id(headers: list[tuple[bytes, bytes]]) -> bytes | None:
-    """The client's `x-request-id` (else `x-correlation-id`), as its exact bytes."""
-    found = None
-    for name, value in headers:
-        if name == b"x-request-id" and value:
-            return value
-        if name == b"x-correlation-id" and value:
-            found = value
-    return found
 
 
 async def handle_liveness(scope: Scope, receive: Receive, rsp: Responder) -> None:

@@ -20,6 +20,7 @@ from trio_pd.config import (
     TimeoutConfig,
     WorkerSpec,
 )
+from trio_pd.cors import check_origins
 from trio_pd.membership import etcd, kubernetes
 from trio_pd.urls import check_syntax
 
@@ -165,6 +166,28 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=d.queue_timeout_secs,
         help="longest wait in that queue (then 429)",
+    )
+    p.add_argument(
+        "--rate-limit-tokens-per-second",
+        type=int,
+        default=None,
+        help="refill rate of the admission token bucket (capacity: --max-concurrent-requests); "
+        "default: --max-concurrent-requests; 0: tokens come back only when requests end",
+    )
+    p.add_argument(
+        "--request-id-headers",
+        nargs="*",
+        default=None,
+        metavar="HEADER",
+        help="headers a client's request id is taken from, first present wins (default: "
+        "x-request-id x-correlation-id x-trace-id request-id; none listed: always generate)",
+    )
+    p.add_argument(
+        "--cors-allowed-origins",
+        nargs="*",
+        default=[],
+        metavar="ORIGIN",
+        help="origins browsers may call the router from (default: any origin)",
     )
     p.add_argument(
         "--api-key",
@@ -346,6 +369,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=b.timeout_duration_secs,
         help="how long an open breaker waits before a half-open trial",
     )
+    p.add_argument(
+        "--cb-window-duration-secs",
+        type=int,
+        default=int(b.window_duration_secs),
+        help="accepted as SGLang's router does: must be > 0, and (as there) no breaker reads "
+        "it; breakers count consecutive failures",
+    )
     p.add_argument("--disable-circuit-breaker", action="store_true", help="no circuit breakers")
     t = TimeoutConfig()
     p.add_argument(
@@ -484,11 +514,26 @@ def check_policy_flags(args: argparse.Namespace, error: Callable[[str], None]) -
         )
 
 
+def edge_checks(args: argparse.Namespace, error: Callable[[str], None]) -> tuple[str, ...]:
+    """SMG's own validation of the rate, breaker window and CORS flags (`config/validation.rs`;
+    a `*` origin panics there); the checked origins."""
+    if args.rate_limit_tokens_per_second is not None and args.rate_limit_tokens_per_second < 0:
+        error("--rate-limit-tokens-per-second must be >= 0")
+    if args.cb_window_duration_secs <= 0:
+        error("--cb-window-duration-secs must be > 0")
+    try:
+        return check_origins(args.cors_allowed_origins)
+    except ValueError as exc:
+        error(f"--cors-allowed-origins: {exc}")
+        raise
+
+
 def router_config(args: argparse.Namespace) -> RouterConfig:
     error = getattr(args, "parser_error", parser_error)
     warnings = compatibility(args, error)
     kube, shared = membership_configs(args, error)
     check_policy_flags(args, error)
+    origins = edge_checks(args, error)
     if args.mini_lb:
         args.policy, args.prefill_policy, args.decode_policy = "random", None, None
     return RouterConfig(
@@ -506,6 +551,11 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         max_concurrent_requests=args.max_concurrent_requests,
         queue_size=args.queue_size,
         queue_timeout_secs=args.queue_timeout_secs,
+        rate_limit_tokens_per_second=args.rate_limit_tokens_per_second,
+        request_id_headers=(
+            None if args.request_id_headers is None else tuple(args.request_id_headers)
+        ),
+        cors_allowed_origins=origins,
         api_key=args.api_key or os.environ.get("TRIO_PD_API_KEY") or None,
         control_plane_api_keys=control_keys(error, args.control_plane_api_keys),
         control_plane_audit_enabled=args.control_plane_audit_enabled,
@@ -537,6 +587,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
             failure_threshold=args.cb_failure_threshold,
             success_threshold=args.cb_success_threshold,
             timeout_duration_secs=args.cb_timeout_duration_secs,
+            window_duration_secs=args.cb_window_duration_secs,
             enabled=not args.disable_circuit_breaker,
         ),
         health=HealthConfig(

@@ -57,6 +57,8 @@ class BreakerConfig:
     failure_threshold: int = 10
     success_threshold: int = 3
     timeout_duration_secs: float = 60.0
+    # SMG 0.3.2 validates and stores its window but no breaker reads it (`fleet/breaker.py`).
+    window_duration_secs: float = 120.0
     enabled: bool = True
 
 
@@ -128,9 +130,12 @@ class RouterConfig:
     abort_on_cancel: bool = True  # POST /abort_request to engines for legs the router gave up
     dp_aware: bool = False  # choose DP ranks, pin them and align rooms (SMG's --dp-aware)
     default_model: str | None = None  # several models: what a request naming none gets
-    max_concurrent_requests: int = -1  # -1: unbounded
+    max_concurrent_requests: int = -1  # -1: unbounded; else the token bucket's capacity
     queue_size: int = 100
     queue_timeout_secs: float = 60.0
+    rate_limit_tokens_per_second: float | None = None  # bucket refill; None: max_concurrent
+    request_id_headers: tuple[str, ...] | None = None  # None: request_ids.DEFAULT_HEADERS
+    cors_allowed_origins: tuple[str, ...] = ()  # empty: any origin (SMG's meaning)
     api_key: str | None = attrs.field(default=None, repr=False)  # sent TO workers (SMG's meaning)
     control_plane_api_keys: tuple[ControlKey, ...] = ()
     control_plane_audit_enabled: bool = False

@@ -32,7 +32,7 @@ from trio_pd.control import ControlContext
 from trio_pd.errors import RouterError, no_worker
 from trio_pd.fleet.workers import ROLES, Worker
 from trio_pd.respond import Reply, Responder
-from trio_pd.upstream import FORWARDED_HEADERS, worker_authorization
+from trio_pd.upstream import forwarded_headers, worker_authorization
 
 log = logging.getLogger("trio_pd.fanout")
 
@@ -57,7 +57,7 @@ def upstream_headers(scope: Scope, responder: Responder) -> list[tuple[bytes, by
     """The request id and tracing headers; never the caller's authorization, which on these
     routes is a control-plane key (each worker gets its own key in `call_worker`)."""
     headers = [(b"x-request-id", responder.request_id)]
-    headers.extend((n, v) for n, v in scope["headers"] if n in FORWARDED_HEADERS)
+    headers.extend(forwarded_headers(scope["headers"]))
     return headers
 
 

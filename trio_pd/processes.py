@@ -34,6 +34,7 @@ from typing import Any
 
 import attrs
 
+from trio_pd.admission import bucket_rate
 from trio_pd.config import RouterConfig
 
 log = logging.getLogger("trio_pd.processes")
@@ -45,11 +46,14 @@ def per_process(config: RouterConfig, workers: int, run_dir: Path) -> RouterConf
     """The config each router process runs with."""
     limit = config.max_concurrent_requests
     shared = config.membership_file or str(run_dir / "membership.json")
+    # Each process has its own token bucket: its share of the capacity and of the refill rate.
+    rate = config.rate_limit_tokens_per_second
     return attrs.evolve(
         config,
         workers=1,
         membership_file=None if config.etcd is not None else shared,
         max_concurrent_requests=limit if limit <= 0 else math.ceil(limit / workers),
+        rate_limit_tokens_per_second=(rate if limit <= 0 else bucket_rate(limit, rate) / workers),
         queue_size=math.ceil(config.queue_size / workers),
     )
 

@@ -32,6 +32,7 @@ class Responder:
 
     send_message: Send
     request_id: bytes
+    cors: tuple[tuple[bytes, bytes], ...] = ()  # `cors.py`: on every answer, errors included
     started: bool = False
     finished: bool = False
     status: int | None = None
@@ -46,7 +47,7 @@ class Responder:
             {
                 "type": "http.response.start",
                 "status": status,
-                "headers": [*headers, (b"x-request-id", self.request_id)],
+                "headers": [*headers, (b"x-request-id", self.request_id), *self.cors],
             }
         )
 

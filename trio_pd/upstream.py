@@ -30,6 +30,7 @@ CONNECT_TIMEOUT_SECS = 10.0  # a black-holed worker fails the leg instead of eat
 FORWARDED_HEADERS = frozenset(
     (b"x-correlation-id", b"traceparent", b"tracestate", b"x-smg-routing-key")
 )
+FORWARDED_PREFIX = b"x-request-id-"  # SMG forwards `x-request-id-*` too (`header_utils.rs`)
 # Not relayed from an upstream answer: hop-by-hop headers, those hypercorn sets itself, and the
 # request id, which the router sets on every response.
 DROPPED_RESPONSE_HEADERS = frozenset(
@@ -78,8 +79,13 @@ class Endpoint:
 
 
 def relayable_headers(response: Response) -> list[tuple[bytes, bytes]]:
-    """Headers less hop-by-hop ones, those the server sets itself and the request id."""
-    return [(k, v) for k, v in response.headers if k not in DROPPED_RESPONSE_HEADERS]
+    """Headers less hop-by-hop ones, those the server sets itself, the request id and a
+    worker's own CORS answer (the router's `cors.py` decides that one)."""
+    return [
+        (k, v)
+        for k, v in response.headers
+        if k not in DROPPED_RESPONSE_HEADERS and not k.startswith(b"access-control-")
+    ]
 
 
 class UpstreamPool:
@@ -260,8 +266,17 @@ def leg_headers(
         (b"accept-encoding", b"identity"),
         (b"x-request-id", request_id),
     ]
-    headers.extend((name, value) for name, value in client_headers if name in FORWARDED_HEADERS)
+    headers.extend(forwarded_headers(client_headers))
     return headers
+
+
+def forwarded_headers(client_headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The client's tracing headers a worker also gets (the request id is the router's own)."""
+    return [
+        (name, value)
+        for name, value in client_headers
+        if name in FORWARDED_HEADERS or name.startswith(FORWARDED_PREFIX)
+    ]
 
 
 def client_authorization(client_headers: list[tuple[bytes, bytes]]) -> bytes | None:

@@ -90,3 +90,17 @@ async def test_disabled_breaker_always_allows(autojump_clock):
     assert b.allows_request()
     assert b.consecutive_failures == 20
     assert b.to_json()["total_failures"] == 20
+
+
+async def test_window_does_not_age_out_failures_as_in_smg(autojump_clock):
+    # SMG 0.3.2 stores --cb-window-duration-secs but no breaker reads it: failures far apart
+    # (here each one more than a whole window after the last) still open it when consecutive.
+    cfg = BreakerConfig(failure_threshold=3, timeout_duration_secs=10.0, window_duration_secs=5)
+    b = CircuitBreaker(cfg)
+    for _ in range(2):
+        b.record_failure()
+        await trio.sleep(cfg.window_duration_secs * 3)
+    assert b.state == "closed" and b.consecutive_failures == 2
+    b.record_failure()
+    assert b.state == "open"
+    assert BreakerConfig().window_duration_secs == 120

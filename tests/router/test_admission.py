@@ -1,4 +1,5 @@
-"""Admission control: a bounded number of requests in flight, a bounded queue, 429 beyond it."""
+"""Admission control over real sockets: SMG's token bucket, a bounded line in front of it, 429
+when the line is full and 408 when a wait in it runs out (`trio_pd/admission.py`)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,14 @@ import httpx2
 import trio
 
 from tests.conftest import start_cluster
-from tests.router.helpers import generate_body
+from tests.router.helpers import generate_body, settle
 
 
-async def test_full_queue_and_queue_timeout_get_429_and_reach_no_worker(
+async def test_full_queue_gets_429_and_queue_timeout_408_and_neither_reaches_a_worker(
     nursery: trio.Nursery,
 ) -> None:
-    # One request at a time, one waiting; each request takes ~1 s of decoding.
+    # One token, one waiting; each request takes ~1 s of decoding, and the bucket refills one
+    # token a second, so the queued request's 0.3 s run out first.
     cluster = await start_cluster(
         nursery,
         max_concurrent_requests=1,
@@ -36,11 +38,20 @@ async def test_full_queue_and_queue_timeout_get_429_and_reach_no_worker(
         burst.start_soon(send, "rejected")
 
     assert results["running"].status_code == 200
-    for rid in ("queued", "rejected"):  # queue timed out / queue was full
+    # The queue timed out (SMG: 408) / the queue was full (SMG: 429); both with the envelope.
+    for rid, status, error_type in (
+        ("queued", 408, "timeout_error"),
+        ("rejected", 429, "rate_limit_error"),
+    ):
         response = results[rid]
-        assert response.status_code == 429
+        assert response.status_code == status
         assert response.headers["retry-after"] == "1"
-        assert response.json()["error"]["type"] == "rate_limit_error"
+        assert response.json()["error"] == {
+            "message": response.json()["error"]["message"],
+            "type": error_type,
+            "code": status,
+        }
+        assert response.headers["x-request-id"] == rid
         assert not cluster.decode.events.find("request_start", rid=rid)
         assert not cluster.prefill.events.find("request_start", rid=rid)
     assert "queue" in results["queued"].json()["error"]["message"]
@@ -49,9 +60,11 @@ async def test_full_queue_and_queue_timeout_get_429_and_reach_no_worker(
 
 
 async def test_queued_request_runs_when_a_slot_frees(nursery: trio.Nursery) -> None:
+    # Rate 0: tokens come back only when requests end, a plain concurrency limit (with the
+    # default refill a request waiting a second would be let in beside the two running).
     cluster = await start_cluster(
         nursery, max_concurrent_requests=2, queue_size=10, queue_timeout_secs=30.0,
-        decode={"inter_token_ms": 10.0},
+        rate_limit_tokens_per_second=0, decode={"inter_token_ms": 10.0},
     )  # fmt: skip
     statuses = []
 
@@ -65,4 +78,82 @@ async def test_queued_request_runs_when_a_slot_frees(nursery: trio.Nursery) -> N
     assert statuses == [200] * 6
     # Never more than two requests were decoding at once.
     assert max(e["running"] for e in cluster.decode.events.find("slot_acquired")) <= 2
+    await cluster.client.aclose()
+
+
+def assert_rejected(response: httpx2.Response, rid: str) -> None:
+    """SMG's 429 for a request the bucket has no token for, with trio_pd's envelope."""
+    assert response.status_code == 429
+    assert response.headers["retry-after"] == "1"
+    assert response.headers["x-request-id"] == rid
+    error = response.json()["error"]
+    assert (error["type"], error["code"]) == ("rate_limit_error", 429)
+
+
+async def test_bucket_rejects_beyond_its_tokens_and_admits_again_after_refill(
+    nursery: trio.Nursery,
+) -> None:
+    # SMG's bucket: 2 tokens, 1 more every second, and no line to wait in.
+    cluster = await start_cluster(
+        nursery, max_concurrent_requests=2, rate_limit_tokens_per_second=1, queue_size=0
+    )
+    holders = ("holder-0", "holder-1")
+    results: dict[str, httpx2.Response] = {}
+
+    async def send(rid: str, body: dict) -> None:
+        results[rid] = await cluster.client.post(
+            "/generate", json=body, headers={"x-request-id": rid}
+        )
+
+    async with trio.open_nursery() as traffic:
+        taken_at = trio.current_time()
+        for rid in holders:  # each holds its token for 3 s
+            traffic.start_soon(send, rid, generate_body(sim_fault="decode:slow:3000"))
+        for rid in holders:
+            await cluster.decode.events.wait_for("request_start", timeout=5, rid=rid)
+        await send("beyond", generate_body())
+        assert trio.current_time() - taken_at < 1.0  # so no token can have refilled yet
+        assert_rejected(results["beyond"], "beyond")
+        for engine in (cluster.prefill, cluster.decode):
+            assert not engine.events.find("request_start", rid="beyond")
+
+        # A second later one token has refilled: admitted, though both holders still run.
+        await trio.sleep(max(0.0, taken_at + 1.1 - trio.current_time()))
+        await send("after-refill", generate_body())
+        assert results["after-refill"].status_code == 200
+        assert cluster.decode.events.find("request_start", rid="after-refill")
+        for rid in holders:
+            assert rid not in results
+            assert not cluster.decode.events.find("request_end", rid=rid)
+    assert [results[rid].status_code for rid in holders] == [200, 200]
+    await cluster.client.aclose()
+
+
+async def test_a_stream_holds_its_token_until_its_last_event(nursery: trio.Nursery) -> None:
+    # Rate 0: one token that only comes back when a response has ended (SMG's TokenGuardBody).
+    cluster = await start_cluster(
+        nursery,
+        max_concurrent_requests=1,
+        rate_limit_tokens_per_second=0,
+        queue_size=0,
+        decode={"inter_token_ms": 20.0},
+    )
+    body = generate_body(stream=True, max_new_tokens=20)
+    async with cluster.client.stream("POST", "/generate", json=body) as stream:
+        assert stream.status_code == 200
+        lines = stream.aiter_lines()
+        assert (await anext(lines)).startswith("data:")  # decode has started streaming
+        during = await cluster.client.post(
+            "/generate", json=generate_body(), headers={"x-request-id": "during-stream"}
+        )
+        assert_rejected(during, "during-stream")
+        assert not cluster.decode.events.find("request_start", rid="during-stream")
+        rest = [line async for line in lines]
+        assert "data: [DONE]" in rest
+    # The router gives the token back right after the last event went out.
+    bucket = cluster.router.admission.bucket
+    assert bucket is not None
+    await settle(lambda: bucket.tokens == 1.0)
+    after = await cluster.client.post("/generate", json=generate_body())
+    assert after.status_code == 200
     await cluster.client.aclose()

@@ -4,6 +4,13 @@ closed -> open after `failure_threshold` consecutive failures; open -> half_open
 `timeout_duration_secs` have passed since it opened (evaluated lazily, whenever `state` is read);
 half_open -> closed after `success_threshold` successes; any failure in half_open reopens it.
 A disabled breaker stays closed and always allows requests; it still counts outcomes.
+
+`--cb-window-duration-secs` ("sliding window duration in seconds for tracking failures") is
+deliberately not read here. In SMG 0.3.2 it reaches `CircuitBreakerConfig.window_duration`
+(`src/core/circuit_breaker.rs`) and is checked to be > 0 (`src/config/validation.rs`), but no
+code reads it: SMG's breaker opens after `failure_threshold` consecutive failures however far
+apart they are, and so does this one. A window would also be the weaker rule here: a worker that
+fails every request but gets few of them would never collect enough failures inside it.
 """
 
 from __future__ import annotations
