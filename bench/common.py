@@ -314,8 +314,11 @@ def router_argv(
     for prefill in prefills:
         common += ["--prefill", prefill.url, str(prefill.bootstrap_port)]
     common += ["--decode", decode.url, "--host", HOST, "--port", str(port)]
+    # Its metrics listener defaults to 0.0.0.0:29000, as SMG's, and a router cannot start when
+    # that port is taken (e.g. by a previous router still shutting down): each gets its own.
+    metrics = ["--prometheus-host", HOST, "--prometheus-port", str(free_port())]
     if kind in TRIO_PD_KINDS:
-        argv = [trio_pd_bin(), "serve", *common, "--log-level", "warning"]
+        argv = [trio_pd_bin(), "serve", *common, "--log-level", "warning", *metrics]
         argv += ["--policy", "round_robin"]
         if kind == "trio_pd_w2":
             argv += ["--workers", "2"]
@@ -324,10 +327,7 @@ def router_argv(
         return argv + list(extra)
     python = str(PEERS / "bin" / "python")
     argv = [python, "-m", "sglang_router.launch_router", "--pd-disaggregation", *common]
-    if kind == "smg":
-        # Its Prometheus exporter defaults to 0.0.0.0:29000, and SMG panics at start when that
-        # port is taken (e.g. by a previous SMG still shutting down): give each one its own.
-        metrics = ["--prometheus-host", HOST, "--prometheus-port", str(free_port())]
+    if kind == "smg":  # SMG panics at start when its metrics port is taken
         return [*argv, "--policy", "round_robin", "--log-level", "warn", *metrics, *extra]
     if kind == "mini_lb":
         return [*argv, "--mini-lb", "--policy", "random", *extra]

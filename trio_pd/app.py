@@ -12,7 +12,6 @@ import logging
 import os
 import random
 import ssl
-import uuid
 from functools import partial
 
 import attrs
@@ -45,6 +44,7 @@ from trio_pd.intake import inspect, read_request_body
 from trio_pd.logs import current_request_id, log_access
 from trio_pd.membership.setup import Membership, membership_for
 from trio_pd.membership.source import MembershipSource, MembershipStore
+from trio_pd.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from trio_pd.metrics import RouterMetrics
 from trio_pd.relay import error_frame
 from trio_pd.request_ids import RequestIds
@@ -67,7 +67,7 @@ class Router:
     """
 
     config: RouterConfig
-    metrics: RouterMetrics = attrs.field(factory=RouterMetrics)
+    metrics: RouterMetrics = attrs.field()
     fleet: Fleet = attrs.field()
     rng: random.Random = attrs.field(factory=random.Random)
     ssl_context: ssl.SSLContext = attrs.field()
@@ -83,6 +83,10 @@ class Router:
     request_ids: RequestIds = attrs.field()
     cors: CorsPolicy = attrs.field()
     preflight: Route = attrs.field()
+
+    @metrics.default
+    def _default_metrics(self) -> RouterMetrics:
+        return RouterMetrics(duration_buckets=self.config.prometheus_duration_buckets)
 
     @fleet.default
     def _default_fleet(self) -> Fleet:
@@ -184,10 +188,7 @@ class Router:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            if self.config.prometheus_port and scope["server"][1] == self.config.prometheus_port:
-                await self.handle_metrics_port(scope, receive, send)
-            else:
-                await self.handle_http(scope, receive, send)
+            await self.handle_http(scope, receive, send)
         elif scope["type"] == "lifespan":
             await self.lifespan(receive, send)
 
@@ -255,16 +256,6 @@ class Router:
                     "ms": round(elapsed * 1000, 1), "bytes": responder.bytes_sent,
                     **responder.route_info,
                 })  # fmt: skip
-
-    async def handle_metrics_port(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """`--prometheus-port` serves `/metrics` and nothing else."""
-        responder = Responder(send, uuid.uuid4().hex.encode())
-        if scope["path"] != "/metrics":
-            await responder.error(not_found(scope["path"]))
-        elif scope["method"] != "GET":
-            await responder.error(method_not_allowed(scope["method"], "/metrics", ("GET",)))
-        else:
-            await handle_metrics(self.metrics, scope, receive, responder)
 
     async def internal_error(self, group: BaseExceptionGroup, responder: Responder) -> None:
         """A bug or an unforeseen input: logged with its traceback, answered with the envelope."""
@@ -439,7 +430,7 @@ async def handle_metrics(
     metrics: RouterMetrics, scope: Scope, receive: Receive, rsp: Responder
 ) -> None:
     body = metrics.render()
-    await rsp.reply(Reply(200, [(b"content-type", b"text/plain; version=0.0.4")], body))
+    await rsp.reply(Reply(200, [(b"content-type", METRICS_CONTENT_TYPE)], body))
 
 
 @attrs.frozen

@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING
 import httpx2
 import trio
 
+from trio_pd.fanout import parse_load
 from trio_pd.fleet.health import run_health_checks
+from trio_pd.fleet.loads import poll_loads, polled_roles
 from trio_pd.fleet.policies import run_eviction
 from trio_pd.fleet.workers import Worker
 from trio_pd.metrics import RouterMetrics
@@ -64,10 +66,25 @@ async def run_background(router: Router, *, task_status: trio.TaskStatus[None]) 
         }
         if metrics.multiprocess_dir:
             tasks["metrics_sync"] = lambda: sync_metrics(metrics)
+        roles = polled_roles(router.config.policy)
+        if roles:
+            interval = router.config.load_poll_interval_secs
+            fetch = partial(fetch_load, client, router.config.api_key)
+            tasks["load_polling"] = lambda: poll_loads(router.fleet, roles, interval, fetch)
         for name, task in tasks.items():
             nursery.start_soon(supervised, name, task, metrics)
         await wait_for_first_pair(router, health.timeout_secs)
         task_status.started()
+
+
+async def fetch_load(client: httpx2.AsyncClient, api_key: str | None, worker: Worker) -> int:
+    """The engine's own count of requests (`num_reqs` of `GET /get_load`, DP ranks summed):
+    the figure `GET /get_loads` reports too. SMG compares `num_tokens`; ours is weighed
+    against the router's own count of legs, so it must count requests."""
+    headers = worker_authorization(worker.spec.api_key or api_key, None)
+    response = await client.get(worker.url + "/get_load", headers=headers)
+    response.raise_for_status()
+    return parse_load(response.content)["num_reqs"]
 
 
 def info_due(worker: Worker, interval: float) -> bool:

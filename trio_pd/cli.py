@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Callable, Sequence
 
@@ -23,6 +24,9 @@ from trio_pd.config import (
 from trio_pd.cors import check_origins
 from trio_pd.membership import etcd, kubernetes
 from trio_pd.urls import check_syntax
+
+LOG_LEVELS = ("debug", "info", "warn", "error", "warning", "critical")  # SGLang's four first
+DEFAULT_PROMETHEUS_PORT = 29000  # SMG's; RouterConfig's own default is no listener
 
 
 class PrefillAction(argparse.Action):
@@ -244,9 +248,54 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--log-level",
         default=d.log_level,
-        choices=["debug", "info", "warning", "error", "critical"],
+        choices=LOG_LEVELS,
+        help="SGLang's debug, info, warn, error (warning and critical are accepted too)",
     )
-    p.add_argument("--prometheus-port", type=int, default=None)
+    p.add_argument(
+        "--log-dir",
+        default=None,
+        help="also write logs to files in this directory, one per UTC day "
+        "(trio-pd.YYYY-MM-DD; every process of --workers N appends to it)",
+    )
+    p.add_argument(
+        "--prometheus-port",
+        type=int,
+        default=DEFAULT_PROMETHEUS_PORT,
+        help="serve /metrics, and only that, on this port (plain HTTP; 0: any free port)",
+    )
+    p.add_argument(
+        "--prometheus-host",
+        default=d.prometheus_host,
+        help="the address of the --prometheus-port listener (IPv4 or IPv6)",
+    )
+    p.add_argument(
+        "--prometheus-duration-buckets",
+        type=float,
+        nargs="+",
+        default=None,
+        metavar="SECONDS",
+        help="buckets of the *_duration_seconds histograms (default: trio_pd's own)",
+    )
+    p.add_argument(
+        "--worker-startup-timeout-secs",
+        type=int,
+        default=int(HealthConfig().startup_timeout_secs),
+        help="a new worker must pass its first health check within this, else the router "
+        "gives up on it (SMG's worker registration timeout)",
+    )
+    p.add_argument(
+        "--worker-startup-check-interval",
+        type=int,
+        default=int(d.load_poll_interval_secs),
+        help="what SMG 0.3.2 uses it for: how often the engines' /get_load is polled for "
+        "power_of_two",
+    )
+    p.add_argument(
+        "--disable-health-check",
+        action="store_true",
+        help="no periodic health checks: a worker is checked until its first pass, then "
+        "trusted (as SMG)",
+    )
     pol = PolicyConfig()
     p.add_argument(
         "--policy",
@@ -528,6 +577,30 @@ def edge_checks(args: argparse.Namespace, error: Callable[[str], None]) -> tuple
         raise
 
 
+def positive(error: Callable[[str], None], flag: str, value: int) -> int:
+    """SMG refuses 0 for its start-up settings (`config/validation.rs`)."""
+    if value <= 0:
+        error(f"{flag} must be > 0, not {value}")
+    return value
+
+
+def duration_buckets(
+    error: Callable[[str], None], values: Sequence[float] | None
+) -> tuple[float, ...] | None:
+    """Histogram bounds in increasing order, each once; NaN bounds nothing."""
+    if values is None:
+        return None
+    if any(math.isnan(v) for v in values):
+        error("--prometheus-duration-buckets: nan is not a bucket bound")
+    return tuple(sorted(set(values)))
+
+
+def check_port(error: Callable[[str], None], flag: str, port: int) -> int:
+    if not 0 <= port <= 65535:
+        error(f"{flag} must be a port number (0-65535), not {port}")
+    return port
+
+
 def router_config(args: argparse.Namespace) -> RouterConfig:
     error = getattr(args, "parser_error", parser_error)
     warnings = compatibility(args, error)
@@ -536,6 +609,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     origins = edge_checks(args, error)
     if args.mini_lb:
         args.policy, args.prefill_policy, args.decode_policy = "random", None, None
+    check_port(error, "--prometheus-port", args.prometheus_port)
     return RouterConfig(
         prefill=tuple(WorkerSpec(url, "prefill", port, model) for url, port, model in args.prefill),
         decode=tuple(WorkerSpec(url, "decode", None, model) for url, model in args.decode),
@@ -573,8 +647,14 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         access_log=args.access_log,
         log_json=args.log_json,
         log_level=args.log_level,
+        log_dir=args.log_dir,
         prometheus_port=args.prometheus_port,
         startup_warnings=warnings,
+        prometheus_host=args.prometheus_host,
+        prometheus_duration_buckets=duration_buckets(error, args.prometheus_duration_buckets),
+        load_poll_interval_secs=positive(
+            error, "--worker-startup-check-interval", args.worker_startup_check_interval
+        ),
         retry=RetryConfig(
             max_retries=args.retry_max_retries,
             initial_backoff_ms=args.retry_initial_backoff_ms,
@@ -596,6 +676,10 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
             failure_threshold=args.health_failure_threshold,
             success_threshold=args.health_success_threshold,
             endpoint=args.health_check_endpoint,
+            startup_timeout_secs=positive(
+                error, "--worker-startup-timeout-secs", args.worker_startup_timeout_secs
+            ),
+            periodic=not args.disable_health_check,
         ),
         timeouts=TimeoutConfig(
             first_token_secs=args.first_token_timeout_secs,

@@ -64,11 +64,20 @@ class BreakerConfig:
 
 @attrs.frozen
 class HealthConfig:
+    """Active health checks (`fleet/health.py`).
+
+    As in SMG 0.3.2 a new worker must answer its first check within `startup_timeout_secs`
+    (`--worker-startup-timeout-secs`), else the router gives up on it; `periodic=False`
+    (`--disable-health-check`) keeps that start-up check and drops every check after it.
+    """
+
     interval_secs: float = 60.0
     timeout_secs: float = 5.0
     failure_threshold: int = 3
     success_threshold: int = 2
     endpoint: str = "/health"
+    startup_timeout_secs: float = 1800.0
+    periodic: bool = True
 
 
 @attrs.frozen
@@ -149,8 +158,14 @@ class RouterConfig:
     etcd: EtcdConfig | None = None  # --etcd-endpoints: membership shared by router replicas
     access_log: bool = False
     log_json: bool = False
-    log_level: str = "info"
-    prometheus_port: int | None = None
+    log_level: str = "info"  # SGLang's debug/info/warn/error (warning, critical too)
+    log_dir: str | None = None  # also log to daily files there (`logs.py`)
+    prometheus_port: int | None = None  # the CLI's default is SMG's 29000; None: no listener
+    prometheus_host: str = "0.0.0.0"
+    prometheus_duration_buckets: tuple[float, ...] | None = None  # *_duration_seconds histograms
+    # --worker-startup-check-interval: what SMG 0.3.2 uses it for, the /get_load polling of
+    # power_of_two (its LoadMonitor), not start-up (`fleet/loads.py`).
+    load_poll_interval_secs: float = 30.0
     startup_warnings: tuple[str, ...] = ()  # about SGLang flags given but not acted on (compat.py)
     shutdown_grace_period_secs: float = 180.0  # in-flight requests' time to finish on SIGTERM
     tls_cert_path: str | None = None  # serve HTTPS (hypercorn does it)

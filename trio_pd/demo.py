@@ -74,6 +74,7 @@ class Demo:
         self.workdir = workdir
         self.prefill_port, self.bootstrap_port = free_port(), free_port()
         self.decode_port, self.router_port = free_port(), free_port()
+        self.metrics_port = free_port()  # not 29000: a router already running may hold it
         self.prefill_events = workdir / "prefill-events.jsonl"
         self.decode_events = workdir / "decode-events.jsonl"
         self.router = f"http://{HOST}:{self.router_port}"
@@ -109,6 +110,7 @@ class Demo:
         ]
         router += ["--decode", f"http://{HOST}:{self.decode_port}"]
         router += ["--host", HOST, "--port", str(self.router_port)]
+        router += ["--prometheus-host", HOST, "--prometheus-port", str(self.metrics_port)]
         return {"prefill": prefill, "decode": decode, "router": router}
 
     async def run(self) -> None:

@@ -35,11 +35,25 @@ FAST_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5)
 TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
+CONTENT_TYPE = b"text/plain; version=0.0.4"  # what generate_latest writes
+REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+DURATION_SUFFIX = "duration_seconds"  # SMG's matcher for --prometheus-duration-buckets
+
+
 class RouterMetrics:
-    def __init__(self, multiprocess_dir: str | None = None) -> None:
+    """``duration_buckets`` (`--prometheus-duration-buckets`) replace the buckets of every
+    histogram named `*duration_seconds`, the rule SMG applies (`Matcher::Suffix`); the
+    others (teardown, first token, chunk gaps, admission waits) keep their own scales."""
+
+    def __init__(
+        self,
+        multiprocess_dir: str | None = None,
+        duration_buckets: tuple[float, ...] | None = None,
+    ) -> None:
         if multiprocess_dir is None:
             multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
         self.multiprocess_dir = multiprocess_dir
+        self.duration_buckets = duration_buckets
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -59,7 +73,7 @@ class RouterMetrics:
             "Time from request start to the end of the response.",
             ["path"],
             registry=r,
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+            buckets=self.buckets_for("trio_pd_request_duration_seconds", REQUEST_BUCKETS),
         )
         self.leg_failures = Counter(
             "trio_pd_leg_failures",
@@ -80,19 +94,19 @@ class RouterMetrics:
             "From the decision to cancel a leg to its upstream connection being closed.",
             ["role"],
             registry=r,
-            buckets=FAST_BUCKETS,
+            buckets=self.buckets_for("trio_pd_leg_teardown_seconds", FAST_BUCKETS),
         )
         self.first_token = Histogram(
             "trio_pd_time_to_first_token_seconds",
             "Streams: from the request's start to decode's first event going to the client.",
             registry=r,
-            buckets=TOKEN_BUCKETS,
+            buckets=self.buckets_for("trio_pd_time_to_first_token_seconds", TOKEN_BUCKETS),
         )
         self.chunk_gap = Histogram(
             "trio_pd_stream_chunk_gap_seconds",
             "Streams: time between two relayed decode chunks (inter-token gaps).",
             registry=r,
-            buckets=TOKEN_BUCKETS,
+            buckets=self.buckets_for("trio_pd_stream_chunk_gap_seconds", TOKEN_BUCKETS),
         )
         self.events_relayed = Counter(
             "trio_pd_events_relayed", "SSE events relayed from decode to clients.", registry=r
@@ -102,7 +116,7 @@ class RouterMetrics:
             "Time requests waited in the admission queue (--max-concurrent-requests).",
             ["outcome"],
             registry=r,
-            buckets=TOKEN_BUCKETS,
+            buckets=self.buckets_for("trio_pd_admission_wait_seconds", TOKEN_BUCKETS),
         )
         self.aborts = Counter(
             "trio_pd_aborts",
@@ -137,6 +151,11 @@ class RouterMetrics:
         self._gauges: SyncedGauges | None = None
         self._per_request: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
 
+    def buckets_for(self, name: str, default: tuple[float, ...]) -> tuple[float, ...]:
+        if self.duration_buckets and name.endswith(DURATION_SUFFIX):
+            return self.duration_buckets
+        return default
+
     def count_request(self, path: str, status: int, seconds: float) -> None:
         """One answered request (the hot path: its labelled children are looked up once)."""
         children = self._per_request.get((path, status))
@@ -162,10 +181,16 @@ class RouterMetrics:
     def render(self) -> bytes:
         if self.multiprocess_dir:
             self.sync_gauges()
-            merged = CollectorRegistry()
-            MultiProcessCollector(merged, path=self.multiprocess_dir)
-            return generate_latest(merged)
+            return render_multiprocess(self.multiprocess_dir)
         return generate_latest(self.registry)
+
+
+def render_multiprocess(path: str) -> bytes:
+    """The sum over the processes that write to `path` (any process may render it: the
+    supervisor of `--workers N` does, for the metrics listener)."""
+    merged = CollectorRegistry()
+    MultiProcessCollector(merged, path=path)
+    return generate_latest(merged)
 
 
 class FleetCollector(Collector):

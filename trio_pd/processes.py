@@ -8,7 +8,9 @@ The parent owns what must be one for all:
   process is seen by all within a second and ids agree; with etcd there is no file: every
   process watches etcd itself, as replicas do (`membership/setup.py`);
 - metrics: `PROMETHEUS_MULTIPROC_DIR` in the run directory, so `/metrics` on any process reports
-  the sum over all of them (prometheus-client's multiprocess mode);
+  the sum over all of them (prometheus-client's multiprocess mode); the `--prometheus-port`
+  listener is the parent's own (`metrics_listener.MetricsThread`), up from before the first
+  child starts until the last one ended, restarts included;
 - the processes themselves: a child that dies is restarted with a doubling backoff, logged and
   counted (`trio_pd_process_restarts_total`); signals are handled from before the first child
   starts. SIGTERM or SIGINT closes the parent's copies of the sockets and forwards SIGTERM to
@@ -28,6 +30,7 @@ import shutil
 import signal
 import tempfile
 import time
+from functools import partial
 from multiprocessing.connection import wait as wait_for_any
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,8 @@ import attrs
 
 from trio_pd.admission import bucket_rate
 from trio_pd.config import RouterConfig
+from trio_pd.metrics import render_multiprocess
+from trio_pd.metrics_listener import MetricsThread, bind_metrics
 
 log = logging.getLogger("trio_pd.processes")
 RESTART_BACKOFF_SECS = (0.5, 30.0)  # first delay, cap (doubling; reset after a minute of life)
@@ -52,6 +57,7 @@ def per_process(config: RouterConfig, workers: int, run_dir: Path) -> RouterConf
         config,
         workers=1,
         membership_file=None if config.etcd is not None else shared,
+        prometheus_port=None,  # the parent serves it
         max_concurrent_requests=limit if limit <= 0 else math.ceil(limit / workers),
         rate_limit_tokens_per_second=(rate if limit <= 0 else bucket_rate(limit, rate) / workers),
         queue_size=math.ceil(config.queue_size / workers),
@@ -84,6 +90,7 @@ class Supervisor:
         self.restarts = None
         self.port = config.port
         self.sockets_closed = False
+        self.metrics_listener: MetricsThread | None = None
 
     def run(self) -> int:
         """Start the children and watch them until they all ended after a signal."""
@@ -102,6 +109,8 @@ class Supervisor:
             return self._watch()
         finally:
             self._close_sockets()
+            if self.metrics_listener is not None:
+                self.metrics_listener.stop()
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
     # -- set-up -----------------------------------------------------------------------------
@@ -114,13 +123,18 @@ class Supervisor:
         metrics_dir.mkdir()
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)  # inherited by the children
         self.restarts = parent_restart_counter()
+        config = self.config
+        if config.prometheus_port is not None:  # first, as SMG: a port taken fails the start
+            sockets = bind_metrics(config.prometheus_host, config.prometheus_port)
+            render = partial(render_multiprocess, str(metrics_dir))
+            self.metrics_listener = MetricsThread(render, sockets)
+            self.metrics_listener.start()
         # With etcd every process watches it and the flags' workers stay "static": no file.
         shared = self.child_config.membership_file
         if shared and (self.config.membership_file is None or not Path(shared).exists()):
             seed(Path(shared), (*self.config.prefill, *self.config.decode))
-        hc = hypercorn_config(self.config)
-        hc.workers = self.config.workers  # hypercorn then sets SO_REUSEPORT
-        config = self.config
+        hc = hypercorn_config(config)
+        hc.workers = config.workers  # hypercorn then sets SO_REUSEPORT
         for index in range(config.workers):
             sockets = make_sockets(config, hc)
             if index == 0:

@@ -23,7 +23,9 @@ from hypercorn.utils import wrap_app
 
 from trio_pd.app import Router
 from trio_pd.config import RouterConfig
+from trio_pd.logs import LogDirError
 from trio_pd.logs import configure as configure_logging
+from trio_pd.metrics_listener import MetricsListenError, bind_metrics, close_sockets, serve_metrics
 from trio_pd.serving import serve_app
 
 log = logging.getLogger("trio_pd.server")
@@ -38,10 +40,6 @@ def hypercorn_config(config: RouterConfig) -> HypercornConfig:
     if config.tls_cert_path:
         hc.certfile = config.tls_cert_path
         hc.keyfile = config.tls_key_path
-    if config.prometheus_port is not None:
-        # Scrapers get /metrics there, and only that (Router.__call__), over plain HTTP.
-        metrics_bind = f"{host}:{config.prometheus_port}"
-        (hc.insecure_bind if config.tls_cert_path else hc.bind).append(metrics_bind)
     hc.keep_alive_timeout = KEEP_ALIVE_SECS
     hc.graceful_timeout = config.shutdown_grace_period_secs + GRACE_MARGIN_SECS
     hc.accesslog = None
@@ -72,38 +70,59 @@ async def serve(
     *,
     router: Router | None = None,
     sockets: Sockets | None = None,
+    metrics_sockets: Sockets | None = None,
     signals: tuple[int, ...] = (),
     parent_sentinel: int | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until drained (on one of `signals`, or the parent's death) or cancelled;
-    ``task_status`` gets the bound URLs (port 0 picks a free one)."""
+    ``task_status`` gets the bound URLs (port 0 picks a free one).
+
+    With `config.prometheus_port` the metrics listener is bound first (as SMG does; a port it
+    cannot have fails the start: MetricsListenError) and served until the router is done."""
     app = router if router is not None else Router(config)
     hc = hypercorn_config(config)
+    if metrics_sockets is None and config.prometheus_port is not None:
+        metrics_sockets = bind_metrics(config.prometheus_host, config.prometheus_port)
     if sockets is None:
-        sockets = make_sockets(config, hc)
+        try:
+            sockets = make_sockets(config, hc)
+        except BaseException:
+            if metrics_sockets is not None:
+                close_sockets(metrics_sockets)
+            raise
     for sock in (*sockets.secure_sockets, *sockets.insecure_sockets):
         sock.listen(hc.backlog)
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         if signals or parent_sentinel is not None:
             nursery.start_soon(app.drain.run, stop, signals, parent_sentinel)
+        if metrics_sockets is not None:  # until the router is done: it outlives the drain
+            render = app.metrics.render
+            await nursery.start(serve_metrics, render, metrics_sockets, trio.sleep_forever)
         wrapped = wrap_app(app, hc.wsgi_max_body_size, "asgi")
         await serve_app(wrapped, hc, sockets, stop.wait, task_status=task_status)
         nursery.cancel_scope.cancel(reason="served")
 
 
 def run(config: RouterConfig) -> int:
-    """Blocking entry point of `trio-pd serve`; the exit status."""
-    configure_logging(config.log_level, json_lines=config.log_json)
-    for warning in config.startup_warnings:
-        log.warning("%s", warning)
-    if config.workers <= 1:
-        trio.run(partial(_serve_main, config))
-        return 0
-    from trio_pd.processes import Supervisor
+    """Blocking entry point of `trio-pd serve`; the exit status. A start-up failure of the
+    environment (a log directory, a port) exits with its reason, not a traceback."""
+    try:
+        configure_logging(config.log_level, json_lines=config.log_json, log_dir=config.log_dir)
+        for warning in config.startup_warnings:
+            log.warning("%s", warning)
+        if config.workers <= 1:
+            metrics_sockets = None
+            if config.prometheus_port is not None:
+                metrics_sockets = bind_metrics(config.prometheus_host, config.prometheus_port)
+            trio.run(partial(_serve_main, config, metrics_sockets=metrics_sockets))
+            return 0
+        from trio_pd.processes import Supervisor
 
-    return Supervisor(config).run()
+        return Supervisor(config).run()
+    except (LogDirError, MetricsListenError) as exc:
+        raise SystemExit(f"trio-pd serve: error: {exc}") from None
 
 
 GC_THRESHOLDS = (20_000, 50, 100)  # Python's default is (700, 10, 10)
@@ -127,11 +146,18 @@ async def _serve_main(
     signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT),
     parent_sentinel: int | None = None,
     ready: Any = None,
+    *,
+    metrics_sockets: Sockets | None = None,
 ) -> None:
     async with trio.open_nursery() as nursery:
         urls = await nursery.start(
             partial(
-                serve, config, sockets=sockets, signals=signals, parent_sentinel=parent_sentinel
+                serve,
+                config,
+                sockets=sockets,
+                metrics_sockets=metrics_sockets,
+                signals=signals,
+                parent_sentinel=parent_sentinel,
             )
         )
         log.info("trio-pd routing on %s", ", ".join(urls))
@@ -149,7 +175,7 @@ def worker_main(config: RouterConfig, sockets: Sockets, index: int, ready: Any) 
     the process drains and exits as on a signal.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    configure_logging(config.log_level, json_lines=config.log_json)
+    configure_logging(config.log_level, json_lines=config.log_json, log_dir=config.log_dir)
     parent = multiprocessing.parent_process()
     sentinel = parent.sentinel if parent is not None else None
     trio.run(partial(_serve_main, config, sockets, (signal.SIGTERM,), sentinel, ready))

@@ -1,6 +1,7 @@
 import random
 from collections import defaultdict
 
+import attrs
 import trio
 import trio.testing
 
@@ -157,3 +158,95 @@ async def test_removal_cancels_a_running_probe_at_once(autojump_clock):
         await trio.sleep(20)
         nursery.cancel_scope.cancel()
     assert cancelled_at == [3]
+
+
+# -- start-up: --worker-startup-timeout-secs and --disable-health-check ---------------------------
+
+STARTUP = attrs.evolve(CFG, startup_timeout_secs=30)
+
+
+async def run_checks_for(fleet, cfg, probe, seconds):
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_health_checks, fleet, cfg, probe)
+        await trio.sleep(seconds)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_worker_that_never_passes_is_given_up_at_the_startup_timeout(autojump_clock):
+    fleet = fleet_of("http://d:1")
+    (w,) = fleet.workers()
+    probe = FakeProbe(default=False)
+    await run_checks_for(fleet, STARTUP, probe, 200)
+    times = probe.times(w.id)
+    # Join probes every second up to the timeout, the first failure at or past it gives up,
+    # and nothing probes it afterwards (SMG: its registration failed, it is never checked).
+    assert times == list(range(0, 31))
+    assert w.startup_timed_out and not w.healthy
+    assert w.to_json()["startup_timed_out"] is True
+    assert fleet.workers() == [w]  # still listed (given up), not silently dropped
+
+
+async def test_hung_probes_still_give_up_at_the_startup_timeout(autojump_clock):
+    fleet = fleet_of("http://d:1")
+    (w,) = fleet.workers()
+    probe = FakeProbe(default="hang")  # each probe abandoned after timeout_secs (2 s)
+    given_up_at = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_health_checks, fleet, STARTUP, probe)
+        await trio.sleep(0.25)  # sample between the probes' whole seconds
+        while not w.startup_timed_out:
+            await trio.sleep(0.5)
+        given_up_at.append(trio.current_time())
+        await trio.sleep(100)
+        nursery.cancel_scope.cancel()
+    # The probe started at 28 is abandoned at 30: the give-up comes then, no probe after.
+    assert probe.times(w.id) == list(range(0, 29, 2))
+    assert given_up_at == [30.25]
+
+
+async def test_a_late_first_pass_within_the_timeout_joins_and_keeps_being_checked(
+    autojump_clock,
+):
+    fleet = fleet_of("http://d:1")
+    (w,) = fleet.workers()
+    probe = FakeProbe()
+    probe.scripts[w.url] = [False] * 29 + [True]  # passes at t=29, inside the 30 s
+    await run_checks_for(fleet, STARTUP, probe, 100)
+    assert w.healthy and not w.startup_timed_out
+    assert probe.times(w.id)[28:] == [28, 29, 39, 49, 59, 69, 79, 89, 99]
+    assert "startup_timed_out" not in w.to_json()
+
+
+async def test_the_timeout_counts_from_when_the_worker_was_added(autojump_clock):
+    fleet = fleet_of()
+    probe = FakeProbe(default=False)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_health_checks, fleet, STARTUP, probe)
+        await trio.sleep(100)
+        late = fleet.add(WorkerSpec("http://d:9", "decode"))  # POST /workers, a new pod...
+        await trio.sleep(29.5)
+        assert not late.startup_timed_out
+        await trio.sleep(1)
+        assert late.startup_timed_out
+        nursery.cancel_scope.cancel()
+    assert probe.times(late.id) == list(range(100, 131))
+
+
+async def test_periodic_checks_disabled_check_until_the_first_pass_only(autojump_clock):
+    fleet = fleet_of("http://d:1")
+    (w,) = fleet.workers()
+    probe = FakeProbe(default=False)
+    probe.scripts[w.url] = [False, False, True]  # comes up at t=2, then fails every probe
+    cfg = attrs.evolve(STARTUP, periodic=False)
+    await run_checks_for(fleet, cfg, probe, 500)
+    assert probe.times(w.id) == [0, 1, 2]  # the start-up check, nothing after its pass
+    assert w.healthy  # trusted from then on
+
+
+async def test_periodic_checks_disabled_still_give_up_at_the_startup_timeout(autojump_clock):
+    fleet = fleet_of("http://d:1")
+    (w,) = fleet.workers()
+    probe = FakeProbe(default=False)
+    await run_checks_for(fleet, attrs.evolve(STARTUP, periodic=False), probe, 200)
+    assert probe.times(w.id) == list(range(0, 31))
+    assert w.startup_timed_out and not w.healthy

@@ -27,6 +27,11 @@ class ServeProcess:
     process: trio.Process
     port: int
     log_path: str
+    metrics_port: int | None = None  # its --prometheus-port
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}"
 
     @property
     def url(self) -> str:
@@ -63,21 +68,40 @@ class ServeProcess:
             await self.process.wait()
 
 
+def metrics_flags(extra: Sequence[str], host: str | None = "127.0.0.1") -> tuple[list[str], int]:
+    """`--prometheus-port` (and `--prometheus-host`) unless `extra` has them: the router's
+    default is SMG's 0.0.0.0:29000, which serve processes running side by side (and anything
+    else on the machine) would fight over. The suite never binds 29000."""
+    flags: list[str] = []
+    if "--prometheus-port" in extra:
+        port = int(extra[list(extra).index("--prometheus-port") + 1])
+    else:
+        port = free_port()
+        flags += ["--prometheus-port", str(port)]
+    if host is not None and "--prometheus-host" not in extra:
+        flags += ["--prometheus-host", host]
+    return flags, port
+
+
 async def start_serve(
     prefills: Sequence[EngineHandle],
     decodes: Sequence[EngineHandle],
     log_path: str,
     *extra: str,
     port: int | None = None,
+    prometheus_host: str | None = "127.0.0.1",
 ) -> ServeProcess:
-    """`python -m trio_pd serve` in front of running engines; its output goes to `log_path`."""
+    """`python -m trio_pd serve` in front of running engines; its output goes to `log_path`.
+    Its metrics listener gets a free port on `prometheus_host` (None: the router's default
+    address) unless `extra` names them."""
     port = port or free_port()
     command = [sys.executable, "-m", "trio_pd", "serve", "--host", "127.0.0.1", "--port", str(port)]
     for engine in prefills:
         command += ["--prefill", engine.url, str(engine.bootstrap_port)]
     for engine in decodes:
         command += ["--decode", engine.url]
-    command += ["--log-level", "info", *extra]
+    metrics, metrics_port = metrics_flags(extra, prometheus_host)
+    command += ["--log-level", "info", *metrics, *extra]
     with open(log_path, "wb") as log:  # noqa: ASYNC230 - a local file, opened once
         process = await trio.lowlevel.open_process(command, stdout=log, stderr=subprocess.STDOUT)
-    return ServeProcess(process, port, log_path)
+    return ServeProcess(process, port, log_path, metrics_port)

@@ -84,7 +84,11 @@ class EngineApp:
         }
         key = (method, path)
         if key in routes:
+            engine.events.emit("info_request", method=method, path=path)  # probes, polls
             body = routes[key]
+            if path == "/health" and engine.health_status != 200:
+                await resp.error(engine.health_status, "the engine is not ready")
+                return
             await (resp.empty() if body is None else resp.json(200, body))
         elif any(p == path for _, p in routes):
             await resp.error(405, f"method {method} not allowed on {path}")

@@ -36,6 +36,7 @@ class EngineState:
         self.bootstrap_client: httpx2.AsyncClient | None = None  # decode only
         self.inflight = 0
         self.inflight_tokens = 0
+        self.health_status = 200  # what GET /health answers (a test sets 503: "still loading")
 
     def set_faults(self, specs: tuple[str, ...] | list[str]) -> None:
         self.faults = parse_many(tuple(specs))

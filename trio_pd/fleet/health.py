@@ -7,6 +7,15 @@ Rules (SMG's thresholds, with one exception for new workers):
   before its engine is up) picks them up within a second, not after a whole interval;
 - until a worker has passed once, a single pass makes it healthy (a booting engine joins as soon
   as it answers); after that, `success_threshold` consecutive passes bring it back up;
+- a worker that has not passed within `startup_timeout_secs` of being added is given up
+  (`--worker-startup-timeout-secs`): never probed again, never routed to, shown in /workers as
+  `startup_timed_out`. That is SMG 0.3.2's registration: its first step probes the worker until
+  it answers (`core/steps/worker/local/mod.rs`, `detect_connection.rs`) and, past the timeout,
+  the worker is never registered (the router keeps running, unready without a pair). Removing
+  and adding it again, or a source handing a changed record (a new pod), starts afresh;
+- with `periodic=False` (`--disable-health-check`) the start-up check stays (SMG's registration
+  still probes) and nothing is checked after a worker's first pass: it stays healthy (SMG starts
+  no health checker and `check_health_async` reports healthy, `server.rs`, `core/worker.rs`);
 - `failure_threshold` consecutive failures take it down; a probe that raises or outlives
   `timeout_secs` is a failure;
 - a removed worker's checker is cancelled and never flips it again.
@@ -41,9 +50,11 @@ async def probe_once(worker: Worker, config: HealthConfig, probe: Probe) -> bool
 
 
 async def check_worker(worker: Worker, config: HealthConfig, probe: Probe) -> None:
-    """Probe one worker forever (until cancelled or the worker is removed)."""
+    """Probe one worker until it is removed, given up at start-up, or (`periodic=False`)
+    has passed once."""
     ever_passed = False
     passes = failures = 0
+    give_up_at = trio.current_time() + config.startup_timeout_secs
     while not worker.removed:
         started = trio.current_time()
         ok = await probe_once(worker, config, probe)
@@ -56,6 +67,17 @@ async def check_worker(worker: Worker, config: HealthConfig, probe: Probe) -> No
                 worker.healthy = True
                 log.info("worker %s (%s) is healthy", worker.id, worker.url)
             ever_passed = True
+            if not config.periodic:
+                log.info("worker %s: health checks are disabled from now on", worker.id)
+                return
+        elif not ever_passed and trio.current_time() >= give_up_at:
+            worker.startup_timed_out = True
+            log.error(
+                "worker %s (%s) did not pass a health check within %gs of being added "
+                "(--worker-startup-timeout-secs): giving up on it; remove and add it to retry",
+                worker.id, worker.url, config.startup_timeout_secs,
+            )  # fmt: skip
+            return
         else:
             failures += 1
             passes = 0

@@ -50,6 +50,7 @@ class Worker:
     meta: dict[str, str] = attrs.field(factory=dict)  # the source's own names for it
     breaker: CircuitBreaker = attrs.field(factory=CircuitBreaker)
     healthy: bool = False  # unhealthy until the first health pass
+    startup_timed_out: bool = False  # no pass within --worker-startup-timeout-secs: given up
     removed: bool = False
     in_flight: int = 0
     dp_size: int = 1  # DP attention ranks behind the URL (learned from /get_server_info)
@@ -133,6 +134,7 @@ class Worker:
             "worker_type": self.role,
             "bootstrap_port": self.bootstrap_port,
             "healthy": self.healthy,
+            **({"startup_timed_out": True} if self.startup_timed_out else {}),
             "circuit_breaker": self.breaker.state,
             "load": self.load(),
             "in_flight": self.in_flight,
@@ -219,6 +221,9 @@ class Fleet:
         self.on_panic = on_panic  # e.g. a metric
         self.sources: dict[str, tuple[bool, str]] = {}  # source -> (reachable, detail)
         self._models: tuple[int, list[str]] | None = None
+        # An engine's reported load (GET /get_loads, the polling of `fleet/loads.py`) counts
+        # until the poll after next would have replaced it.
+        self.load_fresh_secs = 2 * max(config.health.interval_secs, config.load_poll_interval_secs)
         if static:  # with a shared membership store the static workers live in the store
             for spec in (*config.prefill, *config.decode):
                 self.add(spec)
@@ -250,7 +255,7 @@ class Fleet:
             source=source,
             meta=dict(meta or {}),
             breaker=CircuitBreaker(self.config.breaker),
-            load_fresh_secs=2 * self.config.health.interval_secs,
+            load_fresh_secs=self.load_fresh_secs,
         )
         self._workers[worker_id] = worker
         self.policies[spec.role].add_worker(worker)
@@ -433,4 +438,7 @@ class Fleet:
                 role, "none_registered", f"no {role} worker{serving} is registered"
             )
         detail = f"all {len(registered)} are unhealthy"
+        timed_out = sum(1 for w in registered if w.startup_timed_out)
+        if timed_out:
+            detail += f" ({timed_out} never came up: --worker-startup-timeout-secs)"
         return NoWorkerAvailable(role, "all_unhealthy", f"no available {role} worker: {detail}")

@@ -1,0 +1,204 @@
+"""`--prometheus-port` / `--prometheus-host` / `--prometheus-duration-buckets` on real `trio-pd
+serve` processes: metrics only, where asked, the start failing on a taken port (as SMG 0.3.2),
+answering through a drain, and with `--workers 2` served by the supervisor with the sum over the
+processes. Every router here gets a free port from the helper: the suite never binds 29000."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+from pathlib import Path
+
+import httpx2
+import pytest
+import trio
+
+from tests.conftest import start_engine
+from tests.ops.serve import ServeProcess, start_serve
+from tests.ops.sockets import holders, listeners
+from tests.ops.test_processes import clients_per_process
+from tests.router.helpers import generate_body, read_sse
+from trio_pd.cli import build_parser, router_config
+
+LOOSE = 10.0
+
+
+def sample(text: str, name: str, **labels: str) -> float | None:
+    """The value of one sample of a Prometheus text page (None when absent)."""
+    for line in text.splitlines():
+        if not line.startswith(name + ("{" if labels else " ")):
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', line.partition("}")[0]))
+        if all(found.get(k) == v for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+async def scrape(router: ServeProcess) -> httpx2.Response:
+    async with httpx2.AsyncClient(base_url=router.metrics_url, timeout=LOOSE) as scraper:
+        return await scraper.get("/metrics")
+
+
+def test_defaults_are_smgs() -> None:
+    config = router_config(build_parser().parse_args(["serve"]))
+    assert (config.prometheus_host, config.prometheus_port) == ("0.0.0.0", 29000)
+    assert config.prometheus_duration_buckets is None
+
+
+async def test_metrics_only_on_the_address_asked(nursery: trio.Nursery, tmp_path: Path) -> None:
+    prefill = await start_engine(nursery, "prefill")
+    decode = await start_engine(nursery, "decode")
+    router = await start_serve(
+        [prefill], [decode], str(tmp_path / "router.log"),
+        "--prometheus-duration-buckets", "7", "0.5",
+    )  # fmt: skip
+    try:
+        await router.wait_ready()
+        assert router.metrics_port is not None
+        # Bound where the helper asked (127.0.0.1), and nowhere else.
+        assert list(listeners(router.metrics_port)) == ["127.0.0.1"]
+        async with httpx2.AsyncClient(base_url=router.url) as client:
+            answer = await client.post("/generate", json=generate_body(stream=True))
+            assert answer.status_code == 200 and answer.text.endswith("data: [DONE]\n\n")
+        async with httpx2.AsyncClient(base_url=router.metrics_url) as scraper:
+            metrics = await scraper.get("/metrics")
+            assert metrics.status_code == 200
+            assert metrics.headers["content-type"].startswith("text/plain")
+            text = metrics.text
+            assert sample(text, "trio_pd_requests_total", path="/generate", status="200") == 1
+            # The duration buckets asked for, on the *_duration_seconds histogram only.
+            buckets = "trio_pd_request_duration_seconds_bucket"
+            assert sample(text, buckets, path="/generate", le="7.0") == 1
+            assert sample(text, buckets, path="/generate", le="0.5") is not None
+            assert sample(text, buckets, path="/generate", le="300.0") is None
+            # Other histograms keep their own scales (time to first token: from 5 ms).
+            first_token = "trio_pd_time_to_first_token_seconds_bucket"
+            assert sample(text, first_token, le="0.005") is not None
+            assert sample(text, first_token, le="7.0") is None
+            for method, path in [("GET", "/workers"), ("POST", "/generate"), ("GET", "/health"),
+                                 ("POST", "/flush_cache"), ("GET", "/")]:  # fmt: skip
+                response = await scraper.request(method, path, json={})
+                assert response.status_code == 404, path
+                assert response.json()["error"]["type"] == "not_found_error"
+            refused = await scraper.post("/metrics")
+            assert refused.status_code == 405 and refused.headers["allow"] == "GET"
+        assert len(prefill.events.find("request_start")) == 1  # the metrics port reached none
+        async with httpx2.AsyncClient(base_url=router.url) as client:
+            main = await client.get("/metrics")  # the main port keeps its /metrics
+            assert main.status_code == 200 and "trio_pd_requests_total" in main.text
+        router.signal(signal.SIGTERM)
+        assert await router.wait_exit() == 0
+    finally:
+        await router.stop()
+    assert "metrics on http://127.0.0.1:" in router.log()
+
+
+async def test_default_address_is_every_interface(nursery: trio.Nursery, tmp_path: Path) -> None:
+    prefill = await start_engine(nursery, "prefill")
+    decode = await start_engine(nursery, "decode")
+    # No --prometheus-host: the router's default (SMG's 0.0.0.0), on a free port.
+    router = await start_serve([prefill], [decode], str(tmp_path / "r.log"), prometheus_host=None)
+    try:
+        await router.wait_ready()
+        assert router.metrics_port is not None
+        assert list(listeners(router.metrics_port)) == ["0.0.0.0"]
+        assert list(listeners(router.port)) == ["127.0.0.1"]  # --host is another matter
+        assert (await scrape(router)).status_code == 200
+    finally:
+        await router.stop()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_a_taken_metrics_port_fails_the_start(
+    nursery: trio.Nursery, tmp_path: Path, workers: int
+) -> None:
+    prefill = await start_engine(nursery, "prefill")
+    decode = await start_engine(nursery, "decode")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        router = await start_serve(
+            [prefill], [decode], str(tmp_path / "router.log"),
+            "--prometheus-port", str(port), "--workers", str(workers),
+        )  # fmt: skip
+        try:
+            assert await router.wait_exit(within=LOOSE * 3) == 1
+        finally:
+            await router.stop()
+    log = router.log()
+    assert f"trio-pd serve: error: cannot listen for metrics on 127.0.0.1:{port}" in log
+    assert "Address already in use" in log and "Traceback" not in log
+    assert "routing on" not in log  # nothing was served, no router process started
+    assert not listeners(router.port)
+
+
+async def test_metrics_answer_through_the_drain(nursery: trio.Nursery, tmp_path: Path) -> None:
+    prefill = await start_engine(nursery, "prefill")
+    decode = await start_engine(nursery, "decode", inter_token_ms=40)
+    router = await start_serve(
+        [prefill], [decode], str(tmp_path / "router.log"), "--shutdown-grace-period-secs", "30"
+    )
+    try:
+        await router.wait_ready()
+        async with httpx2.AsyncClient(base_url=router.url, timeout=LOOSE * 3) as client:
+            body = generate_body(stream=True, max_new_tokens=80)  # about 3 s of tokens
+            async with client.stream("POST", "/generate", json=body) as stream:
+                assert stream.status_code == 200
+                router.signal(signal.SIGTERM)
+                with trio.fail_after(LOOSE):  # the drain closes the main listening socket...
+                    while listeners(router.port):
+                        await trio.sleep(0.05)
+                drained = await scrape(router)  # ...the metrics listener stays
+                assert drained.status_code == 200
+                assert not decode.events.find("request_end")  # the stream is still running
+                events = await read_sse(stream)
+            assert events[-1] == "[DONE]"
+        assert await router.wait_exit() == 0
+    finally:
+        await router.stop()
+    assert router.metrics_port is not None and not listeners(router.metrics_port)
+
+
+async def test_the_supervisor_serves_the_sum_over_processes(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    prefill = await start_engine(nursery, "prefill")
+    decode = await start_engine(nursery, "decode")
+    router = await start_serve([prefill], [decode], str(tmp_path / "router.log"), "--workers", "2")
+    clients: dict[int, httpx2.AsyncClient] = {}
+    try:
+        await router.wait_ready()
+        clients = await clients_per_process(router)
+        for client in clients.values():
+            for _ in range(3):
+                assert (await client.post("/generate", json=generate_body())).status_code == 200
+        assert router.metrics_port is not None
+        (inode,) = listeners(router.metrics_port).values()
+        # The parent holds the metrics socket; the router processes do not.
+        supervisor = router.process.pid
+        assert holders(inode, [supervisor, *clients]) == {supervisor}
+        with trio.fail_after(LOOSE):  # the router processes sync their gauges every second
+            while True:
+                text = (await scrape(router)).text
+                total = sample(text, "trio_pd_requests_total", path="/generate", status="200")
+                if total == 6 and sample(text, "trio_pd_worker_healthy", worker="decode-1"):
+                    break
+                await trio.sleep(0.2)
+        # A router process dies: the listener is the parent's, so it keeps answering, and
+        # counts the restart.
+        victim = next(iter(clients))
+        await clients.pop(victim).aclose()
+        os.kill(victim, signal.SIGKILL)
+        with trio.fail_after(LOOSE):
+            while sample((await scrape(router)).text, "trio_pd_process_restarts_total") != 1:
+                await trio.sleep(0.1)
+        router.signal(signal.SIGTERM)
+        assert await router.wait_exit() == 0
+    finally:
+        for client in clients.values():
+            await client.aclose()
+        await router.stop()
+    assert not listeners(router.metrics_port)

@@ -1,0 +1,38 @@
+"""power_of_two polls the engines' `/get_load` every `--worker-startup-check-interval` (what SMG
+0.3.2 uses that flag for: its LoadMonitor), over real sockets; other policies poll nothing. The
+timing itself is tested under MockClock in tests/fleet/test_loads.py."""
+
+from __future__ import annotations
+
+import trio
+
+from tests.conftest import start_cluster
+from tests.router.helpers import settle
+from trio_pd.config import PolicyConfig
+
+LOOSE = 5.0
+
+
+def load_polls(engine) -> int:
+    return len(engine.events.find("info_request", path="/get_load"))
+
+
+async def test_power_of_two_polls_the_engines_loads(nursery: trio.Nursery) -> None:
+    cluster = await start_cluster(
+        nursery,
+        policy=PolicyConfig(prefill_policy="power_of_two", decode_policy="round_robin"),
+        load_poll_interval_secs=0.2,
+    )
+    await settle(lambda: load_polls(cluster.prefill) >= 3, LOOSE)
+    assert load_polls(cluster.decode) == 0  # its policy does not use them
+    prefill = cluster.router.fleet.workers("prefill")[0]
+    assert prefill.reported_load == 0 and prefill.reported_at is not None
+    await cluster.client.aclose()
+
+
+async def test_other_policies_poll_nothing(nursery: trio.Nursery) -> None:
+    cluster = await start_cluster(nursery, load_poll_interval_secs=0.2)  # round_robin
+    await trio.sleep(1.0)
+    assert load_polls(cluster.prefill) == load_polls(cluster.decode) == 0
+    assert cluster.prefill.events.find("info_request", path="/health")  # (it does log probes)
+    await cluster.client.aclose()
