@@ -1,7 +1,8 @@
 """Fan-out endpoints over the wire: proxied info, /health_generate, /flush_cache, /get_loads.
 
-The engines log no event for their info endpoints, so `seen` wraps EngineApp.info to log an
-`info_request` event (and, per engine port, to delay or hang the answer) before the real one.
+`seen` wraps EngineApp.info to log an `info_arrived` event the moment a request reaches an
+engine (the engine's own `info_request` comes with its answer, which a test may hold back) and,
+per engine and path, to delay or hang the answer.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ from trio_pd.fanout import parse_load
 
 @pytest.fixture
 def seen(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[tuple[Any, str], float]]:
-    """Log every info request in the engine's events; delays[(handle.state, path)] holds it
+    """Log every info request as it arrives; delays[(handle.state, path)] holds the answer
     (seconds; `inf` hangs until the router gives up)."""
     delays: dict[tuple[Any, str], float] = {}
     original = EngineApp.info
 
     async def info(self: EngineApp, path: str, method: str, send: Any) -> None:
-        self.engine.events.emit("info_request", path=path, method=method)
+        self.engine.events.emit("info_arrived", path=path, method=method)
         delay = delays.get((self.engine, path), 0.0)
         if delay:
             await trio.sleep(delay)
@@ -45,7 +46,7 @@ async def info_learned(cluster: Any) -> None:
 
 
 def asked(engine: Any, path: str, method: str = "GET") -> int:
-    return len(engine.events.find("info_request", path=path, method=method))
+    return len(engine.events.find("info_arrived", path=path, method=method))
 
 
 @pytest.mark.parametrize("path", ["/v1/models", "/get_model_info", "/get_server_info"])
