@@ -79,8 +79,9 @@ def meaning(flag: str, action: argparse.Action) -> str:
     foreign = compat.BY_FLAG.get(flag)
     if foreign is not None:
         return foreign.why
+    help_text = (action.help or "").replace("%%", "%")
     differs = compat.DIFFERS.get(flag)
-    return f"differs: {differs}" if differs else "as in SGLang's router"
+    return f"{help_text}. **Differs:** {differs}" if differs else help_text
 
 
 def cell(text: str) -> str:

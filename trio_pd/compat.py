@@ -200,4 +200,17 @@ DIFFERS: dict[str, str] = {
     "--api-key": "also read from `$TRIO_PD_API_KEY`; `--data-plane-api-keys` adds client keys",
     "--control-plane-api-keys": "without them and without `--api-key`, the changing routes "
     "answer loopback clients only (SGLang's are open to anyone who reaches the port)",
+    "--log-level": "`warning` and `critical` are accepted too (Python's names)",
+    "--log-dir": "a directory that cannot be created or written stops the start-up with the "
+    "reason (SGLang's router then logs nowhere): logs asked for must not be lost silently",
+    "--prometheus-port": "`0` takes any free port; a taken port stops the start-up with the "
+    "reason, as SGLang's router does by panicking",
+    "--rate-limit-tokens-per-second": "`0` makes admission a plain concurrency limit, as SGLang "
+    "documents it (0.3.2 itself reads 0 as the default, `--max-concurrent-requests`)",
+    "--worker-startup-check-interval": "as in SGLang's router 0.3.2, it is the `/get_load` "
+    "polling interval of `power_of_two`, not a start-up setting (its help text says otherwise)",
+    "--prefill-policy": "`bucket` takes only candidates (healthy, breaker allowing), and a "
+    "membership change recomputes its ranges (SGLang's may route to a worker that is out)",
+    "--policy": "`manual` keeps at most 262144 routing keys (least recently used dropped "
+    "first); SGLang bounds them by idle time only",
 }
