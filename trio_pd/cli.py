@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 from collections.abc import Callable, Sequence
 
@@ -243,6 +244,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tls-cert-path", default=None, help="serve HTTPS with this certificate")
     p.add_argument("--tls-key-path", default=None, help="the key of --tls-cert-path")
+    p.add_argument(
+        "--enable-trace",
+        action="store_true",
+        help="Enable opentelemetry trace: a span per request, attempt and leg, exported over "
+        "OTLP/gRPC; each worker gets its leg's traceparent (needs pip install 'trio_pd[trace]')",
+    )
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        default=d.otlp_traces_endpoint,
+        help="Config opentelemetry collector endpoint if --enable-trace is set. "
+        "format: <ip>:<port> (OTLP over gRPC; http:// or https:// may lead)",
+    )
     h = HealthConfig()
     p.add_argument("--health-check-interval-secs", type=float, default=h.interval_secs)
     p.add_argument("--health-check-timeout-secs", type=float, default=h.timeout_secs)
@@ -260,6 +273,49 @@ def control_keys(error: Callable[[str], None], values: Sequence[str]) -> tuple[C
     except ValueError as exc:
         error(f"--control-plane-api-keys: {exc}")
         raise
+
+
+TRACE_MODULES = (
+    "opentelemetry.sdk.trace",
+    "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+)
+
+
+def trace_endpoint(args: argparse.Namespace, error: Callable[[str], None]) -> str:
+    """`--otlp-traces-endpoint`, checked as SMG checks it (only with `--enable-trace`), and the
+    OpenTelemetry packages present: either missing is a usage error at startup, not a router
+    that serves without the traces it was asked for."""
+    endpoint: str = args.otlp_traces_endpoint
+    if not args.enable_trace:
+        return endpoint
+    problem = otlp_endpoint_problem(endpoint)
+    if problem is not None:
+        error(f"--otlp-traces-endpoint {endpoint!r}: {problem}")
+    for module in TRACE_MODULES:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            error(
+                f"--enable-trace needs OpenTelemetry ({exc.name or module} is missing): "
+                "pip install 'trio_pd[trace]'"
+            )
+            raise
+    return endpoint
+
+
+def otlp_endpoint_problem(endpoint: str) -> str | None:
+    """What is wrong with a `<host>:<port>` collector address (SMG's config/validation.rs:
+    a colon, a host before it, a port 1-65535 after it), or None."""
+    scheme, sep, rest = endpoint.partition("://")
+    address = rest if sep and scheme in ("http", "https") else endpoint
+    host, colon, port = address.rpartition(":")
+    if not colon:
+        return "expected format <host>:<port>, e.g. otel-collector:4317 or 127.0.0.1:4317"
+    if not host:
+        return "host part cannot be empty"
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        return "port must be a number between 1 and 65535"
+    return None
 
 
 def parser_error(message: str) -> None:
@@ -355,6 +411,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         shutdown_grace_period_secs=args.shutdown_grace_period_secs,
         tls_cert_path=args.tls_cert_path,
         tls_key_path=args.tls_key_path,
+        enable_trace=args.enable_trace,
+        otlp_traces_endpoint=trace_endpoint(args, error),
         policy=PolicyConfig(
             policy=args.policy,
             prefill_policy=args.prefill_policy,
