@@ -49,6 +49,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 import trio_pd
+from trio_pd.asgi import ClientGone
 from trio_pd.errors import RouterError
 from trio_pd.outcome import LegFailure, LegSuccess
 
@@ -248,7 +249,7 @@ class RequestTrace:
         elif isinstance(error, BaseExceptionGroup) and error.subgroup(RouterError) is not None:
             error = first_router_error(error)
             status = error.status
-        elif cancel_cause is not None or isinstance(error, trio.Cancelled):
+        elif cancel_cause is not None or isinstance(error, (trio.Cancelled, ClientGone)):
             status = CLIENT_GONE_STATUS
         elif error is not None:
             status = 500

@@ -7,6 +7,7 @@ Every test runs a real router against simulator engines and a real OTLP gRPC rec
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import pytest
@@ -151,6 +152,35 @@ async def test_a_request_without_traceparent_starts_a_trace(nursery: trio.Nurser
         await cluster.client.aclose()
 
 
+async def test_an_unsampled_client_trace_is_propagated_but_not_exported(
+    nursery: trio.Nursery,
+) -> None:
+    """The client's sampling decision holds (parent-based sampling, SMG's SDK default): no spans,
+    yet each worker still gets its leg's span id in the client's trace, flagged unsampled."""
+    unsampled_trace = "0af7651916cd43dd8448eb211c80319c"
+    with otlp_receiver() as receiver:
+        cluster = await traced_cluster(nursery, receiver)
+        for rid, parent in (
+            ("unsampled", f"00-{unsampled_trace}-b7ad6b7169203331-00"),
+            ("sampled", CLIENT_PARENT),
+        ):
+            headers = {"x-request-id": rid, "traceparent": parent}
+            response = await cluster.client.post("/generate", json=generate_body(), headers=headers)
+            assert response.status_code == 200
+        # Spans leave in the order they ended: once the later request's are in, the earlier's
+        # would be too.
+        spans = await receiver.wait_for(complete("sampled"), "the sampled request's spans")
+        assert {s.trace_id for s in spans} == {CLIENT_TRACE}
+        engines = (cluster.prefill, cluster.decode)
+        seen = {tp for e in engines for tp in traceparent_seen(e, "unsampled")}
+        assert len(seen) == 2  # one span id per leg
+        for traceparent in seen:
+            _, trace_id, span_id, flags = traceparent.split("-")
+            assert (trace_id, flags) == (unsampled_trace, "00")
+            assert span_id != "b7ad6b7169203331"
+        await cluster.client.aclose()
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 async def test_failing_prefill_shows_decode_cancelled_because_of_it(
     nursery: trio.Nursery, stream: bool
@@ -266,6 +296,31 @@ async def test_client_gone_shows_both_legs_cancelled_and_499(nursery: trio.Nurse
         await cluster.client.aclose()
 
 
+async def test_client_gone_before_its_body_arrived_is_a_499_not_an_error(
+    nursery: trio.Nursery,
+) -> None:
+    with otlp_receiver() as receiver:
+        cluster = await traced_cluster(nursery, receiver)
+        rid = "half-a-body"
+        host, port = cluster.url.removeprefix("http://").split(":")
+        conn = await trio.open_tcp_stream(host, int(port))
+        await conn.send_all(
+            b"POST /generate HTTP/1.1\r\nhost: x\r\nx-request-id: half-a-body\r\n"
+            b'content-type: application/json\r\ncontent-length: 1000\r\n\r\n{"text": '
+        )
+        await trio.sleep(0.5)  # the request (and its span) has begun: it waits for the body
+        await conn.aclose()
+        spans = await receiver.wait_for(
+            lambda s: any(x.attributes.get("request_id") == rid for x in s), "the 499's span"
+        )
+        request = one(spans, "http_request", request_id=rid)
+        assert request.attributes["status_code"] == 499
+        assert request.status == "unset"  # the client left: not the router's error
+        assert not request.children(spans)
+        assert not cluster.prefill.events.find("request_start", rid=rid)
+        await cluster.client.aclose()
+
+
 async def test_bad_input_is_a_request_span_without_attempts(nursery: trio.Nursery) -> None:
     with otlp_receiver() as receiver:
         cluster = await traced_cluster(nursery, receiver)
@@ -357,3 +412,23 @@ def test_enable_trace_without_opentelemetry_says_how_to_install_it(
     assert "--enable-trace needs OpenTelemetry" in err
     assert "pip install 'trio_pd[trace]'" in err
     router_config(serve_args())  # without the flag nothing is needed
+
+
+def test_a_router_without_tracing_never_imports_opentelemetry() -> None:
+    """The hot path pays nothing, and a router without the `trace` extra still starts."""
+    program = (
+        "import sys\n"
+        "from trio_pd.cli import build_parser, router_config\n"
+        "from trio_pd.app import Router, start_tracing\n"
+        "from trio_pd.server import run\n"
+        "args = build_parser().parse_args(['serve', '--prefill', 'http://127.0.0.1:1'])\n"
+        "config = router_config(args)\n"
+        "Router(config)\n"
+        "assert start_tracing(config) is None\n"
+        "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
