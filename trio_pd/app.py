@@ -13,6 +13,7 @@ import os
 import random
 import ssl
 from functools import partial
+from typing import TYPE_CHECKING
 
 import attrs
 import trio
@@ -53,6 +54,9 @@ from trio_pd.routing_key import routing_key
 from trio_pd.tls import worker_ssl_context
 from trio_pd.upstream import UpstreamPool, client_authorization, leg_headers, make_client
 from trio_pd.urls import parse_allow
+
+if TYPE_CHECKING:
+    from trio_pd.tracing import Tracing
 
 log = logging.getLogger("trio_pd.app")
 CLIENT_GONE_STATUS = 499  # nginx's convention for "the client closed the request"
@@ -200,6 +204,7 @@ class Router:
         self.control.client = make_client(self.ssl_context)
         startup_warnings(self.access)
         self.metrics.attach(self.fleet, self.pool, lambda: self.admission.waiting)
+        self.generation.tracing = start_tracing(self.config)
         try:
             async with trio_parallel.open_worker_context() as parsers:
                 self.generation.parsers = parsers
@@ -211,10 +216,13 @@ class Router:
                     nursery.cancel_scope.cancel(reason="lifespan shutdown")
         finally:
             self.generation.parsers = None
+            tracing, self.generation.tracing = self.generation.tracing, None
             with trio.CancelScope(shield=True):
                 await self.control.http.aclose()
                 await self.pool.aclose()
                 await close_membership(self.membership)
+                if tracing is not None:  # after the drain: every request span has ended
+                    await tracing.shutdown()
         await send({"type": "lifespan.shutdown.complete"})
 
     # -- http -------------------------------------------------------------------------------
@@ -282,6 +290,17 @@ class Router:
         return route
 
 
+def start_tracing(config: RouterConfig) -> Tracing | None:
+    """This process's tracer (`--enable-trace`), made in the process that serves: with
+    `--workers N` each spawned process exports its own spans. OpenTelemetry is imported here
+    and only here, so a router without tracing never loads it."""
+    if not config.enable_trace:
+        return None
+    from trio_pd.tracing import Tracing
+
+    return Tracing.start(config.otlp_traces_endpoint)
+
+
 async def close_membership(membership: Membership) -> None:
     """Close the clients the store and sources hold (etcd's), once their tasks have ended."""
     closers = {id(x): x for x in (membership.store, *membership.sources) if hasattr(x, "aclose")}
@@ -313,46 +332,58 @@ class GenerationContext:
     reads_routing_key: bool = False  # a manual policy routes by X-SMG-Routing-Key
     client_key_is_ours: bool = False  # --api-key/--data-plane-api-keys: not for the workers
     parsers: trio_parallel.WorkerContext | None = None  # opened by the lifespan
+    tracing: Tracing | None = None  # --enable-trace, from the lifespan's start to its end
 
 
 async def handle_generation(
     gen: GenerationContext, scope: Scope, receive: Receive, rsp: Responder
 ) -> None:
     """A PD request: read and inspect the body, then dispatch in a scope the client's
-    disconnect cancels."""
-    config = gen.config
-    if gen.drain.draining:
-        raise shutting_down()
-    raw = await read_request_body(
-        scope, receive, config.max_payload_size, config.timeouts.client_body_secs
-    )
-    inspected = await inspect(
-        scope["path"], raw, config.max_batch_size, gen.owned_keys, gen.parsers
-    )
-    request = PDRequest(
-        scope["path"],
-        inspected,
-        leg_headers(scope["headers"], rsp.request_id),
-        # With client keys the client's authorization is the router's credential: kept.
-        None if gen.client_key_is_ours else client_authorization(scope["headers"]),
-        rsp.request_id.decode("latin-1"),
-        routing_key(scope["headers"]) if gen.reads_routing_key else None,
-    )
+    disconnect cancels. With tracing, the whole of it is the request's span."""
+    # Tracing off costs the two None checks; one function, not a wrapper, for the same reason.
+    trace = gen.tracing.begin(scope, rsp.request_id) if gen.tracing is not None else None
     cancel = RequestCancel()
-    with gen.drain.track(cancel), cancel.scope:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(watch_disconnect, receive, rsp, cancel)
-            try:
-                async with gen.admission.slot():
-                    await dispatch(gen.dispatch, request, rsp, cancel)
-            except RouterError as error:  # 429 from admission, 413 with the router's fields
-                if not rsp.started:
-                    await rsp.error(error)
-            nursery.cancel_scope.cancel()
-    if cancel.scope.cancelled_caught:
-        log.info("request cancelled (%s); every leg of it was closed", cancel.cause)
-        if cancel.cause == "shutdown":
-            await answer_cut(rsp, cut_by_shutdown(gen.drain.grace_secs))
+    try:
+        config = gen.config
+        if gen.drain.draining:
+            raise shutting_down()
+        raw = await read_request_body(
+            scope, receive, config.max_payload_size, config.timeouts.client_body_secs
+        )
+        inspected = await inspect(
+            scope["path"], raw, config.max_batch_size, gen.owned_keys, gen.parsers
+        )
+        request = PDRequest(
+            scope["path"],
+            inspected,
+            leg_headers(scope["headers"], rsp.request_id),
+            # With client keys the client's authorization is the router's credential: kept.
+            None if gen.client_key_is_ours else client_authorization(scope["headers"]),
+            rsp.request_id.decode("latin-1"),
+            routing_key(scope["headers"]) if gen.reads_routing_key else None,
+            trace,
+        )
+        with gen.drain.track(cancel), cancel.scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch_disconnect, receive, rsp, cancel)
+                try:
+                    async with gen.admission.slot():
+                        await dispatch(gen.dispatch, request, rsp, cancel)
+                except RouterError as error:  # 429 from admission, 413 with the router's fields
+                    if not rsp.started:
+                        await rsp.error(error)
+                nursery.cancel_scope.cancel()
+        if cancel.scope.cancelled_caught:
+            log.info("request cancelled (%s); every leg of it was closed", cancel.cause)
+            if cancel.cause == "shutdown":
+                await answer_cut(rsp, cut_by_shutdown(gen.drain.grace_secs))
+    except BaseException as error:
+        if trace is not None:
+            trace.end(rsp, cancel, error)
+        raise
+    else:
+        if trace is not None:
+            trace.end(rsp, cancel, None)
 
 
 def owned_keys(config: RouterConfig, aborts: bool) -> frozenset[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -101,23 +102,26 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pd-disaggregation",
         action="store_true",
-        help="accepted for SGLang router compatibility (always on)",
+        help="PD mode: always on (trio_pd routes prefill/decode pairs only)",
     )
     p.add_argument(
         "--mini-lb",
         action="store_true",
-        help="SGLang's debugging MiniLB: its one behaviour, random prefill and decode choice, "
-        "is applied (--policy random for both roles) with a warning",
+        help="SGLang's debugging MiniLB: --policy random for both roles, with a warning",
     )
     p.add_argument(
         "--enable-igw",
         action="store_true",
-        help="accepted: trio_pd always routes by model when its workers serve several "
-        "(SGLang's router needs this flag for that)",
+        help="routing by model: always on when the workers serve several models",
     )
     p.add_argument("--host", default=d.host, help="address to listen on (IPv4 or IPv6)")
     p.add_argument("--port", type=int, default=d.port, help="port to listen on")
-    p.add_argument("--workers", type=int, default=d.workers, help="hypercorn worker processes")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=d.workers,
+        help="router processes sharing the port (SO_REUSEPORT), the membership and the metrics",
+    )
     p.add_argument(
         "--request-timeout-secs",
         type=float,
@@ -249,7 +253,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--log-level",
         default=d.log_level,
         choices=LOG_LEVELS,
-        help="SGLang's debug, info, warn, error (warning and critical are accepted too)",
+        help="debug, info, warn, error (SGLang's spellings)",
     )
     p.add_argument(
         "--log-dir",
@@ -261,7 +265,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--prometheus-port",
         type=int,
         default=DEFAULT_PROMETHEUS_PORT,
-        help="serve /metrics, and only that, on this port (plain HTTP; 0: any free port)",
+        help="serve /metrics, and only that, on this port (plain HTTP)",
     )
     p.add_argument(
         "--prometheus-host",
@@ -465,6 +469,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tls-cert-path", default=None, help="serve HTTPS with this certificate")
     p.add_argument("--tls-key-path", default=None, help="the key of --tls-cert-path")
+    p.add_argument(
+        "--enable-trace",
+        action="store_true",
+        help="Enable opentelemetry trace: a span per request, attempt and leg, exported over "
+        "OTLP/gRPC; each worker gets its leg's traceparent (needs pip install 'trio_pd[trace]')",
+    )
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        default=d.otlp_traces_endpoint,
+        help="Config opentelemetry collector endpoint if --enable-trace is set. "
+        "format: <ip>:<port> (OTLP over gRPC; http:// or https:// may lead)",
+    )
     h = HealthConfig()
     p.add_argument(
         "--health-check-interval-secs",
@@ -512,6 +528,49 @@ def control_keys(error: Callable[[str], None], values: Sequence[str]) -> tuple[C
     except ValueError as exc:
         error(f"--control-plane-api-keys: {exc}")
         raise
+
+
+TRACE_MODULES = (
+    "opentelemetry.sdk.trace",
+    "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+)
+
+
+def trace_endpoint(args: argparse.Namespace, error: Callable[[str], None]) -> str:
+    """`--otlp-traces-endpoint`, checked as SMG checks it (only with `--enable-trace`), and the
+    OpenTelemetry packages present: either missing is a usage error at startup, not a router
+    that serves without the traces it was asked for."""
+    endpoint: str = args.otlp_traces_endpoint
+    if not args.enable_trace:
+        return endpoint
+    problem = otlp_endpoint_problem(endpoint)
+    if problem is not None:
+        error(f"--otlp-traces-endpoint {endpoint!r}: {problem}")
+    for module in TRACE_MODULES:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            error(
+                f"--enable-trace needs OpenTelemetry ({exc.name or module} is missing): "
+                "pip install 'trio_pd[trace]'"
+            )
+            raise
+    return endpoint
+
+
+def otlp_endpoint_problem(endpoint: str) -> str | None:
+    """What is wrong with a `<host>:<port>` collector address (SMG's config/validation.rs:
+    a colon, a host before it, a port 1-65535 after it), or None."""
+    scheme, sep, rest = endpoint.partition("://")
+    address = rest if sep and scheme in ("http", "https") else endpoint
+    host, colon, port = address.rpartition(":")
+    if not colon:
+        return "expected format <host>:<port>, e.g. otel-collector:4317 or 127.0.0.1:4317"
+    if not host:
+        return "host part cannot be empty"
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        return "port must be a number between 1 and 65535"
+    return None
 
 
 def parser_error(message: str) -> None:
@@ -691,6 +750,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         shutdown_grace_period_secs=args.shutdown_grace_period_secs,
         tls_cert_path=args.tls_cert_path,
         tls_key_path=args.tls_key_path,
+        enable_trace=args.enable_trace,
+        otlp_traces_endpoint=trace_endpoint(args, error),
         policy=PolicyConfig(
             policy=args.policy,
             prefill_policy=args.prefill_policy,

@@ -192,23 +192,22 @@ def check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 DIFFERS: dict[str, str] = {
     "--prefill": "also takes `model=NAME`, the model the worker serves (else learned from it)",
     "--decode": "also takes `model=NAME`",
-    "--pd-disaggregation": "always on: trio_pd routes prefill/decode pairs only",
-    "--mini-lb": "trio_pd keeps serving and applies SGLang's MiniLB's one routing rule, "
-    "`--policy random` for both roles, with a warning",
-    "--enable-igw": "no effect: trio_pd routes by `model` whenever its workers serve several "
-    "models (SGLang's router ignores `model` without this flag)",
-    "--api-key": "also read from `$TRIO_PD_API_KEY`; `--data-plane-api-keys` adds client keys",
+    "--pd-disaggregation": "without it SGLang's router serves regular workers; trio_pd has no "
+    "such mode",
+    "--mini-lb": "SGLang starts a separate debugging router; trio_pd keeps its own (health, "
+    "breakers, retries, aborts) and takes MiniLB's one routing rule",
+    "--enable-igw": "no effect: SGLang's router ignores a request's `model` without it; "
+    "trio_pd always honours it",
+    "--api-key": "`--data-plane-api-keys` adds more client keys beside it",
     "--control-plane-api-keys": "without them and without `--api-key`, the changing routes "
     "answer loopback clients only (SGLang's are open to anyone who reaches the port)",
-    "--log-level": "`warning` and `critical` are accepted too (Python's names)",
+    "--log-level": "`warning` and `critical` (Python's names) are accepted too",
     "--log-dir": "a directory that cannot be created or written stops the start-up with the "
     "reason (SGLang's router then logs nowhere): logs asked for must not be lost silently",
     "--prometheus-port": "`0` takes any free port; a taken port stops the start-up with the "
     "reason, as SGLang's router does by panicking",
     "--rate-limit-tokens-per-second": "`0` makes admission a plain concurrency limit, as SGLang "
     "documents it (0.3.2 itself reads 0 as the default, `--max-concurrent-requests`)",
-    "--worker-startup-check-interval": "as in SGLang's router 0.3.2, it is the `/get_load` "
-    "polling interval of `power_of_two`, not a start-up setting (its help text says otherwise)",
     "--prefill-policy": "`bucket` takes only candidates (healthy, breaker allowing), and a "
     "membership change recomputes its ranges (SGLang's may route to a worker that is out)",
     "--policy": "`manual` keeps at most 262144 routing keys (least recently used dropped "

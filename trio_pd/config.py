@@ -170,6 +170,8 @@ class RouterConfig:
     shutdown_grace_period_secs: float = 180.0  # in-flight requests' time to finish on SIGTERM
     tls_cert_path: str | None = None  # serve HTTPS (hypercorn does it)
     tls_key_path: str | None = None
+    enable_trace: bool = False  # OpenTelemetry spans, exported over OTLP/gRPC (`tracing.py`)
+    otlp_traces_endpoint: str = "localhost:4317"  # <host>:<port> (SMG's default and format)
     retry: RetryConfig = RetryConfig()
     breaker: BreakerConfig = BreakerConfig()
     health: HealthConfig = HealthConfig()

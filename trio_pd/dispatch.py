@@ -14,7 +14,7 @@ import logging
 import random
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -34,6 +34,9 @@ from trio_pd.relay import error_frame
 from trio_pd.respond import Responder
 from trio_pd.upstream import UpstreamPool, worker_authorization
 
+if TYPE_CHECKING:
+    from trio_pd.tracing import RequestTrace
+
 log = logging.getLogger("trio_pd.dispatch")
 
 
@@ -47,6 +50,7 @@ class PDRequest:
     authorization: bytes | None = None  # the client's, forwarded when a worker has no key
     request_id: str = ""
     routing_key: str | None = None  # X-SMG-Routing-Key, read only for a manual policy
+    trace: RequestTrace | None = None  # its span (`--enable-trace`), else None
 
 
 @attrs.define(eq=False)
@@ -96,6 +100,7 @@ async def dispatch(
     responder.route_info["model"] = model or "-"
     inspected = request.inspected
     hints = RouteHints(inspected.text, inspected.length, request.routing_key, model)
+    trace = request.trace
     for number in range(1, total + 1):
         try:
             prefill, decode = ctx.fleet.select_pair(hints, frozenset(avoid))
@@ -114,11 +119,15 @@ async def dispatch(
         responder.route_info.update(prefill=prefill.id, decode=decode.id, attempts=number)
         if number > 1:
             ctx.metrics.retries.inc()
+        # Its span and its legs' (each leg's traceparent is its own span's): tracing only.
+        spans = trace.attempt(number, attempt) if trace is not None else None
         try:
             await attempt.run()
         finally:
             ranks.release()  # a leg that never started still held its rank
             account_cancelled_legs(ctx.metrics, attempt)
+            if spans is not None:
+                spans.end(attempt)
         record_outcome(
             ctx.fleet, (prefill, attempt.prefill.result), (decode, attempt.decode.result), history
         )
@@ -133,6 +142,8 @@ async def dispatch(
         if retry is not None:
             culprit, delay = retry
             log.info("attempt %d failed with %d, retrying in %.3fs", number, reply.status, delay)
+            if trace is not None:
+                trace.retrying(number, culprit.role, delay)
             avoid.add(prefill if culprit is attempt.prefill else decode)
             await trio.sleep(delay)
             continue
