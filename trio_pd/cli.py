@@ -161,7 +161,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--max-concurrent-requests",
         type=int,
         default=d.max_concurrent_requests,
-        help="requests routed at once; -1: no limit (with --workers N, divided among them)",
+        help="requests in flight at most, streams until their last event; -1: no limit (with "
+        "--workers N, divided among them)",
     )
     p.add_argument(
         "--queue-size",
@@ -179,8 +180,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--rate-limit-tokens-per-second",
         type=int,
         default=None,
-        help="refill rate of the admission token bucket (capacity: --max-concurrent-requests); "
-        "default: --max-concurrent-requests; 0: tokens come back only when requests end",
+        help="with --max-concurrent-requests N: admit at most this many requests a second "
+        "after a burst of N (a token bucket); none or 0: no rate limit, the cap alone",
     )
     p.add_argument(
         "--request-id-headers",

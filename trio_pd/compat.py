@@ -206,8 +206,12 @@ DIFFERS: dict[str, str] = {
     "reason (SGLang's router then logs nowhere): logs asked for must not be lost silently",
     "--prometheus-port": "`0` takes any free port; a taken port stops the start-up with the "
     "reason, as SGLang's router does by panicking",
-    "--rate-limit-tokens-per-second": "`0` makes admission a plain concurrency limit, as SGLang "
-    "documents it (0.3.2 itself reads 0 as the default, `--max-concurrent-requests`)",
+    "--max-concurrent-requests": "a cap that always holds, as SGLang documents it: SMG 0.3.2 "
+    "admits on a token bucket whose refill lets more in every second while earlier requests "
+    "still run",
+    "--rate-limit-tokens-per-second": "a rate limit beside the cap (a spent token is not given "
+    "back); without it or with 0, the cap alone. SMG 0.3.2 gives tokens back and refills at "
+    "this rate (default N), which only loosens its cap",
     "--prefill-policy": "`bucket` takes only candidates (healthy, breaker allowing), and a "
     "membership change recomputes its ranges (SGLang's may route to a worker that is out)",
     "--policy": "`manual` keeps at most 262144 routing keys (least recently used dropped "

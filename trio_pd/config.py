@@ -139,10 +139,10 @@ class RouterConfig:
     abort_on_cancel: bool = True  # POST /abort_request to engines for legs the router gave up
     dp_aware: bool = False  # choose DP ranks, pin them and align rooms (SMG's --dp-aware)
     default_model: str | None = None  # several models: what a request naming none gets
-    max_concurrent_requests: int = -1  # -1: unbounded; else the token bucket's capacity
+    max_concurrent_requests: int = -1  # -1: unbounded; else the cap on requests in flight
     queue_size: int = 100
     queue_timeout_secs: float = 60.0
-    rate_limit_tokens_per_second: float | None = None  # bucket refill; None: max_concurrent
+    rate_limit_tokens_per_second: float | None = None  # admissions/s after a burst; None, 0: none
     request_id_headers: tuple[str, ...] | None = None  # None: request_ids.DEFAULT_HEADERS
     cors_allowed_origins: tuple[str, ...] = ()  # empty: any origin (SMG's meaning)
     api_key: str | None = attrs.field(default=None, repr=False)  # sent TO workers (SMG's meaning)

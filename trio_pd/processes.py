@@ -37,7 +37,6 @@ from typing import Any
 
 import attrs
 
-from trio_pd.admission import bucket_rate
 from trio_pd.config import RouterConfig
 from trio_pd.metrics import render_multiprocess
 from trio_pd.metrics_listener import MetricsThread, bind_metrics
@@ -51,7 +50,7 @@ def per_process(config: RouterConfig, workers: int, run_dir: Path) -> RouterConf
     """The config each router process runs with."""
     limit = config.max_concurrent_requests
     shared = config.membership_file or str(run_dir / "membership.json")
-    # Each process has its own token bucket: its share of the capacity and of the refill rate.
+    # Each process has its own cap and rate limit: its share of each.
     rate = config.rate_limit_tokens_per_second
     return attrs.evolve(
         config,
@@ -59,7 +58,7 @@ def per_process(config: RouterConfig, workers: int, run_dir: Path) -> RouterConf
         membership_file=None if config.etcd is not None else shared,
         prometheus_port=None,  # the parent serves it
         max_concurrent_requests=limit if limit <= 0 else math.ceil(limit / workers),
-        rate_limit_tokens_per_second=(rate if limit <= 0 else bucket_rate(limit, rate) / workers),
+        rate_limit_tokens_per_second=(rate if limit <= 0 or not rate else rate / workers),
         queue_size=math.ceil(config.queue_size / workers),
     )
 

@@ -1,23 +1,16 @@
-"""SMG's token bucket (`src/core/token_bucket.rs` at sglang-router 0.3.2), on trio's clock.
+"""A token bucket on trio's clock: `--rate-limit-tokens-per-second` (see `admission.py`).
 
-It is SMG's whole admission control: `--max-concurrent-requests` is the capacity, the bucket
-starts full, `--rate-limit-tokens-per-second` (default: the capacity) refills it continuously,
-never beyond the capacity. A request takes one token when it is admitted and gives it back when
-its response has ended (SMG's `TokenGuardBody`: after the last byte of a stream). So the bucket
-bounds requests in flight only for the first second of a burst: every second, refill lets in
-up to `rate` more even while all earlier requests still run. A token given back to a full
-bucket is lost, as in SMG.
-
-A rate of 0 is a plain semaphore: tokens come back only when requests end (SMG documents 0 as
-"pure concurrency limiting" in this file and in its config validation, but 0.3.2's
-`app_context.rs` replaces it with the capacity; see `admission.py`).
+SMG's bucket (`src/core/token_bucket.rs` at sglang-router 0.3.2) is the model: it starts full at
+its capacity (`--max-concurrent-requests`) and refills continuously at `rate` tokens a second,
+never beyond the capacity. Here a token is spent, never given back: the bucket limits how fast
+requests are admitted (a burst of `capacity`, then `rate` a second), and the concurrency cap
+beside it bounds how many run. SMG gives each token back when its request ends, which makes the
+bucket a concurrency limit that refill loosens; `admission.py` says why trio_pd splits the two.
 
 Time is `trio.current_time()`, so tests drive refill with trio's MockClock.
 """
 
 from __future__ import annotations
-
-import math
 
 import trio
 
@@ -27,13 +20,12 @@ _EPSILON = 1e-9
 
 class TokenBucket:
     def __init__(self, capacity: float, rate: float) -> None:
-        if capacity <= 0 or rate < 0:
-            raise ValueError(f"token bucket needs capacity > 0 and rate >= 0: {capacity}, {rate}")
+        if capacity <= 0 or rate <= 0:
+            raise ValueError(f"token bucket needs capacity > 0 and rate > 0: {capacity}, {rate}")
         self.capacity = float(capacity)
         self.rate = float(rate)
         self._tokens = float(capacity)
         self._refilled_at: float | None = None  # set on first use, inside trio
-        self._returned = trio.lowlevel.ParkingLot()  # waiters woken by a token given back
 
     @property
     def tokens(self) -> float:
@@ -50,24 +42,18 @@ class TokenBucket:
         return False
 
     async def take(self) -> None:
-        """Take one token, waiting for refill or for one given back (callers bound the wait).
+        """Take one token, waiting for the refill that brings it (callers bound the wait).
 
-        Meant for one waiter at a time (admission queues the others behind a fair lock)."""
-        while not self.try_take():
-            missing = 1.0 - self._tokens
-            wait = missing / self.rate if self.rate > 0 else math.inf
-            with trio.move_on_after(wait):
-                await self._returned.park()
-
-    def give_back(self) -> None:
-        """A request ended: its token returns (capped at the capacity). Synchronous, so it also
-        runs in cancelled or shielded code."""
-        self._refill()
-        self._tokens = min(self.capacity, self._tokens + 1.0)
-        self._returned.unpark_all()
+        Meant for one taker at a time (admission queues the others behind a fair lock and takes
+        nothing past them), so the token refilled during the wait is this caller's."""
+        missing = 1.0 - self.tokens
+        if missing > _EPSILON:
+            await trio.sleep(missing / self.rate)
+            self._refill()
+        self._tokens -= 1.0
 
     def _refill(self) -> None:
         now = trio.current_time()
-        if self._refilled_at is not None and self.rate > 0:
+        if self._refilled_at is not None:
             self._tokens = min(self.capacity, self._tokens + (now - self._refilled_at) * self.rate)
         self._refilled_at = now

@@ -1,5 +1,6 @@
-"""Admission control over real sockets: SMG's token bucket, a bounded line in front of it, 429
-when the line is full and 408 when a wait in it runs out (`trio_pd/admission.py`)."""
+"""Admission control over real sockets: the cap on requests in flight, the rate limit's token
+bucket, a bounded line in front of both, 429 when the line is full and 408 when a wait in it
+runs out (`trio_pd/admission.py`)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from tests.router.helpers import generate_body, settle
 async def test_full_queue_gets_429_and_queue_timeout_408_and_neither_reaches_a_worker(
     nursery: trio.Nursery,
 ) -> None:
-    # One token, one waiting; each request takes ~1 s of decoding, and the bucket refills one
-    # token a second, so the queued request's 0.3 s run out first.
+    # One running, one waiting; each request takes ~1 s of decoding, so the queued request's
+    # 0.3 s run out first.
     cluster = await start_cluster(
         nursery,
         max_concurrent_requests=1,
@@ -60,11 +61,9 @@ async def test_full_queue_gets_429_and_queue_timeout_408_and_neither_reaches_a_w
 
 
 async def test_queued_request_runs_when_a_slot_frees(nursery: trio.Nursery) -> None:
-    # Rate 0: tokens come back only when requests end, a plain concurrency limit (with the
-    # default refill a request waiting a second would be let in beside the two running).
     cluster = await start_cluster(
         nursery, max_concurrent_requests=2, queue_size=10, queue_timeout_secs=30.0,
-        rate_limit_tokens_per_second=0, decode={"inter_token_ms": 10.0},
+        decode={"inter_token_ms": 10.0},
     )  # fmt: skip
     statuses = []
 
@@ -82,7 +81,7 @@ async def test_queued_request_runs_when_a_slot_frees(nursery: trio.Nursery) -> N
 
 
 def assert_rejected(response: httpx2.Response, rid: str) -> None:
-    """SMG's 429 for a request the bucket has no token for, with trio_pd's envelope."""
+    """SMG's 429 for a request admission has no room for, with trio_pd's envelope."""
     assert response.status_code == 429
     assert response.headers["retry-after"] == "1"
     assert response.headers["x-request-id"] == rid
@@ -90,10 +89,12 @@ def assert_rejected(response: httpx2.Response, rid: str) -> None:
     assert (error["type"], error["code"]) == ("rate_limit_error", 429)
 
 
-async def test_bucket_rejects_beyond_its_tokens_and_admits_again_after_refill(
+async def test_the_cap_holds_while_requests_run_and_a_rate_limits_beside_it(
     nursery: trio.Nursery,
 ) -> None:
-    # SMG's bucket: 2 tokens, 1 more every second, and no line to wait in.
+    # Cap 2, 1 token a second, no line. Two requests hold the cap for 3 s: a third is refused
+    # at once and still refused two seconds later (SMG 0.3.2 would have let two more in by
+    # then); once they are done the burst is spent, so the next is let in only by the refill.
     cluster = await start_cluster(
         nursery, max_concurrent_requests=2, rate_limit_tokens_per_second=1, queue_size=0
     )
@@ -106,31 +107,36 @@ async def test_bucket_rejects_beyond_its_tokens_and_admits_again_after_refill(
         )
 
     async with trio.open_nursery() as traffic:
-        taken_at = trio.current_time()
-        for rid in holders:  # each holds its token for 3 s
+        for rid in holders:  # each holds its slot for 3 s
             traffic.start_soon(send, rid, generate_body(sim_fault="decode:slow:3000"))
         for rid in holders:
             await cluster.decode.events.wait_for("request_start", timeout=5, rid=rid)
         await send("beyond", generate_body())
-        assert trio.current_time() - taken_at < 1.0  # so no token can have refilled yet
         assert_rejected(results["beyond"], "beyond")
-        for engine in (cluster.prefill, cluster.decode):
-            assert not engine.events.find("request_start", rid="beyond")
-
-        # A second later one token has refilled: admitted, though both holders still run.
-        await trio.sleep(max(0.0, taken_at + 1.1 - trio.current_time()))
-        await send("after-refill", generate_body())
-        assert results["after-refill"].status_code == 200
-        assert cluster.decode.events.find("request_start", rid="after-refill")
-        for rid in holders:
-            assert rid not in results
-            assert not cluster.decode.events.find("request_end", rid=rid)
+        await trio.sleep(2.0)  # tokens have refilled by now; the cap has not moved
+        assert not cluster.decode.events.find("request_end", rid="holder-0")
+        await send("still-beyond", generate_body())
+        assert_rejected(results["still-beyond"], "still-beyond")
+        for rid in ("beyond", "still-beyond"):
+            for engine in (cluster.prefill, cluster.decode):
+                assert not engine.events.find("request_start", rid=rid)
     assert [results[rid].status_code for rid in holders] == [200, 200]
+    # The cap is free again and the bucket full (2 tokens): two requests take them, the next
+    # finds none though nothing runs (the rate limit), and one more is let in a second later.
+    for rid in ("after-0", "after-1"):
+        await send(rid, generate_body())
+        assert results[rid].status_code == 200
+    await send("too-fast", generate_body())
+    assert_rejected(results["too-fast"], "too-fast")
+    await trio.sleep(1.1)
+    await send("paced", generate_body())
+    assert results["paced"].status_code == 200
     await cluster.client.aclose()
 
 
-async def test_a_stream_holds_its_token_until_its_last_event(nursery: trio.Nursery) -> None:
-    # Rate 0: one token that only comes back when a response has ended (SMG's TokenGuardBody).
+async def test_a_stream_holds_its_slot_until_its_last_event(nursery: trio.Nursery) -> None:
+    # Cap 1 (rate 0: no rate limit): the slot comes back only when a response has ended, as
+    # SMG's TokenGuardBody gives its token back after a stream's last byte.
     cluster = await start_cluster(
         nursery,
         max_concurrent_requests=1,
@@ -150,10 +156,10 @@ async def test_a_stream_holds_its_token_until_its_last_event(nursery: trio.Nurse
         assert not cluster.decode.events.find("request_start", rid="during-stream")
         rest = [line async for line in lines]
         assert "data: [DONE]" in rest
-    # The router gives the token back right after the last event went out.
-    bucket = cluster.router.admission.bucket
-    assert bucket is not None
-    await settle(lambda: bucket.tokens == 1.0)
+    # The router gives the slot back right after the last event went out.
+    limiter = cluster.router.admission.limiter
+    assert limiter is not None and cluster.router.admission.bucket is None
+    await settle(lambda: limiter.borrowed_tokens == 0)
     after = await cluster.client.post("/generate", json=generate_body())
     assert after.status_code == 200
     await cluster.client.aclose()
