@@ -24,8 +24,7 @@ import trio
 
 from tests.conftest import start_engine
 from tests.etcd.conftest import EtcdServer
-from tests.ops.serve import ServeProcess, start_serve
-from tests.ops.test_processes import clients_per_process
+from tests.ops.serve import ServeProcess, clients_per_process, start_serve
 from tests.router.helpers import eventually
 from trio_pd.engine import EngineHandle
 

@@ -34,7 +34,7 @@ from tests.k8s.engine_pods import (
     workers,
 )
 from tests.k8s.fake_apiserver import FakeApiServer, serve_fake_apiserver
-from tests.ops.serve import free_port, start_serve
+from tests.ops.serve import clients_per_process, free_port, start_serve
 from tests.router.helpers import eventually, generate_body, read_sse
 
 PROPAGATION_SECS = 1.0  # a pod change reaches the router's /workers
@@ -191,3 +191,76 @@ async def lifecycles(
     assert (await workers(client))["decode-d3"]["url"] == other.url
     await eventually(lambda: served_through(client, other), SERVE_SECS, "d3 serves")
     assert set(await workers(client)) == {"prefill-p0", "decode-d3"}
+
+
+async def test_every_process_of_workers_2_watches_the_pods(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """`--workers 2` with Kubernetes discovery: each process runs its own watch and they agree
+    (same pods, same ids, each routes to a pod that joined); an admin's worker goes through the
+    shared membership file beside the pods; a deleted pod leaves both."""
+    fake: FakeApiServer = await nursery.start(
+        functools.partial(serve_fake_apiserver, bookmark_interval=1.0)
+    )
+    token_file = tmp_path / "token"
+    token_file.write_text(fake.token + "\n")
+    prefill = await start_engine(nursery, "prefill")
+    d1 = await start_engine(nursery, "decode")
+    d2 = await start_engine(nursery, "decode")
+    extra = await start_engine(nursery, "decode")
+    ready_engine_pod(fake, "p0", prefill)
+    ready_engine_pod(fake, "d1", d1)
+    router = await start_serve(
+        [], [], str(tmp_path / "router.log"), "--workers", "2",
+        "--service-discovery", *SELECTOR_FLAGS,
+        "--service-discovery-namespace", "default",
+        "--kube-api-server", fake.url, "--kube-token-file", str(token_file),
+        "--policy", "round_robin", "--health-check-interval-secs", "1", "--disable-retries",
+    )  # fmt: skip
+    clients: dict[int, httpx2.AsyncClient] = {}
+    try:
+        await router.wait_ready()
+        clients = await clients_per_process(router)
+        assert len(clients) == 2
+        # Each process listed the pods itself (two watches, not one shared).
+        await eventually(
+            lambda: _true(len(fake.requests_of("list")) >= 2), PROPAGATION_SECS, "two lists"
+        )
+        for client in clients.values():
+            found = await workers(client)
+            assert set(found) == {"prefill-p0", "decode-d1"}
+            assert found["decode-d1"]["source"] == "kubernetes"
+
+        ready_engine_pod(fake, "d2", d2)
+        for client in clients.values():
+            await eventually(lambda c=client: _has(c, "decode-d2"), PROPAGATION_SECS, "d2 joins")
+            await eventually(lambda c=client: served_through(c, d2), SERVE_SECS, "d2 serves")
+
+        # An admin's worker through one process is in the other's membership too.
+        first, second = clients.values()
+        added = await first.post("/workers", json={"url": extra.url, "worker_type": "decode"})
+        assert added.status_code in (200, 201, 202), added.text
+        extra_id = added.json()["id"]
+        await eventually(lambda: _has(second, extra_id), PROPAGATION_SECS * 3, "shared")
+        assert (await workers(second))["decode-d2"]["source"] == "kubernetes"
+
+        fake.force_delete_pod("d2")
+        for client in clients.values():
+            await eventually(lambda c=client: _lacks(c, "decode-d2"), PROPAGATION_SECS, "d2 left")
+            await untouched(client, [d2], 4)
+    finally:
+        for client in clients.values():
+            await client.aclose()
+        await router.stop()
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def _has(client: httpx2.AsyncClient, worker_id: str) -> bool:
+    return worker_id in await workers(client)
+
+
+async def _lacks(client: httpx2.AsyncClient, worker_id: str) -> bool:
+    return worker_id not in await workers(client)

@@ -13,6 +13,8 @@ import trio
 
 from trio_pd.engine import EngineHandle
 
+PROCESSES_SECS = 30.0  # loose: every process of --workers N up and reached
+
 READY_SECS = 30.0  # a cold start on a busy 2-core box (spawned workers import everything)
 
 
@@ -105,3 +107,17 @@ async def start_serve(
     with open(log_path, "wb") as log:  # noqa: ASYNC230 - a local file, opened once
         process = await trio.lowlevel.open_process(command, stdout=log, stderr=subprocess.STDOUT)
     return ServeProcess(process, port, log_path, metrics_port)
+
+
+async def clients_per_process(router: ServeProcess, want: int = 2) -> dict[int, httpx2.AsyncClient]:
+    """One keep-alive client per router process: new connections until each was seen."""
+    found: dict[int, httpx2.AsyncClient] = {}
+    with trio.fail_after(PROCESSES_SECS):
+        while len(found) < want:
+            client = httpx2.AsyncClient(base_url=router.url, timeout=PROCESSES_SECS)
+            pid = (await client.get("/liveness")).json()["pid"]
+            if pid in found:
+                await client.aclose()
+            else:
+                found[pid] = client
+    return found

@@ -15,8 +15,7 @@ import pytest
 import trio
 
 from tests.conftest import start_engine
-from tests.ops.serve import ServeProcess, start_serve
-from tests.ops.test_processes import clients_per_process
+from tests.ops.serve import ServeProcess, clients_per_process, start_serve
 from tests.router.helpers import generate_body
 from trio_pd.cli import build_parser, router_config
 from trio_pd.logs import DailyFileHandler, utc_day

@@ -16,9 +16,8 @@ import pytest
 import trio
 
 from tests.conftest import start_engine
-from tests.ops.serve import ServeProcess, start_serve
+from tests.ops.serve import ServeProcess, clients_per_process, start_serve
 from tests.ops.sockets import holders, listeners
-from tests.ops.test_processes import clients_per_process
 from tests.router.helpers import generate_body, read_sse
 from trio_pd.cli import build_parser, router_config
 

@@ -13,24 +13,10 @@ import orjson
 import trio
 
 from tests.conftest import start_cluster, start_engine
-from tests.ops.serve import ServeProcess, free_port, start_serve
+from tests.ops.serve import clients_per_process, free_port, start_serve
 from tests.router.helpers import generate_body
 
 LOOSE = 10.0
-
-
-async def clients_per_process(router: ServeProcess, want: int = 2) -> dict[int, httpx2.AsyncClient]:
-    """One keep-alive client per router process: new connections until each was seen."""
-    found: dict[int, httpx2.AsyncClient] = {}
-    with trio.fail_after(LOOSE * 3):
-        while len(found) < want:
-            client = httpx2.AsyncClient(base_url=router.url, timeout=LOOSE)
-            pid = (await client.get("/liveness")).json()["pid"]
-            if pid in found:
-                await client.aclose()
-            else:
-                found[pid] = client
-    return found
 
 
 async def test_two_processes_are_one_router(nursery: trio.Nursery, tmp_path: Path) -> None:

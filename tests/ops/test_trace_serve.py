@@ -12,8 +12,7 @@ import pytest
 import trio
 
 from tests.conftest import start_engine
-from tests.ops.serve import free_port, start_serve
-from tests.ops.test_processes import clients_per_process
+from tests.ops.serve import clients_per_process, free_port, start_serve
 from tests.otlp_receiver import otlp_receiver
 from tests.router.helpers import generate_body
 
