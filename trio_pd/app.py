@@ -286,7 +286,7 @@ class Router:
             return self.preflight
         route = methods.get(method)
         if route is None:
-            raise method_not_allowed(method, path, tuple(methods))
+            raise method_not_allowed(method, path, (*methods, "OPTIONS"))  # preflights too
         return route
 
 

@@ -6,6 +6,7 @@ import argparse
 import importlib
 import math
 import os
+import re
 from collections.abc import Callable, Sequence
 
 from trio_pd import compat
@@ -623,6 +624,9 @@ def check_policy_flags(args: argparse.Namespace, error: Callable[[str], None]) -
         )
 
 
+HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110's token
+
+
 def edge_checks(args: argparse.Namespace, error: Callable[[str], None]) -> tuple[str, ...]:
     """SMG's own validation of the rate, breaker window and CORS flags (`config/validation.rs`;
     a `*` origin panics there); the checked origins."""
@@ -630,6 +634,14 @@ def edge_checks(args: argparse.Namespace, error: Callable[[str], None]) -> tuple
         error("--rate-limit-tokens-per-second must be >= 0")
     if args.cb_window_duration_secs <= 0:
         error("--cb-window-duration-secs must be > 0")
+    if 0 < args.max_concurrent_requests < args.workers:
+        error(
+            f"--max-concurrent-requests {args.max_concurrent_requests} is below --workers "
+            f"{args.workers}: each process needs one slot at least (it is divided among them)"
+        )
+    for name in args.request_id_headers or ():
+        if not HEADER_NAME.fullmatch(name):
+            error(f"--request-id-headers: {name!r} is not an HTTP header name")
     try:
         return check_origins(args.cors_allowed_origins)
     except ValueError as exc:

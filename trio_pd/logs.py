@@ -11,6 +11,7 @@ interleave.
 from __future__ import annotations
 
 import contextvars
+import json
 import logging
 import os
 import time
@@ -142,5 +143,14 @@ def configure(level: str, *, json_lines: bool = False, log_dir: str | None = Non
 
 def log_access(fields: dict[str, Any]) -> None:
     """The access line of one request; in text form `key=value` pairs, in JSON the fields."""
-    text = " ".join(f"{k}={v}" for k, v in fields.items())
+    text = " ".join(f"{k}={logged_value(v)}" for k, v in fields.items())
     access_log.info("%s", text, extra={"access": fields})
+
+
+def logged_value(value: Any) -> str:
+    """A value as one token of a text log line: as it is when plain, else JSON-quoted. The path
+    comes percent-decoded from the client: a `%0A` in it must not start a forged line."""
+    text = str(value)
+    if text and text.isprintable() and " " not in text and '"' not in text:
+        return text
+    return json.dumps(text)

@@ -16,7 +16,7 @@ relays everyone else's tokens. That is why the result is a plain picklable value
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterator
 from itertools import islice
 from typing import Any
 
@@ -75,7 +75,7 @@ def inspect_body(
     if present:
         raw = json_body.dump({k: v for k, v in payload.items() if k not in present})
     model = payload.get("model")
-    text = prompt_text(path, payload)
+    text, length = prompt_text(path, payload)
     return Inspected(
         body=raw,
         empty=len(payload) == len(present),
@@ -83,7 +83,7 @@ def inspect_body(
         logprobs=wants_logprobs(path, payload),
         batch=batch,
         text=text[:ROUTING_TEXT_LIMIT] if text else None,
-        length=len(text) if text else 0,
+        length=length,
         model=model if isinstance(model, str) else None,
         rid=payload.get("rid"),
     )
@@ -120,39 +120,39 @@ def _batch_size(path: str, payload: dict[str, Any]) -> int | None:
     return None
 
 
-def prompt_text(path: str, payload: dict[str, Any]) -> str | None:
-    """The prompt as text, uncapped: `/generate` `text`, completions `prompt` (the first of a
-    batch), chat the conversation's text parts joined by newlines. Cache-aware matches on its
-    first `ROUTING_TEXT_LIMIT` characters, bucket balances on its length. Values of unexpected
-    types are skipped: the engines judge the request, the router only needs a routing hint."""
+def prompt_text(path: str, payload: dict[str, Any]) -> tuple[str | None, int]:
+    """The prompt as text and its length in characters: `/generate` `text`, completions
+    `prompt` (the first of a batch), chat the conversation's text parts joined by newlines.
+    Cache-aware matches on the text's first `ROUTING_TEXT_LIMIT` characters, bucket balances on
+    the length. A chat text joins the first `ROUTING_MESSAGE_LIMIT` messages (and parts of
+    each); its length counts them all, as the joined text would be. Values of unexpected types
+    are skipped: the engines judge the request, the router only needs a routing hint."""
     if path == CHAT:
-        text = _conversation(payload.get("messages"))
-    else:
-        value = payload.get("text" if path == GENERATE else "prompt")
-        if isinstance(value, list) and value:
-            value = value[0]
-        text = value if isinstance(value, str) else None
-    return text or None
+        messages = payload.get("messages")
+        if not isinstance(messages, list):
+            return None, 0
+        text = "\n".join(_texts(messages, ROUTING_MESSAGE_LIMIT)) or None
+        lengths = [len(t) for t in _texts(messages, None)]
+        return text, sum(lengths) + len(lengths) - 1 if lengths else 0
+    value = payload.get("text" if path == GENERATE else "prompt")
+    if isinstance(value, list) and value:
+        value = value[0]
+    text = value if isinstance(value, str) and value else None
+    return text, len(text) if text else 0
 
 
-def _conversation(messages: Any) -> str | None:
-    if not isinstance(messages, list):
-        return None
-    parts: list[str] = []
-    for message in _first(messages):
+def _texts(messages: list[Any], limit: int | None) -> Iterator[str]:
+    """The text parts of a conversation, in order: each message's string content or the `text`
+    of its content parts; the first `limit` messages and parts of each (None: all)."""
+    for message in islice(messages, limit):
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, str):
-            parts.append(content)
+            yield content
         elif isinstance(content, list):
-            for part in _first(content):
+            for part in islice(content, limit):
                 text = part.get("text") if isinstance(part, dict) else None
                 if isinstance(text, str):
-                    parts.append(text)
-    return "\n".join(parts) or None
-
-
-def _first(items: list[Any]) -> Iterable[Any]:
-    return islice(items, ROUTING_MESSAGE_LIMIT)
+                    yield text
 
 
 def wants_logprobs(path: str, payload: dict[str, Any]) -> bool:

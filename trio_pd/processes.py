@@ -16,14 +16,14 @@ The parent owns what must be one for all:
   starts. SIGTERM or SIGINT closes the parent's copies of the sockets and forwards SIGTERM to
   every child, which drains (`drain.py`); a second signal is forwarded too and ends the grace.
 What stays per process (as Envoy keeps it per host): health checks, breakers, loads, the
-connection pool, and admission: `--max-concurrent-requests` and `--queue-size` are divided
-among the processes, so the totals hold.
+connection pool, and admission: `--max-concurrent-requests`, `--queue-size` and
+`--rate-limit-tokens-per-second` are divided among the processes (`process_config`), so the
+totals hold exactly.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import multiprocessing
 import os
 import shutil
@@ -47,19 +47,36 @@ POLL_SECS = 0.2
 
 
 def per_process(config: RouterConfig, workers: int, run_dir: Path) -> RouterConfig:
-    """The config each router process runs with."""
-    limit = config.max_concurrent_requests
+    """The config every router process shares (admission is split by `process_config`)."""
     shared = config.membership_file or str(run_dir / "membership.json")
-    # Each process has its own cap and rate limit: its share of each.
-    rate = config.rate_limit_tokens_per_second
     return attrs.evolve(
         config,
         workers=1,
         membership_file=None if config.etcd is not None else shared,
         prometheus_port=None,  # the parent serves it
-        max_concurrent_requests=limit if limit <= 0 else math.ceil(limit / workers),
-        rate_limit_tokens_per_second=(rate if limit <= 0 or not rate else rate / workers),
-        queue_size=math.ceil(config.queue_size / workers),
+    )
+
+
+def share(total: int, index: int, workers: int) -> int:
+    """Process `index`'s part of `total`: the parts differ by one at most and add up to it."""
+    return total // workers + (1 if index < total % workers else 0)
+
+
+def process_config(child: RouterConfig, config: RouterConfig, index: int) -> RouterConfig:
+    """Process `index`'s admission: its share of the cap, the line and the rate, so that the
+    sums over the processes are what the flags say (`cli` refuses a cap below the process
+    count: a process with no slot would refuse every request the kernel hands it)."""
+    workers = config.workers
+    limit = config.max_concurrent_requests
+    rate = config.rate_limit_tokens_per_second
+    if limit <= 0:
+        return attrs.evolve(child, queue_size=share(config.queue_size, index, workers))
+    mine = share(limit, index, workers)
+    return attrs.evolve(
+        child,
+        max_concurrent_requests=mine,
+        rate_limit_tokens_per_second=rate * mine / limit if rate else rate,
+        queue_size=share(config.queue_size, index, workers),
     )
 
 
@@ -152,7 +169,12 @@ class Supervisor:
         slot.told = 0
         process = self.context.Process(
             target=worker_main,
-            args=(self.child_config, slot.sockets, slot.index, slot.ready),
+            args=(
+                process_config(self.child_config, self.config, slot.index),
+                slot.sockets,
+                slot.index,
+                slot.ready,
+            ),
             name=f"trio-pd-{slot.index}",
         )
         process.start()
@@ -186,12 +208,21 @@ class Supervisor:
                 code = process.exitcode
                 process.join()
                 slot.process = None
+                self._forget_gauges(process.pid)
                 if self.stopping:
                     # -SIGTERM: our signal reached a child still starting, before its handler.
                     failed = failed or code not in (0, None, -signal.SIGTERM)
                     continue
                 self._schedule_restart(slot, code, now)
         return 1 if failed else 0
+
+    def _forget_gauges(self, pid: int | None) -> None:
+        """A dead process's live gauges (legs in flight, active connections) stop counting in
+        the sum; its counters and histograms stay, as what it did still happened."""
+        from prometheus_client import multiprocess
+
+        if pid is not None:
+            multiprocess.mark_process_dead(pid, str(self.run_dir / "metrics"))
 
     def _schedule_restart(self, slot: Slot, code: int | None, now: float) -> None:
         if now - slot.started_at > 60:

@@ -151,11 +151,11 @@ async def test_the_load_window_forgets_old_requests(autojump_clock):
     assert p.buckets[None].chars[ws[0]] == 100
     assert send(p, ws, 1) == [ws[1]]  # 100 vs 0: shed
     await trio.sleep(5.5)
-    # Expired entries leave as the next request is recorded (SMG): this one still sheds.
-    assert send(p, ws, 1) == [ws[1]]
-    assert p.buckets[None].chars == {ws[0]: 0, ws[1]: 1}
-    assert p.buckets[None].total == 1
+    # Expired entries leave before the next choice reads the loads (SMG trims them only as
+    # that request is recorded, so its choice still sees them): back to the range owner.
     assert send(p, ws, 1) == [ws[0]]
+    assert p.buckets[None].chars == {ws[0]: 1, ws[1]: 0}
+    assert p.buckets[None].total == 1
 
 
 async def test_only_candidates_are_chosen(autojump_clock):
@@ -249,6 +249,12 @@ def test_the_length_is_the_prompt_in_characters_uncapped():
         ROUTING_TEXT_LIMIT + 10,
         long[:ROUTING_TEXT_LIMIT],
     )
+    # A long conversation: the routing text looks at the first 1024 messages (and parts of
+    # each), the length counts every one of them.
+    many = {"messages": [{"role": "user", "content": "x" * 99}] * 4000}
+    assert inspected("/v1/chat/completions", many)[0] == 4000 * 100 - 1
+    parts = [{"type": "text", "text": "y" * 49}] * 3000
+    assert inspected("/v1/chat/completions", {"messages": [{"content": parts}]})[0] == 3000 * 50 - 1
 
 
 def test_flags_follow_sglang_router():
@@ -280,3 +286,20 @@ def test_bucket_is_a_prefill_policy_only(flags, capsys):
     assert "--prefill-policy bucket" in err or "--bucket-adjust-interval-secs" in err
     with pytest.raises(ValueError, match="prefill policy"):
         PolicyConfig(decode_policy="bucket")
+
+
+async def test_after_an_idle_spell_nothing_old_weighs(autojump_clock):
+    """The window is trimmed before a choice reads it: a request routed long ago does not make
+    its worker look loaded to the first request after a pause."""
+    ws = prefills(2)
+    policy = bucket(ws, interval=5)
+    policy.choose(ws, length(3000))
+    await trio.sleep(5.1)
+    holder = policy.choose(ws, length(3000))  # ranges adjusted; the range owner takes it
+    buckets = policy.buckets[None]
+    assert holder is buckets.owner(3000)
+    ranges = list(buckets.uppers)
+    await trio.sleep(3600)
+    assert buckets.chars[holder] == 3000  # its old load is still on the books...
+    assert policy.choose(ws, length(3000)) is holder  # ...but no longer counts: not shed
+    assert buckets.uppers == ranges

@@ -9,7 +9,7 @@ import trio
 from trio_pd.cli import build_parser, router_config
 from trio_pd.config import PolicyConfig, RouterConfig, WorkerSpec
 from trio_pd.fleet.hints import NO_HINTS, RouteHints
-from trio_pd.fleet.manual import ManualPolicy
+from trio_pd.fleet.manual import EVICT_BATCH, ManualPolicy
 from trio_pd.fleet.policies import make_policy, run_eviction
 from trio_pd.fleet.workers import Fleet, Tracked, Worker
 from trio_pd.routing_key import MAX_KEY_BYTES, routing_key
@@ -271,3 +271,21 @@ def test_flags_follow_sglang_router():
     for bad in (["--assignment-mode", "least"], ["--max-idle-secs", "-1"]):
         with pytest.raises(SystemExit):
             router_config(build_parser().parse_args(["serve", *bad]))
+
+
+async def test_a_full_table_going_idle_is_forgotten_in_batches(autojump_clock):
+    """Each batch is one synchronous pass; the eviction task checkpoints between them, so a
+    full table going idle at once does not stall the event loop, and it is all gone in the end."""
+    fleet = manual_fleet(2, max_idle_secs=300, eviction_interval_secs=60)
+    policy = fleet.policies["decode"]
+    assert isinstance(policy, ManualPolicy)
+    for n in range(EVICT_BATCH * 2 + 5):
+        fleet.select("decode", key(f"k{n}"))
+    await trio.sleep(300)
+    assert policy.evict() is True
+    assert len(policy.routes) == EVICT_BATCH + 5  # one batch, and more are due
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_eviction, fleet, 60)
+        await trio.sleep(60.5)  # one eviction run: two more batches
+        assert policy.routes == {}
+        nursery.cancel_scope.cancel()

@@ -5,6 +5,7 @@ processes. Every router here gets a free port from the helper: the suite never b
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -201,3 +202,48 @@ async def test_the_supervisor_serves_the_sum_over_processes(
             await client.aclose()
         await router.stop()
     assert not listeners(router.metrics_port)
+
+
+async def test_a_killed_process_leaves_no_live_gauges_behind(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """A router process killed mid-stream is restarted; the legs it had in flight must not stay
+    in the supervisor's sum (its live gauge files are dropped), while its counters do."""
+    prefill = await start_engine(nursery, "prefill")
+    decode = await start_engine(nursery, "decode", inter_token_ms=100)
+    router = await start_serve([prefill], [decode], str(tmp_path / "router.log"), "--workers", "2")
+    clients: dict[int, httpx2.AsyncClient] = {}
+
+    async def in_flight() -> float | None:
+        text = (await scrape(router)).text
+        return sample(text, "trio_pd_worker_in_flight", worker="decode-1")
+
+    async def stream(client: httpx2.AsyncClient) -> None:
+        body = generate_body(stream=True, max_new_tokens=300)
+        with contextlib.suppress(httpx2.HTTPError):
+            async with client.stream("POST", "/generate", json=body) as response:
+                async for _ in response.aiter_lines():
+                    pass
+
+    try:
+        await router.wait_ready()
+        clients = await clients_per_process(router)
+        async with trio.open_nursery() as streams:
+            for client in clients.values():  # one stream in each process
+                streams.start_soon(stream, client)
+            with trio.fail_after(LOOSE):  # the processes sync their gauges every second
+                while await in_flight() != 2:
+                    await trio.sleep(0.2)
+            for pid in clients:
+                os.kill(pid, signal.SIGKILL)
+        with trio.fail_after(LOOSE):
+            while sample((await scrape(router)).text, "trio_pd_process_restarts_total") != 2:
+                await trio.sleep(0.1)
+        await router.wait_ready()
+        await trio.sleep(2.5)  # the new processes have synced their own (zero) gauges
+        assert await in_flight() == 0
+        assert len(decode.events.find("request_start")) == 2  # nothing else ran meanwhile
+    finally:
+        for client in clients.values():
+            await client.aclose()
+        await router.stop()

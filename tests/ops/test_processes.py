@@ -152,3 +152,28 @@ async def test_json_logs_and_the_access_log(nursery: trio.Nursery, tmp_path: Pat
     assert (entry["method"], entry["path"], entry["status"]) == ("POST", "/generate", 200)
     assert entry["prefill"] == "prefill-1" and entry["decode"] == "decode-1"
     assert entry["attempts"] == 1 and entry["bytes"] > 0 and entry["ms"] > 0
+
+
+async def test_a_path_cannot_forge_an_access_log_line(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """Hypercorn percent-decodes the path: a `%0A` in it is a newline. The text access line
+    quotes such a value, so a client cannot write a line of its own into the log."""
+    prefill = await start_engine(nursery, "prefill")
+    decode = await start_engine(nursery, "decode")
+    router = await start_serve([prefill], [decode], str(tmp_path / "router.log"), "--access-log")
+    forged = "2026-12-01 00:00:00,000 INFO trio_pd.access [admin] method=DELETE"
+    try:
+        await router.wait_ready()
+        async with httpx2.AsyncClient(base_url=router.url) as client:
+            response = await client.get("/x%0A" + forged.replace(" ", "%20"))
+            assert response.status_code == 404  # it reached the router, which logged it
+        router.signal(signal.SIGTERM)
+        assert await router.wait_exit() == 0
+    finally:
+        await router.stop()
+    lines = router.log().splitlines()
+    logged = [line for line in lines if "trio_pd.access" in line and "status=404" in line]
+    assert len(logged) == 1, lines
+    assert "\\n2026-12-01 00:00:00,000 INFO" in logged[0]  # escaped, on the same line
+    assert not any(line.startswith(forged) for line in lines)

@@ -70,7 +70,7 @@ async def test_unknown_path_is_404(cluster: Cluster) -> None:
 async def test_wrong_method_is_405(cluster: Cluster, method: str) -> None:
     response = await cluster.client.request(method, "/generate")
     assert_envelope(response, 405, "method_not_allowed")
-    assert response.headers["allow"] == "POST"
+    assert response.headers["allow"] == "POST, OPTIONS"
     assert no_engine_saw_a_request(cluster)
 
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 import httpx2
+import pytest
 import trio
 
 from tests.conftest import Cluster, start_cluster
 from tests.router.helpers import generate_body, read_sse
+from trio_pd.cli import build_parser, router_config
 from trio_pd.cors import CorsPolicy
 from trio_pd.http11 import Response
 from trio_pd.upstream import relayable_headers
@@ -160,3 +162,21 @@ def test_policy_matches_origins_byte_for_byte() -> None:
     # The first Origin header decides, as tower-http reads it.
     two = [(b"origin", OTHER.encode()), (b"origin", ALLOWED.encode())]
     assert b"access-control-allow-origin" not in dict(policy.response_headers(two))
+
+
+@pytest.mark.parametrize(
+    "origin",
+    ["https://app.example/", "app.example", "https://app.example/path", "HTTPS://APP.EXAMPLE",
+     "https://App.example", "https://user@app.example", "*", ""],
+)  # fmt: skip
+def test_an_origin_no_browser_sends_is_a_usage_error(
+    origin: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It would grant nothing, silently: refused at start-up, saying why."""
+    argv = ["serve", "--cors-allowed-origins", "https://ok.example", origin]
+    with pytest.raises(SystemExit) as exited:
+        router_config(build_parser().parse_args(argv))
+    assert exited.value.code == 2
+    assert "--cors-allowed-origins" in capsys.readouterr().err
+    ok = ["https://ok.example", "http://127.0.0.1:3000", "https://[::1]:8443"]
+    assert router_config(build_parser().parse_args(["serve", "--cors-allowed-origins", *ok]))

@@ -10,6 +10,7 @@ import trio
 
 from tests.conftest import Cluster, start_cluster
 from tests.router.helpers import generate_body
+from trio_pd.cli import build_parser, router_config
 from trio_pd.request_ids import RequestIds
 
 GENERATED = {
@@ -163,3 +164,15 @@ async def test_client_gets_the_id_on_a_stream_too(nursery: trio.Nursery) -> None
     assert GENERATED["/generate"].fullmatch(request_id)
     assert seen_by_engines(cluster, request_id)
     await cluster.client.aclose()
+
+
+@pytest.mark.parametrize("name", ["x-id-€", "x id", "x-id:", ""])
+def test_a_header_name_that_is_no_token_is_a_usage_error(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused at start-up (an invalid name would fail every process at its start, and with
+    --workers N restart them forever)."""
+    with pytest.raises(SystemExit) as exited:
+        router_config(build_parser().parse_args(["serve", "--request-id-headers", name]))
+    assert exited.value.code == 2
+    assert "--request-id-headers" in capsys.readouterr().err

@@ -12,7 +12,7 @@ from trio_pd.admission import Admission
 from trio_pd.cli import build_parser, router_config
 from trio_pd.config import RouterConfig
 from trio_pd.errors import RouterError
-from trio_pd.processes import per_process
+from trio_pd.processes import per_process, process_config
 from trio_pd.token_bucket import TokenBucket
 
 
@@ -181,18 +181,40 @@ def test_rate_flag_defaults_to_none_and_is_validated() -> None:
 
 
 @pytest.mark.parametrize(
-    ("limit", "rate", "each_limit", "each_rate"),
+    ("limit", "rate", "queue", "caps", "rates", "queues"),
     [
-        (10, None, 3, None),  # no rate limit in any process
-        (10, 4, 3, 1.0),
-        (10, 0, 3, 0),  # 0: no rate limit either
-        (-1, None, -1, None),  # no limit: nothing to share
+        (10, None, 100, [3, 3, 2, 2], [None] * 4, [25] * 4),  # no rate limit in any process
+        (10, 4, 10, [3, 3, 2, 2], [1.2, 1.2, 0.8, 0.8], [3, 3, 2, 2]),
+        (10, 0, 0, [3, 3, 2, 2], [0] * 4, [0] * 4),  # 0: no rate limit either
+        (-1, None, 5, [-1] * 4, [None] * 4, [2, 1, 1, 1]),  # no cap: nothing to share but the line
     ],
 )
-def test_workers_share_the_capacity_and_the_rate(
-    limit: int, rate: float | None, each_limit: int, each_rate: float | None
+def test_workers_share_the_cap_the_rate_and_the_line_exactly(
+    limit: int,
+    rate: float | None,
+    queue: int,
+    caps: list[int],
+    rates: list[float | None],
+    queues: list[int],
 ) -> None:
-    config = RouterConfig(max_concurrent_requests=limit, rate_limit_tokens_per_second=rate)
+    config = RouterConfig(
+        max_concurrent_requests=limit, rate_limit_tokens_per_second=rate, queue_size=queue,
+        workers=4,
+    )  # fmt: skip
     child = per_process(config, 4, Path("/tmp/unused"))
-    assert child.max_concurrent_requests == each_limit
-    assert child.rate_limit_tokens_per_second == each_rate
+    each = [process_config(child, config, index) for index in range(4)]
+    assert [c.max_concurrent_requests for c in each] == caps
+    assert [c.rate_limit_tokens_per_second for c in each] == pytest.approx(rates)
+    assert [c.queue_size for c in each] == queues
+    if limit > 0:  # the totals are the flags'
+        assert sum(caps) == limit and sum(queues) == queue
+        if rate:
+            assert sum(c.rate_limit_tokens_per_second for c in each) == pytest.approx(rate)
+
+
+def test_a_cap_below_the_process_count_is_refused() -> None:
+    parser = build_parser()
+    argv = ["serve", "--workers", "4", "--max-concurrent-requests"]
+    with pytest.raises(SystemExit):
+        router_config(parser.parse_args([*argv, "3"]))
+    assert router_config(parser.parse_args([*argv, "4"])).max_concurrent_requests == 4

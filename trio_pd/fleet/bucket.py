@@ -131,10 +131,10 @@ class LengthBuckets:
         starts = [0, *(int(u) + 1 for u in self.uppers[:-1])]
         return list(zip(self.members, starts, self.uppers, strict=True))
 
-    def record(self, length: int, worker: Worker, now: float) -> None:
-        """Count a routed request and drop the ones older than the window."""
+    def expire(self, now: float) -> None:
+        """Drop the requests older than the window: before anything reads it (after an idle
+        spell, the imbalance check and the ranges must not see an hour-old request)."""
         chars = self.chars
-        chars[worker] = chars.get(worker, 0) + length
         horizon = now - self.window_secs
         window = self.window
         while window and window[0][0] < horizon:
@@ -142,12 +142,20 @@ class LengthBuckets:
             self.total = max(0, self.total - old)
             if owner in chars:
                 chars[owner] = max(0, chars[owner] - old)
-        window.append((now, length, worker))
+
+    def record(self, length: int, worker: Worker, now: float) -> None:
+        """Count a routed request."""
+        self.chars[worker] = self.chars.get(worker, 0) + length
+        self.window.append((now, length, worker))
         self.total += length
 
     def adjust_if_due(self, now: float) -> None:
+        """Recompute the ranges once an interval, from the window as it stood when the
+        adjustment fell due (SMG's timer would have run then; here the first request after
+        it does the work)."""
         if now < self.next_adjust:
             return
+        self.expire(self.next_adjust)
         self.next_adjust = now + self.window_secs
         if not self.window or not self.members:
             return
@@ -174,6 +182,7 @@ class BucketPolicy:
         now = trio.current_time()
         buckets = self.buckets_for(hints.model, now)
         buckets.adjust_if_due(now)
+        buckets.expire(now)
         chosen = self._pick(buckets, candidates, hints.length)
         buckets.record(hints.length, chosen, now)
         return chosen
@@ -215,4 +224,4 @@ class BucketPolicy:
                 buckets.set_members([w for w in buckets.members if w is not worker])
 
     def evict(self) -> None:
-        pass  # the window is trimmed as requests are recorded
+        pass  # the window is trimmed before every choice

@@ -9,7 +9,10 @@ a fixed backoff of its own (1 s, 2 s, ... 5 s), which the flag does not touch.
 Here the workers of each role whose policy is power_of_two are polled the same way, the healthy
 ones (only they can be chosen), and each answer goes to `Worker.report_load`: `Worker.load()`
 then counts the engine's figure while it is fresh, so requests sent by other routers weigh too.
-Roles with another policy are not polled, so their choices never see these figures, as in SMG.
+Roles with another policy are not polled, as in SMG. An engine figure that reaches a worker
+anyway (`GET /get_loads` reports every worker's) counts in `Worker.load()` while fresh, for any
+policy that reads load (cache-aware's balance check, manual's `min_load`): it is what the engine
+said it holds, and freshness bounds how long it speaks.
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 MAX_CANDIDATE_WORKERS = 2  # SMG: workers remembered per key, for failover and return
 MAX_ROUTING_KEYS = 262_144
+EVICT_BATCH = 16_384  # keys forgotten between two checkpoints (~12 ms)
 
 
 class KeyRoute:
@@ -130,21 +131,28 @@ class ManualPolicy:
     def remove_worker(self, worker: Worker) -> None:
         pass  # its keys move on their next request (it is no candidate any more)
 
-    def evict(self) -> None:
-        """Forget the keys unused for `max_idle_secs` (0: never); the oldest come first."""
+    def evict(self) -> bool:
+        """Forget the keys unused for `max_idle_secs` (0: never), the oldest first, at most
+        `EVICT_BATCH` at a time (a full table going idle at once would block the event loop
+        for ~0.2 s); True when more are due, so `run_eviction` goes on after a checkpoint."""
         if self.max_idle_secs <= 0 or not self.routes:
-            return
+            return False
         oldest_kept = trio.current_time() - self.max_idle_secs
         routes = self.routes
         dropped = 0
+        more = False
         while routes:
             key, route = next(iter(routes.items()))
             if route.last_used > oldest_kept:
+                break
+            if dropped == EVICT_BATCH:
+                more = True
                 break
             del routes[key]
             dropped += 1
         if dropped:
             log.info("manual policy: forgot %d idle routing keys, %d kept", dropped, len(routes))
+        return more
 
 
 def _lowest(candidates: Sequence[Worker], measure: Callable[[Worker], int]) -> list[Worker]:

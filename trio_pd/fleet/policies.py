@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import trio
+import trio.lowlevel
 
 from trio_pd.config import PolicyConfig
 from trio_pd.fleet.bucket import BucketPolicy
@@ -33,7 +34,7 @@ class Policy(Protocol):
 
     def remove_worker(self, worker: Worker) -> None: ...
 
-    def evict(self) -> None: ...
+    def evict(self) -> bool | None: ...  # True: more to drop (after a checkpoint)
 
 
 class _Stateless:
@@ -179,7 +180,7 @@ def make_policy(
 
 
 class _Evictable(Protocol):
-    def evict(self) -> None: ...
+    def evict(self) -> bool | None: ...
 
 
 async def run_eviction(policy: _Evictable, interval_secs: float) -> None:
@@ -191,4 +192,5 @@ async def run_eviction(policy: _Evictable, interval_secs: float) -> None:
         await trio.sleep_forever()
     while True:
         await trio.sleep(interval_secs)
-        policy.evict()
+        while policy.evict():  # a batch at a time, letting requests run in between
+            await trio.lowlevel.checkpoint()

@@ -415,10 +415,13 @@ class Fleet:
                 "worker %s (%s) circuit breaker %s -> %s", worker.id, worker.url, before, after
             )
 
-    def evict(self) -> None:
-        """Periodic cache-tree eviction for every policy; `run_eviction(fleet, secs)` drives it."""
+    def evict(self) -> bool:
+        """Periodic eviction for every policy; `run_eviction(fleet, secs)` drives it. True when
+        a policy has more to drop (it works in batches)."""
+        more = False
         for policy in self.policies.values():
-            policy.evict()
+            more = bool(policy.evict()) or more
+        return more
 
     def to_json(self) -> list[dict[str, object]]:
         return [w.to_json() for w in self._workers.values()]
