@@ -44,6 +44,9 @@ def parse_worker_spec(body: dict[str, Any]) -> WorkerSpec:
         value = body.get(field)
         if value is not None and (not isinstance(value, str) or not value):
             raise bad_request(f"{field} must be a non-empty string or null")
+    if not usable_key(body.get("api_key")):
+        # It goes into a header on every leg: a CR/LF would inject headers of its own.
+        raise bad_request("api_key must be visible ASCII (no spaces or control characters)")
     return WorkerSpec(spec.url, spec.role, spec.bootstrap_port, body.get("model_id"),
                       body.get("api_key"))  # fmt: skip
 
@@ -140,3 +143,8 @@ async def delete_worker(
         raise unavailable(exc) from None
     rsp.audit = f"removed {worker.id} {worker.role} {worker.url}"
     await json_reply(rsp, 200, {**worker.to_json(), "removed": True})
+
+
+def usable_key(key: str | None) -> bool:
+    """Whether a worker key can go into an `Authorization: Bearer` header as it is."""
+    return key is None or all(0x21 <= ord(c) <= 0x7E for c in key)

@@ -10,6 +10,7 @@ import re
 from collections.abc import Callable, Sequence
 
 from trio_pd import compat
+from trio_pd.admin import usable_key
 from trio_pd.auth import ControlKey, parse_keys
 from trio_pd.config import (
     ASSIGNMENT_MODES,
@@ -639,6 +640,8 @@ def edge_checks(args: argparse.Namespace, error: Callable[[str], None]) -> tuple
             f"--max-concurrent-requests {args.max_concurrent_requests} is below --workers "
             f"{args.workers}: each process needs one slot at least (it is divided among them)"
         )
+    if args.api_key and not usable_key(args.api_key):
+        error("--api-key must be visible ASCII (it is sent in an Authorization header)")
     for name in args.request_id_headers or ():
         if not HEADER_NAME.fullmatch(name):
             error(f"--request-id-headers: {name!r} is not an HTTP header name")

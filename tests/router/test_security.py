@@ -247,3 +247,22 @@ async def test_the_router_itself_is_refused_and_allow_lists_work(nursery: trio.N
     )
     assert allowed.status_code == 201
     await cluster.client.aclose()
+
+
+async def test_a_worker_key_that_would_inject_headers_is_refused(nursery: trio.Nursery) -> None:
+    """A per-worker api_key goes into an Authorization header on every leg: CR/LF (or any
+    control character) in it is a 400, and no worker is added."""
+    cluster = await start_cluster(nursery, health=FAST_HEALTH)
+    before = len((await cluster.client.get("/workers")).json()["workers"])
+    url = f"http://127.0.0.1:{await free_port()}"
+    for key in ("k\r\nx-injected: 1", "k\x00", "two words", "clé"):
+        body = {"url": url, "worker_type": "decode", "api_key": key}
+        response = await cluster.client.post("/workers", json=body)
+        assert response.status_code == 400, key
+        assert "api_key" in response.json()["error"]["message"]
+    assert len((await cluster.client.get("/workers")).json()["workers"]) == before
+    body = {"url": url, "worker_type": "decode", "api_key": "sk-fine_key.1"}
+    assert (await cluster.client.post("/workers", json=body)).status_code in (200, 201, 202)
+    with pytest.raises(SystemExit):
+        router_config(build_parser().parse_args(["serve", "--api-key", "a\nb"]))
+    await cluster.client.aclose()
