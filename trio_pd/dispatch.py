@@ -119,9 +119,10 @@ async def dispatch(
         responder.route_info.update(prefill=prefill.id, decode=decode.id, attempts=number)
         if number > 1:
             ctx.metrics.retries.inc()
-        # Its span and its legs' (each leg's traceparent is its own span's): tracing only.
-        spans = trace.attempt(number, attempt) if trace is not None else None
+        spans = None
         try:
+            # Its span and its legs' (each leg's traceparent is its own span's): tracing only.
+            spans = trace.attempt(number, attempt) if trace is not None else None
             await attempt.run()
         finally:
             ranks.release()  # a leg that never started still held its rank
