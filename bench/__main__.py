@@ -54,12 +54,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"unknown scenario {name!r}; choose from {choices}")
     whole = [name for name in scenarios if name in WHOLE]
     scenarios = [name for name in scenarios if name not in WHOLE]
-    for router in routers:
-        if router not in common.ROUTERS:
-            raise SystemExit(f"unknown router {router!r}; choose from {', '.join(common.ROUTERS)}")
-    if any(r in ("smg", "mini_lb") for r in routers) and not common.peers_available():
-        print_flush("bench/.peers is missing (make bench-peers installs it): skipping smg, mini_lb")
-        routers = [r for r in routers if r not in ("smg", "mini_lb")]
+    routers = common.usable_routers(routers)
     started = time.monotonic()
     print_flush(
         f"trio_pd bench: routers {routers}, scenarios {scenarios}, repeat {args.repeat}, "

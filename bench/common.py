@@ -338,6 +338,18 @@ def peers_available() -> bool:
     return (PEERS / "bin" / "python").exists()
 
 
+def usable_routers(routers: list[str]) -> list[str]:
+    """`routers` checked against ROUTERS (exit on an unknown one), less SGLang's when
+    bench/.peers is not installed (said so)."""
+    for router in routers:
+        if router not in ROUTERS:
+            raise SystemExit(f"unknown router {router!r}; choose from {', '.join(ROUTERS)}")
+    if any(r in ("smg", "mini_lb") for r in routers) and not peers_available():
+        print_flush("bench/.peers is missing (make bench-peers installs it): skipping smg, mini_lb")
+        routers = [r for r in routers if r not in ("smg", "mini_lb")]
+    return routers
+
+
 @attrs.define
 class Cluster:
     """One prefill engine, one decode engine and (optionally) a router in front of them."""

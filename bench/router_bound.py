@@ -838,12 +838,7 @@ def main(argv: list[str] | None = None) -> int:
         print_flush(render(result))
         return 0
     routers = args.routers.split(",")
-    for router in routers:
-        if router not in common.ROUTERS:
-            raise SystemExit(f"unknown router {router!r}; choose from {', '.join(common.ROUTERS)}")
-    if any(r in ("smg", "mini_lb") for r in routers) and not common.peers_available():
-        print_flush("bench/.peers is missing (make bench-peers installs it): skipping smg, mini_lb")
-        routers = [r for r in routers if r not in ("smg", "mini_lb")]
+    routers = common.usable_routers(routers)
     result, _ = run_all(routers, args.repeat, args.quick)
     print_flush("wrote", common.write_result(NAME, result))
     return 1 if result["failures"] else 0

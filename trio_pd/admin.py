@@ -27,6 +27,7 @@ from trio_pd.errors import RouterError, bad_request
 from trio_pd.membership.etcd import EtcdError, UnstorableSpec
 from trio_pd.membership.source import NotOwned, StoreUnavailable
 from trio_pd.respond import JSON_HEADERS, Reply, Responder
+from trio_pd.upstream import usable_key
 from trio_pd.urls import check_destination, check_syntax
 
 WORKERS_PATH = "/workers"
@@ -143,8 +144,3 @@ async def delete_worker(
         raise unavailable(exc) from None
     rsp.audit = f"removed {worker.id} {worker.role} {worker.url}"
     await json_reply(rsp, 200, {**worker.to_json(), "removed": True})
-
-
-def usable_key(key: str | None) -> bool:
-    """Whether a worker key can go into an `Authorization: Bearer` header as it is."""
-    return key is None or all(0x21 <= ord(c) <= 0x7E for c in key)

@@ -10,7 +10,6 @@ import re
 from collections.abc import Callable, Sequence
 
 from trio_pd import compat
-from trio_pd.admin import usable_key
 from trio_pd.auth import ControlKey, parse_keys
 from trio_pd.config import (
     ASSIGNMENT_MODES,
@@ -26,6 +25,7 @@ from trio_pd.config import (
 )
 from trio_pd.cors import check_origins
 from trio_pd.membership import etcd, kubernetes
+from trio_pd.upstream import usable_key
 from trio_pd.urls import check_syntax
 
 LOG_LEVELS = ("debug", "info", "warn", "error", "warning", "critical")  # SGLang's four first

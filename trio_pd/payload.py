@@ -16,8 +16,7 @@ relays everyone else's tokens. That is why the result is a plain picklable value
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from itertools import islice
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
@@ -131,9 +130,7 @@ def prompt_text(path: str, payload: dict[str, Any]) -> tuple[str | None, int]:
         messages = payload.get("messages")
         if not isinstance(messages, list):
             return None, 0
-        text = "\n".join(_texts(messages, ROUTING_MESSAGE_LIMIT)) or None
-        lengths = [len(t) for t in _texts(messages, None)]
-        return text, sum(lengths) + len(lengths) - 1 if lengths else 0
+        return _conversation(messages)
     value = payload.get("text" if path == GENERATE else "prompt")
     if isinstance(value, list) and value:
         value = value[0]
@@ -141,18 +138,27 @@ def prompt_text(path: str, payload: dict[str, Any]) -> tuple[str | None, int]:
     return text, len(text) if text else 0
 
 
-def _texts(messages: list[Any], limit: int | None) -> Iterator[str]:
-    """The text parts of a conversation, in order: each message's string content or the `text`
-    of its content parts; the first `limit` messages and parts of each (None: all)."""
-    for message in islice(messages, limit):
+def _conversation(messages: list[Any]) -> tuple[str | None, int]:
+    """One pass over a conversation's text parts (each message's string content or the `text`
+    of its content parts): the first `ROUTING_MESSAGE_LIMIT` messages, and parts of each, joined
+    by newlines; and the length of all of them joined so."""
+    kept: list[str] = []
+    chars = parts = 0
+    for index, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, str):
-            yield content
+            texts: Iterable[Any] = (content,)
         elif isinstance(content, list):
-            for part in islice(content, limit):
-                text = part.get("text") if isinstance(part, dict) else None
-                if isinstance(text, str):
-                    yield text
+            texts = (p.get("text") if isinstance(p, dict) else None for p in content)
+        else:
+            continue
+        for number, text in enumerate(texts):
+            if isinstance(text, str):
+                chars += len(text)
+                parts += 1
+                if index < ROUTING_MESSAGE_LIMIT and number < ROUTING_MESSAGE_LIMIT:
+                    kept.append(text)
+    return "\n".join(kept) or None, chars + parts - 1 if parts else 0
 
 
 def wants_logprobs(path: str, payload: dict[str, Any]) -> bool:

@@ -286,6 +286,12 @@ def client_authorization(client_headers: list[tuple[bytes, bytes]]) -> bytes | N
     return None
 
 
+def usable_key(key: str | None) -> bool:
+    """Whether a worker key can go into `worker_authorization`'s header as it is (visible
+    ASCII: a CR/LF would inject headers of its own). Keys are checked where they come in."""
+    return key is None or all(0x21 <= ord(c) <= 0x7E for c in key)
+
+
 def worker_authorization(
     worker_key: str | None, client_value: bytes | None
 ) -> list[tuple[bytes, bytes]]:
