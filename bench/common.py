@@ -12,7 +12,6 @@ import re
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -75,25 +74,6 @@ def write_result(name: str, payload: dict[str, Any]) -> Path:
     data = {"meta": meta(), **payload}
     path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
     return path
-
-
-# ---- statistics -----------------------------------------------------------------------------
-def pct(values: Sequence[float], q: float) -> float | None:
-    """q-th percentile (0..100) by nearest rank; None for no data."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    k = max(0, min(len(ordered) - 1, round(q / 100.0 * (len(ordered) - 1))))
-    return ordered[k]
-
-
-def median(values: Iterable[float | None]) -> float | None:
-    vals = [v for v in values if v is not None]
-    return statistics.median(vals) if vals else None
-
-
-def ms(value: float | None) -> float | None:
-    return None if value is None else round(value * 1000.0, 3)
 
 
 def fmt(value: Any, digits: int = 1) -> str:

@@ -35,8 +35,8 @@ import trio
 from hypercorn.utils import wrap_app
 
 from trio_pd.config import RouterConfig
-from trio_pd.server import hypercorn_config, make_sockets
-from trio_pd.serving import serve_app
+from trio_pd.serve.accept import serve_app
+from trio_pd.serve.listeners import hypercorn_config, make_sockets
 
 JSON = b'{"text":" the quick brown fox jumps over the lazy dog","meta_info":{"id":"floor"}}'
 JSON_HEADERS = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(JSON))]

@@ -210,7 +210,7 @@ async def _direct_user(
 
 
 def merge(parts: list[dict[str, Any]], spec: LoadSpec) -> dict[str, Any]:
-    from bench.common import ms, pct
+    from bench.stats import ms, pct
 
     lat: list[float] = [x for p in parts for x in p["lat"]]
     ttft: list[float] = [x for p in parts for x in p["ttft"]]

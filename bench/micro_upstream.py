@@ -30,8 +30,9 @@ from typing import Any
 import httpcore2
 import trio
 
-from bench.common import HOST, Proc, free_port, median, print_flush, table, write_result
-from trio_pd import http11
+from bench.common import HOST, Proc, free_port, print_flush, table, write_result
+from bench.stats import median
+from trio_pd.upstream import http11
 
 CONNECTIONS = 32
 EVENTS = 64

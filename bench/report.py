@@ -7,7 +7,7 @@ import datetime
 from pathlib import Path
 from typing import Any
 
-from bench import common
+from bench import common, stats
 
 # For each metric: is a higher value better? (used only to word the ratio column)
 HIGHER_IS_BETTER = ("req/s", "tokens/s", "goodput", "vs direct")
@@ -18,7 +18,7 @@ def middle(values: Any) -> Any:
     vals = [v for v in values if v is not None]
     if any(isinstance(v, str) for v in vals):
         return " / ".join(dict.fromkeys(str(v) for v in vals)) or None
-    return common.median(vals)
+    return stats.median(vals)
 
 
 def side_by_side(

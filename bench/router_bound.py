@@ -53,7 +53,7 @@ import httptools
 import orjson
 import psutil
 
-from bench import common
+from bench import common, stats
 from bench.common import HOST, print_flush
 from bench.floor import read_counters
 
@@ -590,7 +590,7 @@ def _rows(runs: dict[str, list[dict[str, Any]]], name: str) -> list[dict[str, An
 
 def summarize(runs: dict[str, list[dict[str, Any]]], names: Sequence[str]) -> dict[str, Any]:
     """Medians over repetitions, one flat dict per target."""
-    med = common.median
+    med = stats.median
     out: dict[str, Any] = {}
     direct = {r["repetition"]: {row["c"]: row for row in r["rows"]} for r in _rows(runs, "direct")}
     for name in names:

@@ -32,10 +32,11 @@ from typing import Any
 import orjson
 import trio
 
-from bench import common, teardown
-from bench.common import CpuMeter, pct, print_flush
+from bench import common, stats, teardown
+from bench.common import CpuMeter, print_flush
 from bench.httpc import one_request
 from bench.loadgen import sleep_until
+from bench.stats import pct
 
 NAME = "storm"
 COLUMNS = (
@@ -141,8 +142,8 @@ def series(records: list[dict[str, Any]], slots: list[Any], horizon: float) -> l
     out = []
     for row in rows:
         lat = row.pop("lat")
-        row["p50_ms"] = common.ms(pct(lat, 50))
-        row["p99_ms"] = common.ms(pct(lat, 99))
+        row["p50_ms"] = stats.ms(pct(lat, 50))
+        row["p99_ms"] = stats.ms(pct(lat, 99))
         row["wasted_slots"] = round(row.pop("wasted"), 2)
         row["useful_slots"] = round(row.pop("useful"), 2)
         out.append(row)
@@ -191,12 +192,12 @@ def run(router: str, quick: bool = False) -> dict[str, Any]:
         "ok": len(ok),
         "goodput": round(len(ok) / s["seconds"], 2),
         "good_ratio": round(len(ok) / good_intended, 3) if good_intended else None,
-        "ok_p50_ms": common.ms(pct(lat, 50)),
-        "ok_p99_ms": common.ms(pct(lat, 99)),
-        "fail_wait_p50_ms": common.ms(pct([r["t_end"] - r["t_send"] for r in failed], 50)),
+        "ok_p50_ms": stats.ms(pct(lat, 50)),
+        "ok_p99_ms": stats.ms(pct(lat, 99)),
+        "fail_wait_p50_ms": stats.ms(pct([r["t_end"] - r["t_send"] for r in failed], 50)),
         "wasted_slot_s": round(wasted, 1),
         "doomed_slots": len(doomed),
-        "wasted_per_doomed_ms": common.ms(wasted / len(doomed)) if doomed else None,
+        "wasted_per_doomed_ms": stats.ms(wasted / len(doomed)) if doomed else None,
         "freed_by": freed_by,
         "useful_slot_s": round(useful, 1),
         "statuses": statuses,

@@ -40,9 +40,10 @@ from typing import Any
 import orjson
 import trio
 
-from bench import common
-from bench.common import pct, print_flush
+from bench import common, stats
+from bench.common import print_flush
 from bench.httpc import Connection, Reply, one_request
+from bench.stats import pct
 
 NAME = "teardown"
 KINDS = ("500", "400", "sse_error", "close")
@@ -230,13 +231,13 @@ def aggregate(
         "n": len(clients),
         "decode_saw": sum(1 for i in items if i["decode_seen"]),
         "client_status": " ".join(f"{k}x{v}" for k, v in sorted(statuses.items())),
-        "client_wait_p50_ms": common.ms(pct(waits, 50)),
-        "closed_p50_ms": common.ms(pct(closed, 50)),
-        "closed_max_ms": common.ms(max(closed)) if closed else None,
-        "freed_p50_ms": common.ms(pct(freed, 50)),
-        "freed_max_ms": common.ms(max(freed)) if freed else None,
+        "client_wait_p50_ms": stats.ms(pct(waits, 50)),
+        "closed_p50_ms": stats.ms(pct(closed, 50)),
+        "closed_max_ms": stats.ms(max(closed)) if closed else None,
+        "freed_p50_ms": stats.ms(pct(freed, 50)),
+        "freed_max_ms": stats.ms(max(freed)) if freed else None,
         "freed_by": tally([i["freed_by"] for i in items if i["decode_seen"]]),
-        "abort_p50_ms": common.ms(pct(aborts, 50)),
+        "abort_p50_ms": stats.ms(pct(aborts, 50)),
         "abort_early": sum(1 for i in items if i["abort_early"]),
         "aborts_matched": len(aborts),
         "not_closed": sum(1 for i in items if i["decode_seen"] and i["closed_s"] is None),
@@ -324,7 +325,7 @@ def phase_disconnect(c: common.Cluster, router: str, s: dict[str, Any]) -> list[
             items.append(item)
         row = aggregate(router, case, stream, items, ["x"] * len(records))
         pc = [i["prefill_closed_s"] for i in items if i["prefill_closed_s"] is not None]
-        row["prefill_closed_p50_ms"] = common.ms(pct(pc, 50))
+        row["prefill_closed_p50_ms"] = stats.ms(pct(pc, 50))
         rows.append(row)
     return rows
 
@@ -435,8 +436,8 @@ def compare(results: dict[str, list[dict[str, Any]]]) -> str:
         line: dict[str, Any] = {"case": case, "stream": stream}
         for router in routers:
             rows = cells.get((case, stream, router), [])
-            line[f"{router} closed_ms"] = common.median(r["closed_p50_ms"] for r in rows)
-            line[f"{router} freed_ms"] = common.median(r["freed_p50_ms"] for r in rows)
+            line[f"{router} closed_ms"] = stats.median(r["closed_p50_ms"] for r in rows)
+            line[f"{router} freed_ms"] = stats.median(r["freed_p50_ms"] for r in rows)
             by = [part for r in rows for part in _untally(r.get("freed_by", "-"))]
             line[f"{router} freed_by"] = tally(by)
         lines.append(line)

@@ -10,10 +10,11 @@ import httpx2
 import pytest
 import trio
 
-from trio_pd.app import Router
-from trio_pd.config import RetryConfig, RouterConfig, WorkerSpec
-from trio_pd.engine import EngineConfig, EngineHandle, serve_engine
-from trio_pd.server import serve
+from trio_pd.config import RetryConfig, RouterConfig
+from trio_pd.edge.router import Router
+from trio_pd.serve.process import serve
+from trio_pd.spec import WorkerSpec
+from trio_pd.testing.engine import EngineConfig, EngineHandle, serve_engine
 
 # Engines poll for disconnects every half second here (SGLang: 4 s) so slot frees are quick to
 # observe; their KV waiting timeout stays long, so a decode nobody cancels would visibly hang.

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trio_pd import compat
-from trio_pd.cli import build_parser
+from trio_pd.cli.main import build_parser
+from trio_pd.config import compat
 
 ROOT = Path(__file__).resolve().parent.parent
 SGLANG_FLAGS = ROOT / "tests" / "data" / "sglang_router_0.3.2_flags.json"

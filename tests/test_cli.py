@@ -13,7 +13,7 @@ import trio
 
 from tests.conftest import start_engine
 from tests.router.helpers import generate_body
-from trio_pd.cli import build_parser, router_config
+from trio_pd.cli.main import build_parser, router_config
 
 
 def free_port() -> int:

@@ -24,8 +24,8 @@ from tests.flag_surface import (
     serve_parser,
     sglang_flags,
 )
-from trio_pd import compat
-from trio_pd.cli import build_parser, router_config
+from trio_pd.cli.main import build_parser, router_config
+from trio_pd.config import compat
 
 SGLANG = sglang_flags()
 

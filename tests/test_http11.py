@@ -23,8 +23,8 @@ import trio.testing
 import trustme
 
 from tests.engine.helpers import new_room, pd_body
-from trio_pd.engine import EngineConfig, EngineHandle, serve_engine
-from trio_pd.http11 import Connection, Response, TransportError, connect
+from trio_pd.testing.engine import EngineConfig, EngineHandle, serve_engine
+from trio_pd.upstream.http11 import Connection, Response, TransportError, connect
 
 # -- the scripted server ------------------------------------------------------------------------
 

@@ -8,15 +8,16 @@ from pathlib import Path
 import pytest
 import trio
 
-from trio_pd.background import supervised
-from trio_pd.config import RouterConfig, WorkerSpec
-from trio_pd.fleet.workers import Fleet
-from trio_pd.membership.etcd import EtcdConfig, EtcdMembership
-from trio_pd.membership.kubernetes import KubernetesConfig, KubernetesDiscovery
+from trio_pd.config import EtcdConfig, KubernetesConfig, RouterConfig
+from trio_pd.edge.services import supervised
+from trio_pd.fleet.registry import Fleet
+from trio_pd.membership.etcd import EtcdMembership
+from trio_pd.membership.kubernetes import KubernetesDiscovery
 from trio_pd.membership.memory import MemoryStore
 from trio_pd.membership.setup import membership_for
 from trio_pd.membership.shared_file import FileMembership
-from trio_pd.metrics import RouterMetrics
+from trio_pd.observe.metrics import RouterMetrics
+from trio_pd.spec import WorkerSpec
 
 KUBE = KubernetesConfig(decode_selector={"role": "decode"}, api_server="http://127.0.0.1:1")
 ETCD = EtcdConfig(endpoints="http://127.0.0.1:2379")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import orjson
 
-from trio_pd.relay import (
+from trio_pd.pd.relay import (
     InbandError,
     error_frame,
     event_data,

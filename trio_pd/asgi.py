@@ -3,24 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import Any, TypeAlias
 
 import orjson
 
-from trio_pd.body import parse_object
 from trio_pd.errors import payload_too_large
+from trio_pd.jsonbody import parse_object
 from trio_pd.respond import JSON_HEADERS, Reply, Responder
-
-if TYPE_CHECKING:
-    from trio_pd.control import ControlContext
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 # A route's handler, bound to the narrow context it needs (see app.route_table).
 Handler: TypeAlias = Callable[[Scope, Receive, Responder], Awaitable[None]]
-# The control plane's handlers before binding: admin and fan-out routes.
-ControlHandler: TypeAlias = Callable[["ControlContext", Scope, Receive, Responder], Awaitable[None]]
 
 
 class ClientGone(Exception):

@@ -8,7 +8,7 @@ from typing import Any
 import httpx2
 import trio
 
-from trio_pd.engine import EngineHandle
+from trio_pd.testing.engine import EngineHandle
 
 from .helpers import eventually, new_room, pd_body, sse_events, start_engine
 

@@ -6,7 +6,7 @@ import httpx2
 import pytest
 import trio
 
-from trio_pd.engine.faults import FaultError, parse_fault, plan_for
+from trio_pd.testing.engine.faults import FaultError, parse_fault, plan_for
 
 from .helpers import new_room, pd_body, pd_post, sse_events, start_engine
 

@@ -18,11 +18,10 @@ import pytest
 import trio
 
 from tests.etcd.conftest import EtcdServer, free_port
-from trio_pd.config import WorkerSpec
+from trio_pd.config import EtcdConfig
 from trio_pd.membership.etcd import (
     DuplicateWorker,
     EtcdClient,
-    EtcdConfig,
     EtcdMembership,
     EtcdUnavailable,
     UnstorableSpec,
@@ -30,7 +29,7 @@ from trio_pd.membership.etcd import (
     config_from_args,
     prefix_end,
 )
-from trio_pd.membership.source import WorkerRecord
+from trio_pd.spec import WorkerRecord, WorkerSpec
 
 PREFIX = "/test"
 PROPAGATION_SECS = 1.0  # a write through one replica reaches the other's registry within this

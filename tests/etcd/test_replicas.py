@@ -26,7 +26,7 @@ from tests.conftest import start_engine
 from tests.etcd.conftest import EtcdServer
 from tests.ops.serve import ServeProcess, clients_per_process, start_serve
 from tests.router.helpers import eventually
-from trio_pd.engine import EngineHandle
+from trio_pd.testing.engine import EngineHandle
 
 PROPAGATION_SECS = 1.0  # the bound: a change through one replica reaches the others
 SERVE_SECS = 3.0  # ...and the new worker serves their requests (a health probe on top)

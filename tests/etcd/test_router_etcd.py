@@ -17,9 +17,10 @@ import trio
 
 from tests.conftest import Cluster, cluster_of, start_engine
 from tests.etcd.conftest import EtcdServer
-from trio_pd.cli import build_parser, router_config
-from trio_pd.membership.etcd import EtcdConfig, EtcdMembership
-from trio_pd.processes import per_process
+from trio_pd.cli.main import build_parser, router_config
+from trio_pd.config import EtcdConfig
+from trio_pd.membership.etcd import EtcdMembership
+from trio_pd.serve.supervisor import per_process
 
 OUTAGE_SECS = 15.0  # noticing an outage or a restart (the watch's retry backoff tops at 5 s)
 

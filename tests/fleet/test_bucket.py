@@ -10,13 +10,15 @@ import random
 import pytest
 import trio
 
-from trio_pd.cli import build_parser, router_config
-from trio_pd.config import PolicyConfig, RouterConfig, WorkerSpec
+from trio_pd.cli.main import build_parser, router_config
+from trio_pd.config import PolicyConfig, RouterConfig
 from trio_pd.fleet.bucket import BucketPolicy, adjusted_uppers, even_uppers
 from trio_pd.fleet.hints import RouteHints
 from trio_pd.fleet.policies import make_policy
-from trio_pd.fleet.workers import Fleet, Worker
-from trio_pd.payload import ROUTING_TEXT_LIMIT, inspect_body
+from trio_pd.fleet.registry import Fleet
+from trio_pd.fleet.worker import Worker
+from trio_pd.pd.payload import ROUTING_TEXT_LIMIT, inspect_body
+from trio_pd.spec import WorkerSpec
 
 BALANCE_OFF = {"balance_abs_threshold": 10**9}  # ranges alone decide
 

@@ -5,9 +5,10 @@ import attrs
 import trio
 import trio.testing
 
-from trio_pd.config import HealthConfig, RouterConfig, WorkerSpec
+from trio_pd.config import HealthConfig, RouterConfig
 from trio_pd.fleet.health import run_health_checks
-from trio_pd.fleet.workers import Fleet
+from trio_pd.fleet.registry import Fleet
+from trio_pd.spec import WorkerSpec
 
 CFG = HealthConfig(interval_secs=10, timeout_secs=2, failure_threshold=3, success_threshold=2)
 

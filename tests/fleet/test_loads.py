@@ -5,9 +5,10 @@ import random
 
 import trio
 
-from trio_pd.config import PolicyConfig, RouterConfig, WorkerSpec
+from trio_pd.config import PolicyConfig, RouterConfig
 from trio_pd.fleet.loads import poll_loads, polled_roles
-from trio_pd.fleet.workers import Fleet
+from trio_pd.fleet.registry import Fleet
+from trio_pd.spec import WorkerSpec
 
 
 def fleet_of(policy: PolicyConfig, interval: float = 30.0) -> Fleet:

@@ -6,13 +6,15 @@ from collections import Counter
 import pytest
 import trio
 
-from trio_pd.cli import build_parser, router_config
-from trio_pd.config import PolicyConfig, RouterConfig, WorkerSpec
+from trio_pd.cli.main import build_parser, router_config
+from trio_pd.config import PolicyConfig, RouterConfig
+from trio_pd.edge.routing_key import MAX_KEY_BYTES, routing_key
 from trio_pd.fleet.hints import NO_HINTS, RouteHints
 from trio_pd.fleet.manual import EVICT_BATCH, ManualPolicy
 from trio_pd.fleet.policies import make_policy, run_eviction
-from trio_pd.fleet.workers import Fleet, Tracked, Worker
-from trio_pd.routing_key import MAX_KEY_BYTES, routing_key
+from trio_pd.fleet.registry import Fleet
+from trio_pd.fleet.worker import Tracked, Worker
+from trio_pd.spec import WorkerSpec
 
 
 def workers(n, role="decode"):

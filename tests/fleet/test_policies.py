@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 import trio
 
-from trio_pd.config import PolicyConfig, WorkerSpec
+from trio_pd.config import PolicyConfig
 from trio_pd.fleet.hints import NO_HINTS, RouteHints
 from trio_pd.fleet.policies import (
     CacheAwarePolicy,
@@ -16,7 +16,8 @@ from trio_pd.fleet.policies import (
     run_eviction,
 )
 from trio_pd.fleet.prefix_tree import PrefixTree
-from trio_pd.fleet.workers import Worker
+from trio_pd.fleet.worker import Worker
+from trio_pd.spec import WorkerSpec
 
 
 def workers(n, role="decode"):

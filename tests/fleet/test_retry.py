@@ -4,7 +4,7 @@ import pytest
 
 from trio_pd.config import RetryConfig
 from trio_pd.fleet.retry import attempts, backoff_delay
-from trio_pd.outcome import RETRYABLE_STATUSES
+from trio_pd.pd.outcome import RETRYABLE_STATUSES
 
 NO_JITTER = RetryConfig(
     initial_backoff_ms=100, max_backoff_ms=1000, backoff_multiplier=2.0, jitter_factor=0.0

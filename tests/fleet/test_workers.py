@@ -4,10 +4,12 @@ import pytest
 import trio
 import trio.testing
 
-from trio_pd.config import BreakerConfig, PolicyConfig, RouterConfig, WorkerSpec
+from trio_pd.config import BreakerConfig, PolicyConfig, RouterConfig
 from trio_pd.fleet.hints import NO_HINTS, RouteHints
 from trio_pd.fleet.policies import CacheAwarePolicy
-from trio_pd.fleet.workers import Fleet, NoWorkerAvailable
+from trio_pd.fleet.registry import Fleet
+from trio_pd.fleet.worker import NoWorkerAvailable
+from trio_pd.spec import WorkerSpec
 
 
 def hint(text):
@@ -189,7 +191,7 @@ async def test_wait_changed_wakes_on_membership_change():
 
 
 def test_reconcile_is_level_triggered_and_per_source():
-    from trio_pd.membership.source import WorkerRecord
+    from trio_pd.spec import WorkerRecord
 
     fleet = make_fleet(n_prefill=1, n_decode=0)
     static = fleet.get("prefill-1")

@@ -21,15 +21,15 @@ import trio
 import trustme
 
 from tests.k8s.fake_apiserver import FakeApiServer, RequestRecord, serve_fake_apiserver
+from trio_pd.config import KubernetesConfig
 from trio_pd.membership.kubernetes import (
-    KubernetesConfig,
     KubernetesDiscovery,
     PodView,
     add_arguments,
     config_from_args,
     records_for_pod,
 )
-from trio_pd.membership.source import WorkerRecord
+from trio_pd.spec import WorkerRecord
 
 PREFILL = {"app": "sglang", "role": "prefill"}
 DECODE = {"app": "sglang", "role": "decode"}

@@ -25,8 +25,9 @@ from tests.k8s.engine_pods import (
 )
 from tests.k8s.fake_apiserver import serve_fake_apiserver
 from tests.router.helpers import eventually
-from trio_pd.cli import build_parser, router_config
-from trio_pd.membership.kubernetes import KubernetesConfig, KubernetesDiscovery
+from trio_pd.cli.main import build_parser, router_config
+from trio_pd.config import KubernetesConfig
+from trio_pd.membership.kubernetes import KubernetesDiscovery
 from trio_pd.membership.memory import MemoryStore
 
 PROPAGATION_SECS = 1.0

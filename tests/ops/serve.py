@@ -11,7 +11,7 @@ import attrs
 import httpx2
 import trio
 
-from trio_pd.engine import EngineHandle
+from trio_pd.testing.engine import EngineHandle
 
 PROCESSES_SECS = 30.0  # loose: every process of --workers N up and reached
 

@@ -161,7 +161,7 @@ async def test_readiness_turns_503_and_new_requests_get_503_while_draining(
 
 
 def test_grace_period_flag() -> None:
-    from trio_pd.cli import build_parser, router_config
+    from trio_pd.cli.main import build_parser, router_config
 
     args = build_parser().parse_args(["serve", "--shutdown-grace-period-secs", "7"])
     assert router_config(args).shutdown_grace_period_secs == 7

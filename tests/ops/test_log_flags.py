@@ -17,8 +17,8 @@ import trio
 from tests.conftest import start_engine
 from tests.ops.serve import ServeProcess, clients_per_process, start_serve
 from tests.router.helpers import generate_body
-from trio_pd.cli import build_parser, router_config
-from trio_pd.logs import DailyFileHandler, utc_day
+from trio_pd.cli.main import build_parser, router_config
+from trio_pd.observe.logs import DailyFileHandler, utc_day
 
 
 def day_files(directory: Path) -> list[Path]:

@@ -20,7 +20,7 @@ from tests.conftest import start_engine
 from tests.ops.serve import ServeProcess, clients_per_process, start_serve
 from tests.ops.sockets import holders, listeners
 from tests.router.helpers import generate_body, read_sse
-from trio_pd.cli import build_parser, router_config
+from trio_pd.cli.main import build_parser, router_config
 
 LOOSE = 10.0
 

@@ -21,7 +21,7 @@ import trio
 from tests.conftest import start_engine
 from tests.ops.serve import ServeProcess, free_port
 from tests.router.helpers import generate_body
-from trio_pd.engine import EngineHandle
+from trio_pd.testing.engine import EngineHandle
 
 DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
 

@@ -17,8 +17,8 @@ from tests.conftest import start_engine
 from tests.ops.serve import ServeProcess, free_port, start_serve
 from tests.router.fleet_tools import start_stoppable
 from tests.router.helpers import eventually, generate_body
-from trio_pd.cli import build_parser, router_config
-from trio_pd.engine import EngineHandle
+from trio_pd.cli.main import build_parser, router_config
+from trio_pd.testing.engine import EngineHandle
 
 LOOSE = 10.0
 

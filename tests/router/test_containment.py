@@ -18,8 +18,8 @@ from tests.conftest import Cluster, start_cluster
 from tests.router.fleet_tools import LOOSE, build_cluster, start_stoppable
 from tests.router.helpers import CANCELLED, generate_body, read_sse, settle
 from trio_pd.config import BreakerConfig, RetryConfig, TimeoutConfig
-from trio_pd.http11 import Connection
-from trio_pd.upstream import UpstreamPool
+from trio_pd.upstream.http11 import Connection
+from trio_pd.upstream.pool import UpstreamPool
 
 FAST_RETRY = RetryConfig(max_retries=5, initial_backoff_ms=5, max_backoff_ms=20, jitter_factor=0)
 

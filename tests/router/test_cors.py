@@ -11,10 +11,10 @@ import trio
 
 from tests.conftest import Cluster, start_cluster
 from tests.router.helpers import generate_body, read_sse
-from trio_pd.cli import build_parser, router_config
-from trio_pd.cors import CorsPolicy
-from trio_pd.http11 import Response
-from trio_pd.upstream import relayable_headers
+from trio_pd.cli.main import build_parser, router_config
+from trio_pd.edge.cors import CorsPolicy
+from trio_pd.upstream.headers import relayable_headers
+from trio_pd.upstream.http11 import Response
 
 ALLOWED = "https://app.example"
 OTHER = "https://evil.example"

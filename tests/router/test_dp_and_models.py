@@ -10,8 +10,8 @@ import trio
 from tests.conftest import cluster_of, start_cluster, start_engine
 from tests.router.fleet_tools import FAST_HEALTH, LOOSE
 from tests.router.helpers import generate_body, settle
-from trio_pd.cli import build_parser, router_config
-from trio_pd.injection import MAX_ROOM, rooms_for
+from trio_pd.cli.main import build_parser, router_config
+from trio_pd.pd.injection import MAX_ROOM, rooms_for
 
 
 def chat(model: str | None = None, **extra) -> dict:

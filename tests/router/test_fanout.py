@@ -17,9 +17,9 @@ import trio
 from tests.conftest import start_cluster
 from tests.router.fleet_tools import FAST_HEALTH, LOOSE, free_port
 from tests.router.helpers import generate_body, settle
-from trio_pd.config import WorkerSpec
-from trio_pd.engine.app import EngineApp
-from trio_pd.fanout import parse_load
+from trio_pd.control.fanout import parse_load
+from trio_pd.spec import WorkerSpec
+from trio_pd.testing.engine.app import EngineApp
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ import trio
 from tests.conftest import Cluster, start_cluster
 from tests.router.helpers import CANCELLED, generate_body, read_sse, settle
 from trio_pd.config import RetryConfig
-from trio_pd.engine.responses import error_body
+from trio_pd.testing.engine.responses import error_body
 
 LOOSE = 5.0
 SLOW_DECODE = "decode:slow:5000"  # decode got its KV, then waits 5 s before its first token

@@ -15,9 +15,10 @@ instrument naming the longest single task step), in three windows:
   JSON (refused 400), all at once.
 
 The router runs in the test process, as everywhere in the suite, but here the two engines are
-separate processes (`python -m trio_pd.engine`): an in-process simulator parsing the same 16 MB
-bodies on the same loop would be measured too. Their JSON-lines event logs say which request
-reached them. Bounds are loose: this is a shared 2-core box and the engines burn CPU meanwhile.
+separate processes (`python -m trio_pd.testing.engine`): an in-process simulator parsing
+the same 16 MB bodies on the same loop would be measured too. Their JSON-lines event logs say
+which request reached them. Bounds are loose: this is a shared 2-core box and the engines
+burn CPU meanwhile.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ import trio
 
 from tests.conftest import ROUTER_DEFAULTS, start_router, wait_until_ready
 from tests.router.helpers import generate_body
-from trio_pd.config import RouterConfig, WorkerSpec
+from trio_pd.config import RouterConfig
+from trio_pd.spec import WorkerSpec
 
 STALL_BOUND = 0.25  # seconds: "a few milliseconds, not seconds", on a noisy shared box
 CALIBRATION_SLEEP = 0.5
@@ -165,7 +167,7 @@ async def external_engine(tmp: Path, role: str) -> AsyncIterator[ExternalEngine]
     bootstrap = free_port() if role == "prefill" else None
     events = tmp / f"{role}-events.jsonl"
     command = [
-        sys.executable, "-m", "trio_pd.engine", "--role", role,
+        sys.executable, "-m", "trio_pd.testing.engine", "--role", role,
         "--host", "127.0.0.1", "--port", str(port), "--events", str(events),
         "--disconnect-poll-secs", "0.5", "--waiting-timeout", "60", "--log-level", "warning",
     ]  # fmt: skip

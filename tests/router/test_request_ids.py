@@ -10,8 +10,8 @@ import trio
 
 from tests.conftest import Cluster, start_cluster
 from tests.router.helpers import generate_body
-from trio_pd.cli import build_parser, router_config
-from trio_pd.request_ids import RequestIds
+from trio_pd.cli.main import build_parser, router_config
+from trio_pd.edge.request_ids import RequestIds
 
 GENERATED = {
     "/generate": re.compile(r"gnt-[A-Za-z0-9]{24}"),

@@ -13,8 +13,9 @@ import trio
 from tests.conftest import start_cluster
 from tests.router.fleet_tools import FAST_HEALTH, free_port
 from tests.router.helpers import generate_body, settle
-from trio_pd.auth import Access, ControlKey, parse_keys
-from trio_pd.cli import build_parser, router_config
+from trio_pd.cli.main import build_parser, router_config
+from trio_pd.config import ControlKey, parse_keys
+from trio_pd.edge.auth import Access
 
 ADMIN = ControlKey("k1", "ops", "admin", "admin:secret")  # a key may hold colons
 USER = ControlKey("k2", "dash", "user", "user-secret")

@@ -17,7 +17,8 @@ import trustme
 from tests.conftest import ROUTER_DEFAULTS, start_engine, start_router
 from tests.router.fleet_tools import FAST_HEALTH, LOOSE
 from tests.router.helpers import generate_body, read_sse, settle
-from trio_pd.config import RouterConfig, WorkerSpec
+from trio_pd.config import RouterConfig
+from trio_pd.spec import WorkerSpec
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import trio
 
-from trio_pd.admission import Admission
-from trio_pd.cli import build_parser, router_config
+from trio_pd.cli.main import build_parser, router_config
 from trio_pd.config import RouterConfig
+from trio_pd.edge.admission import Admission
+from trio_pd.edge.token_bucket import TokenBucket
 from trio_pd.errors import RouterError
-from trio_pd.processes import per_process, process_config
-from trio_pd.token_bucket import TokenBucket
+from trio_pd.serve.supervisor import per_process, process_config
 
 
 async def test_bucket_starts_full_and_refills_at_its_rate_up_to_capacity(autojump_clock) -> None:

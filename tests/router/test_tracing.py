@@ -17,7 +17,7 @@ from tests.conftest import Cluster, start_cluster
 from tests.otlp_receiver import ExportedSpan, Receiver, otlp_receiver
 from tests.router.fleet_tools import build_cluster, who_started
 from tests.router.helpers import generate_body, read_sse
-from trio_pd.cli import build_parser, router_config
+from trio_pd.cli.main import build_parser, router_config
 from trio_pd.config import RetryConfig
 
 LOOSE = 10.0
@@ -418,9 +418,9 @@ def test_a_router_without_tracing_never_imports_opentelemetry() -> None:
     """The hot path pays nothing, and a router without the `trace` extra still starts."""
     program = (
         "import sys\n"
-        "from trio_pd.cli import build_parser, router_config\n"
-        "from trio_pd.app import Router, start_tracing\n"
-        "from trio_pd.server import run\n"
+        "from trio_pd.cli.main import build_parser, router_config\n"
+        "from trio_pd.edge.router import Router, start_tracing\n"
+        "from trio_pd.serve.run import run\n"
         "args = build_parser().parse_args(['serve', '--prefill', 'http://127.0.0.1:1'])\n"
         "config = router_config(args)\n"
         "Router(config)\n"

@@ -52,7 +52,7 @@ from trio_pd.config import PolicyConfig
 from trio_pd.fleet.hints import RouteHints
 
 if TYPE_CHECKING:
-    from trio_pd.fleet.workers import Worker
+    from trio_pd.fleet.worker import Worker
 
 log = logging.getLogger(__name__)
 

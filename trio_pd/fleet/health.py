@@ -29,7 +29,8 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from trio_pd.config import HealthConfig
-from trio_pd.fleet.workers import Fleet, Worker
+from trio_pd.fleet.registry import Fleet
+from trio_pd.fleet.worker import Worker
 
 log = logging.getLogger(__name__)
 

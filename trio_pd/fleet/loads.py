@@ -22,8 +22,10 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import trio
 
-from trio_pd.config import PolicyConfig, Role
-from trio_pd.fleet.workers import ROLES, Fleet, Worker
+from trio_pd.config import PolicyConfig
+from trio_pd.fleet.registry import Fleet
+from trio_pd.fleet.worker import ROLES, Worker
+from trio_pd.spec import Role
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from trio_pd.fleet.manual import ManualPolicy
 from trio_pd.fleet.prefix_tree import PrefixTree
 
 if TYPE_CHECKING:
-    from trio_pd.fleet.workers import Worker
+    from trio_pd.fleet.worker import Worker
 
 
 class Policy(Protocol):

@@ -47,8 +47,8 @@ import httpx2
 import orjson
 import trio
 
-from trio_pd.config import Role, WorkerSpec
-from trio_pd.membership.source import Registry, WorkerRecord
+from trio_pd.config import EtcdConfig
+from trio_pd.spec import Registry, Role, WorkerRecord, WorkerSpec
 
 log = logging.getLogger("trio_pd.membership.etcd")
 
@@ -401,44 +401,6 @@ def txn_deleted(answer: Mapping[str, Any], index: int) -> int:
 
 
 # -- configuration -----------------------------------------------------------------------------
-
-
-def _endpoints(value: str | Iterable[str]) -> tuple[str, ...]:
-    items = value.split(",") if isinstance(value, str) else value
-    return tuple(item.strip().rstrip("/") for item in items if item.strip())
-
-
-def _check_endpoints(instance: Any, attribute: Any, endpoints: tuple[str, ...]) -> None:
-    if not endpoints:
-        raise ValueError("etcd endpoints: give at least one URL, e.g. http://127.0.0.1:2379")
-    for endpoint in endpoints:
-        parts = urlsplit(endpoint)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"etcd endpoint must be an http(s) URL: {endpoint!r}")
-
-
-def _prefix(value: str) -> str:
-    value = "/" + value.strip("/")
-    return value if value != "/" else ""
-
-
-@attrs.frozen
-class EtcdConfig:
-    """Where the shared membership lives and how to reach it.
-
-    ``lease_ttl_secs`` 0: workers stay until removed. N > 0: the workers this replica adds live
-    on a lease of N seconds that `run()` keeps alive, so they go when the replica dies.
-    ``resync_secs``: a full range this often, repairing anything a watch could have missed.
-    """
-
-    endpoints: tuple[str, ...] = attrs.field(converter=_endpoints, validator=_check_endpoints)
-    prefix: str = attrs.field(default="/trio-pd", converter=_prefix)
-    lease_ttl_secs: int = attrs.field(default=0, validator=attrs.validators.ge(0))
-    dial_timeout_secs: float = attrs.field(default=2.0, validator=attrs.validators.gt(0))
-    request_timeout_secs: float = attrs.field(default=5.0, validator=attrs.validators.gt(0))
-    resync_secs: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
-    retry_initial_secs: float = attrs.field(default=0.2, validator=attrs.validators.gt(0))
-    retry_max_secs: float = attrs.field(default=5.0, validator=attrs.validators.gt(0))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -62,8 +62,12 @@ import httpx2
 import orjson
 import trio
 
-from trio_pd.config import Role, WorkerSpec
-from trio_pd.membership.source import Registry, WorkerRecord
+from trio_pd.config import KubernetesConfig
+from trio_pd.config.membership import (
+    DEFAULT_WORKER_PORTS_ANNOTATION,
+    parse_selector,
+)
+from trio_pd.spec import Registry, Role, WorkerRecord, WorkerSpec
 
 log = logging.getLogger("trio_pd.membership.kubernetes")
 
@@ -71,109 +75,7 @@ SOURCE = "kubernetes"
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 DEFAULT_TOKEN_FILE = f"{SERVICE_ACCOUNT_DIR}/token"
 DEFAULT_CA_FILE = f"{SERVICE_ACCOUNT_DIR}/ca.crt"
-DEFAULT_BOOTSTRAP_PORT_ANNOTATION = "sglang.ai/bootstrap-port"
-DEFAULT_WORKER_PORTS_ANNOTATION = "smg.ai/worker-ports"
 USER_AGENT = "trio-pd (kubernetes discovery)"
-
-
-def _selector(value: Mapping[str, str] | Iterable[str] | None) -> dict[str, str]:
-    if value is None:
-        return {}
-    if isinstance(value, Mapping):
-        return {str(k): str(v) for k, v in value.items()}
-    return parse_selector(value)
-
-
-def _positive(_instance: Any, attribute: attrs.Attribute, value: float) -> None:  # type: ignore[type-arg]
-    if value <= 0:
-        raise ValueError(f"{attribute.name} must be > 0, not {value}")
-
-
-def _model_id_from(_instance: Any, _attribute: Any, value: str | None) -> None:
-    if value is None or value == "namespace":
-        return
-    kind, _, key = value.partition(":")
-    if kind not in ("label", "annotation") or not key:
-        raise ValueError(
-            f"model id source must be namespace, label:<key> or annotation:<key>, not {value!r}"
-        )
-
-
-@attrs.frozen
-class KubernetesConfig:
-    """What to watch and how. Selectors are equality-based `{label: value}` maps.
-
-    A pod is a prefill worker when it carries every label of ``selector`` and of
-    ``prefill_selector``, a decode worker likewise with ``decode_selector`` (prefill wins when
-    both match, as in SMG). At least one role selector is required: trio_pd routes PD pairs.
-    """
-
-    prefill_selector: dict[str, str] = attrs.field(factory=dict, converter=_selector)
-    decode_selector: dict[str, str] = attrs.field(factory=dict, converter=_selector)
-    selector: dict[str, str] = attrs.field(factory=dict, converter=_selector)  # common to both
-    namespace: str | None = None  # None: every namespace (cluster-scoped /api/v1/pods)
-    port: int = 80  # worker port for pods without the worker-ports annotation
-    bootstrap_port_annotation: str = DEFAULT_BOOTSTRAP_PORT_ANNOTATION
-    worker_ports_annotation: str = DEFAULT_WORKER_PORTS_ANNOTATION
-    model_id_from: str | None = attrs.field(default=None, validator=_model_id_from)
-    # Where the API server is: None = in-cluster (KUBERNETES_SERVICE_HOST/PORT, service account).
-    api_server: str | None = None
-    token_file: str | None = None  # in-cluster default: the service account's token
-    ca_file: str | None = None  # in-cluster default: the service account's ca.crt
-    page_size: int = attrs.field(default=500, validator=_positive)
-    watch_timeout_secs: int = attrs.field(default=300, validator=_positive)
-    stall_timeout_secs: float = attrs.field(default=120.0, validator=_positive)
-    resync_secs: float = attrs.field(default=30.0, validator=_positive)
-    relist_secs: float = 900.0  # a fresh LIST at the end of the first watch after this; 0: never
-    request_timeout_secs: float = attrs.field(default=10.0, validator=_positive)
-    backoff_initial_secs: float = attrs.field(default=0.5, validator=_positive)
-    backoff_max_secs: float = attrs.field(default=30.0, validator=_positive)
-
-    def __attrs_post_init__(self) -> None:
-        if not self.prefill_selector and not self.decode_selector:
-            raise ValueError(
-                "Kubernetes discovery needs --prefill-selector and/or --decode-selector "
-                "(trio_pd routes prefill/decode pairs; --selector only narrows both)"
-            )
-        if not 0 < self.port < 65536:
-            raise ValueError(f"service discovery port out of range: {self.port}")
-
-    def role_selectors(self) -> list[tuple[Role, dict[str, str]]]:
-        roles: list[tuple[Role, dict[str, str]]] = [
-            ("prefill", self.prefill_selector),
-            ("decode", self.decode_selector),
-        ]
-        return [(role, sel) for role, sel in roles if sel]
-
-    def server_selector(self) -> str:
-        """The `labelSelector` sent to the API server: the labels every worker pod must carry
-        (the common selector and whatever the role selectors share). Each event is checked
-        against the full selectors here anyway."""
-        selectors = [sel for _, sel in self.role_selectors()]
-        shared = {k: v for k, v in selectors[0].items() if all(s.get(k) == v for s in selectors)}
-        shared.update(self.selector)
-        return ",".join(f"{k}={v}" for k, v in sorted(shared.items()))
-
-    def pods_path(self) -> str:
-        if self.namespace:
-            return f"/api/v1/namespaces/{self.namespace}/pods"
-        return "/api/v1/pods"
-
-
-def parse_selector(items: Iterable[str]) -> dict[str, str]:
-    """`["app=sglang", "role=prefill,tier=a"]` -> a label map; ValueError on anything else."""
-    out: dict[str, str] = {}
-    for item in items:
-        for part in item.split(","):
-            part = part.strip()
-            if not part:
-                continue
-            key, eq, value = part.partition("=")
-            key, value = key.strip(), value.strip()
-            if not eq or not key or "=" in value or "!" in key:
-                raise ValueError(f"label selector must be key=value, not {part!r}")
-            out[key] = value
-    return out
 
 
 # -- pods as the rules see them -----------------------------------------------------------------

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from trio_pd.config import WorkerSpec
-from trio_pd.fleet.workers import Fleet
-from trio_pd.membership.source import NotOwned, WorkerRecord
+from trio_pd.fleet.registry import Fleet
+from trio_pd.membership.source import NotOwned
+from trio_pd.spec import WorkerRecord, WorkerSpec
 
 ADMIN = "admin"
 OWNED = ("admin", "static")

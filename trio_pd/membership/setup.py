@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from trio_pd.config import RouterConfig
-from trio_pd.fleet.workers import Fleet
+from trio_pd.fleet.registry import Fleet
 from trio_pd.membership.etcd import SOURCE as etcd_source
 from trio_pd.membership.etcd import EtcdMembership
 from trio_pd.membership.kubernetes import SOURCE as kubernetes_source
@@ -44,7 +44,7 @@ from trio_pd.membership.shared_file import FileMembership
 from trio_pd.membership.source import MembershipSource, MembershipStore
 
 if TYPE_CHECKING:
-    from trio_pd.metrics import RouterMetrics
+    from trio_pd.observe.metrics import RouterMetrics
 
 
 @attrs.frozen

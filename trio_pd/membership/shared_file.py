@@ -30,8 +30,8 @@ from typing import Any
 
 import trio
 
-from trio_pd.config import WorkerSpec
-from trio_pd.membership.source import Registry, StoreUnavailable, WorkerRecord
+from trio_pd.membership.source import StoreUnavailable
+from trio_pd.spec import Registry, WorkerRecord, WorkerSpec
 
 log = logging.getLogger("trio_pd.membership.file")
 SOURCE = "file"

@@ -12,13 +12,12 @@ in-memory for one process, the shared file for `--workers N`, etcd for replicas.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Protocol
 
-import attrs
 import trio
 
-from trio_pd.config import WorkerSpec
+from trio_pd.spec import Registry, WorkerRecord, WorkerSpec
 
 
 class NotOwned(Exception):
@@ -31,32 +30,6 @@ class NotOwned(Exception):
 
 class StoreUnavailable(Exception):
     """The store cannot be read or written right now (a file or etcd that is unreachable)."""
-
-
-@attrs.frozen
-class WorkerRecord:
-    """One worker as a source wants it.
-
-    ``id`` is agreed by every process and replica reading the same source (allocated by the
-    store, or derived from the source's own names, such as a pod's), so `GET /workers/{id}`
-    means the same worker everywhere. ``meta`` carries the source's own identity of the worker
-    (pod name and uid, etcd key and revision) for `/workers` and logs.
-    """
-
-    id: str
-    spec: WorkerSpec
-    source: str
-    meta: Mapping[str, str] = attrs.field(factory=dict, converter=dict)
-
-
-class Registry(Protocol):
-    """What a source may do to the router's worker registry (the Fleet implements it)."""
-
-    def reconcile(self, source: str, desired: Iterable[WorkerRecord]) -> None:
-        """Make the workers tagged ``source`` exactly ``desired``; never touch other sources'."""
-
-    def source_status(self, source: str, ok: bool, detail: str = "") -> None:
-        """Report whether the source is reachable (readiness and metrics show it)."""
 
 
 class MembershipSource(Protocol):

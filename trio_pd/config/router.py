@@ -1,0 +1,159 @@
+"""Frozen configuration values of the router; built by the CLI, read everywhere else.
+
+Defaults and names follow SGLang's router (sgl-model-gateway 0.3.2) so deployments can switch
+without rewriting their flags.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+
+from trio_pd.config.keys import ControlKey
+from trio_pd.config.membership import EtcdConfig, KubernetesConfig
+from trio_pd.spec import Role, WorkerSpec
+
+PolicyName = Literal["random", "round_robin", "power_of_two", "cache_aware", "manual", "bucket"]
+# As SGLang's router: `bucket` balances prefill by request length and is a prefill policy only.
+POLICY_NAMES: tuple[str, ...] = ("random", "round_robin", "cache_aware", "power_of_two", "manual")
+PREFILL_POLICY_NAMES: tuple[str, ...] = (*POLICY_NAMES, "bucket")
+AssignmentMode = Literal["random", "min_load", "min_group"]
+ASSIGNMENT_MODES: tuple[str, ...] = ("random", "min_load", "min_group")
+
+
+@attrs.frozen
+class RetryConfig:
+    max_retries: int = 5  # total attempts, as SMG counts them
+    initial_backoff_ms: int = 50
+    max_backoff_ms: int = 30_000
+    backoff_multiplier: float = 1.5
+    jitter_factor: float = 0.2
+    enabled: bool = True
+
+
+@attrs.frozen
+class BreakerConfig:
+    failure_threshold: int = 10
+    success_threshold: int = 3
+    timeout_duration_secs: float = 60.0
+    # SMG 0.3.2 validates and stores its window but no breaker reads it (`fleet/breaker.py`).
+    window_duration_secs: float = 120.0
+    enabled: bool = True
+
+
+@attrs.frozen
+class HealthConfig:
+    """Active health checks (`fleet/health.py`).
+
+    As in SMG 0.3.2 a new worker must answer its first check within `startup_timeout_secs`
+    (`--worker-startup-timeout-secs`), else the router gives up on it; `periodic=False`
+    (`--disable-health-check`) keeps that start-up check and drops every check after it.
+    """
+
+    interval_secs: float = 60.0
+    timeout_secs: float = 5.0
+    failure_threshold: int = 3
+    success_threshold: int = 2
+    endpoint: str = "/health"
+    startup_timeout_secs: float = 1800.0
+    periodic: bool = True
+
+
+@attrs.frozen
+class TimeoutConfig:
+    """Idle timeouts (seconds), in the spirit of AIBrix's decode watchdog. Each ends the request
+    with the PROTOCOL.md §4 answer (504 before headers, an error frame after) and closes both
+    legs; the request deadline (`--request-timeout-secs`) still bounds the whole."""
+
+    first_token_secs: float = 60.0  # stream: dispatch -> decode's first event
+    stream_idle_secs: float = 120.0  # stream: longest silence of decode once it started
+    prefill_hold_secs: float = 30.0  # prefill may still run this long after decode answered
+    client_body_secs: float = 60.0  # the client's whole body must arrive within this
+    stream_stall_secs: float = 30.0  # the client has not drained the stream for this long
+
+
+def _not_bucket(instance: object, attribute: attrs.Attribute[object], value: object) -> None:
+    """SGLang's router refuses a bucket decode policy: decode has no prompt to balance."""
+    if value == "bucket":
+        raise ValueError(f"{attribute.name}: bucket is a prefill policy (--prefill-policy bucket)")
+
+
+@attrs.frozen
+class PolicyConfig:
+    """Selection policies and their knobs (SMG's flags; `balance_*` serve cache_aware and bucket,
+    `eviction_interval_secs` both the cache-aware trees and manual's idle routing keys)."""
+
+    policy: PolicyName = attrs.field(default="cache_aware", validator=_not_bucket)
+    prefill_policy: PolicyName | None = None  # None: use `policy`
+    decode_policy: PolicyName | None = attrs.field(default=None, validator=_not_bucket)
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    eviction_interval_secs: float = 60.0
+    max_tree_size: int = 67_108_864
+    max_idle_secs: int = 14_400  # manual: a routing key unused this long is forgotten (0: never)
+    assignment_mode: AssignmentMode = "random"  # manual: where a new routing key goes
+    bucket_adjust_interval_secs: int = 5  # bucket: its load window and boundary adjustment
+
+    def for_role(self, role: Role) -> PolicyName:
+        chosen = self.prefill_policy if role == "prefill" else self.decode_policy
+        return chosen or self.policy
+
+    @property
+    def uses_routing_key(self) -> bool:
+        """A manual policy routes by `X-SMG-Routing-Key`: only then is the header read."""
+        return "manual" in (self.for_role("prefill"), self.for_role("decode"))
+
+
+@attrs.frozen
+class RouterConfig:
+    prefill: tuple[WorkerSpec, ...] = ()
+    decode: tuple[WorkerSpec, ...] = ()
+    host: str = "0.0.0.0"
+    port: int = 30000
+    workers: int = 1  # hypercorn worker processes
+    request_timeout_secs: float = 1800.0
+    max_payload_size: int = 536_870_912
+    max_batch_size: int = 1024  # list lengths and chat `n`, checked before any work
+    abort_on_cancel: bool = True  # POST /abort_request to engines for legs the router gave up
+    dp_aware: bool = False  # choose DP ranks, pin them and align rooms (SMG's --dp-aware)
+    default_model: str | None = None  # several models: what a request naming none gets
+    max_concurrent_requests: int = -1  # -1: unbounded; else the cap on requests in flight
+    queue_size: int = 100
+    queue_timeout_secs: float = 60.0
+    rate_limit_tokens_per_second: float | None = None  # admissions/s after a burst; None, 0: none
+    request_id_headers: tuple[str, ...] | None = None  # None: request_ids.DEFAULT_HEADERS
+    cors_allowed_origins: tuple[str, ...] = ()  # empty: any origin (SMG's meaning)
+    api_key: str | None = attrs.field(default=None, repr=False)  # sent TO workers (SMG's meaning)
+    control_plane_api_keys: tuple[ControlKey, ...] = ()
+    control_plane_audit_enabled: bool = False
+    data_plane_api_keys: tuple[str, ...] = attrs.field(default=(), repr=False)
+    worker_url_allow: tuple[str, ...] = ()  # CIDRs admin-added workers may point into anyway
+    ca_cert_paths: tuple[str, ...] = ()  # extra CAs for https workers (system store too)
+    client_cert_path: str | None = None  # mTLS to workers
+    client_key_path: str | None = None
+    membership_file: str | None = None  # shared membership (--workers N, or a ConfigMap)
+    kubernetes: KubernetesConfig | None = None  # --service-discovery: workers from pods
+    etcd: EtcdConfig | None = None  # --etcd-endpoints: membership shared by router replicas
+    access_log: bool = False
+    log_json: bool = False
+    log_level: str = "info"  # SGLang's debug/info/warn/error (warning, critical too)
+    log_dir: str | None = None  # also log to daily files there (`logs.py`)
+    prometheus_port: int | None = None  # the CLI's default is SMG's 29000; None: no listener
+    prometheus_host: str = "0.0.0.0"
+    prometheus_duration_buckets: tuple[float, ...] | None = None  # *_duration_seconds histograms
+    # --worker-startup-check-interval: what SMG 0.3.2 uses it for, the /get_load polling of
+    # power_of_two (its LoadMonitor), not start-up (`fleet/loads.py`).
+    load_poll_interval_secs: float = 30.0
+    startup_warnings: tuple[str, ...] = ()  # about SGLang flags given but not acted on (compat.py)
+    shutdown_grace_period_secs: float = 180.0  # in-flight requests' time to finish on SIGTERM
+    tls_cert_path: str | None = None  # serve HTTPS (hypercorn does it)
+    tls_key_path: str | None = None
+    enable_trace: bool = False  # OpenTelemetry spans, exported over OTLP/gRPC (`tracing.py`)
+    otlp_traces_endpoint: str = "localhost:4317"  # <host>:<port> (SMG's default and format)
+    retry: RetryConfig = RetryConfig()
+    breaker: BreakerConfig = BreakerConfig()
+    health: HealthConfig = HealthConfig()
+    policy: PolicyConfig = PolicyConfig()
+    timeouts: TimeoutConfig = TimeoutConfig()

@@ -1,0 +1,152 @@
+"""Who may call what: the router's API key, control-plane keys with roles, loopback rules.
+
+SGLang's router (SMG 0.3.2, `server.rs::build_app`) meanings, kept: `--api-key` is both the key
+the router sends TO WORKERS (see `dispatch.leg_headers_for`) and, when set, the key clients must
+present on the generation routes and, without control-plane keys, on the control plane; the
+control plane is otherwise guarded by `--control-plane-api-keys 'id:name:role:key'` (role
+`admin` may change, `user` may read), keys compared in constant time, with
+`--control-plane-audit-enabled` logging who changed what.
+
+Routes by class:
+- data plane (generation, `/v1/models`): open unless `--api-key` or `--data-plane-api-keys` (our
+  addition: more client keys, e.g. one per team, rotated without touching the workers' key) is
+  set: then one of those keys. Health, readiness and metrics stay open, as in SMG;
+- control read (`GET /workers...`, `/get_loads`, `/health_generate`, `/get_model_info`,
+  `/get_server_info`): a `user` or `admin` key when control-plane keys are configured, else the
+  `--api-key` when set, else open;
+- control write (`POST /workers`, `DELETE /workers/{id}`, `POST /flush_cache`): an `admin` key;
+  without control-plane keys, the `--api-key` (as SMG); without either, loopback clients only (a
+  deliberate difference from SMG, whose control plane is then open: anyone who reaches the port
+  could add a worker and receive users' prompts). The router warns at startup when it runs so.
+A key is given as `Authorization: Bearer <key>` or `x-api-key: <key>`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+from typing import Literal
+
+import attrs
+
+from trio_pd.config import ControlKey
+from trio_pd.errors import RouterError
+
+log = logging.getLogger("trio_pd.auth")
+audit_log = logging.getLogger("trio_pd.audit")
+
+AccessClass = Literal["open", "data", "read", "write"]
+
+
+def unauthorized(message: str = "missing or invalid API key") -> RouterError:
+    return RouterError(
+        401,
+        message,
+        "authentication_error",
+        headers=((b"www-authenticate", b'Bearer realm="trio_pd"'),),
+    )
+
+
+def forbidden(message: str) -> RouterError:
+    return RouterError(403, message, "permission_error")
+
+
+def presented_key(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The key a request carries: `Authorization: Bearer <key>` or `x-api-key: <key>`."""
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            if scheme.lower() == b"bearer" and token.strip():
+                return token.strip()
+        elif name == b"x-api-key" and value:
+            return value.strip()
+    return None
+
+
+def is_loopback(client: tuple[str, int] | list | None) -> bool:
+    if not client:
+        return False
+    try:
+        return ipaddress.ip_address(client[0]).is_loopback
+    except ValueError:
+        return False
+
+
+@attrs.frozen
+class Caller:
+    """Who made a control-plane call, for the audit log."""
+
+    key_id: str
+    name: str
+    role: str
+
+
+@attrs.frozen
+class Access:
+    """The router's access rules, built once from its config."""
+
+    control_keys: tuple[ControlKey, ...] = ()
+    data_keys: tuple[str, ...] = attrs.field(default=(), repr=False)
+    audit: bool = False
+    router_key: str | None = attrs.field(default=None, repr=False)  # --api-key
+
+    @property
+    def client_keys(self) -> tuple[str, ...]:
+        """The keys a client may present on the data plane (none: the data plane is open)."""
+        return self.data_keys + ((self.router_key,) if self.router_key else ())
+
+    def check(
+        self, access: AccessClass, headers: list[tuple[bytes, bytes]], client: object
+    ) -> Caller | None:
+        """Raise 401/403 unless the request may use a route of class `access`."""
+        if access == "open":
+            return None
+        if access == "data":
+            keys = self.client_keys
+            if keys and not _matches_any(presented_key(headers), keys):
+                raise unauthorized()
+            return None
+        if not self.control_keys and self.router_key:
+            if not _matches_any(presented_key(headers), (self.router_key,)):
+                raise unauthorized()
+            return Caller("api-key", "--api-key", "admin")
+        if not self.control_keys:
+            if access == "write" and not is_loopback(client):  # type: ignore[arg-type]
+                raise forbidden(
+                    "changing the router needs --control-plane-api-keys; without them only "
+                    "loopback clients may"
+                )
+            return Caller("-", "anonymous", "admin") if access == "write" else None
+        given = presented_key(headers)
+        for entry in self.control_keys:
+            if given is not None and hmac.compare_digest(given, entry.key.encode()):
+                if access == "write" and entry.role != "admin":
+                    raise forbidden(f"key {entry.id} has role {entry.role}; this needs admin")
+                return Caller(entry.id, entry.name, entry.role)
+        raise unauthorized()
+
+    def record(self, caller: Caller | None, method: str, path: str, status: int, what: str) -> None:
+        """One audit line per control-plane change (never the key itself)."""
+        if self.audit and caller is not None:
+            audit_log.info(
+                "audit key_id=%s name=%s role=%s %s %s -> %d %s",
+                caller.key_id, caller.name, caller.role, method, path, status, what,
+            )  # fmt: skip
+
+
+def _matches_any(given: bytes | None, keys: tuple[str, ...]) -> bool:
+    if given is None:
+        return False
+    found = False
+    for key in keys:  # no early exit: the time taken does not say which key was close
+        found |= hmac.compare_digest(given, key.encode())
+    return found
+
+
+def startup_warnings(access: Access) -> None:
+    if not access.control_keys and not access.router_key:
+        log.warning(
+            "no --control-plane-api-keys: worker membership and cache flushes answer loopback "
+            "clients only; read-only control routes are open"
+        )

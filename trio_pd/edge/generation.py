@@ -1,0 +1,137 @@
+"""The generation request path: `/generate`, `/v1/completions`, `/v1/chat/completions`.
+
+Read and inspect the body, then dispatch in a scope the client's disconnect cancels; the whole
+of it is one trio nursery, so nothing the request starts outlives it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import attrs
+import trio
+import trio_parallel
+
+from trio_pd.asgi import Receive, Scope
+from trio_pd.config import RouterConfig
+from trio_pd.edge.admission import Admission
+from trio_pd.edge.drain import Drain, cut_by_shutdown, shutting_down
+from trio_pd.edge.intake import inspect, read_request_body
+from trio_pd.edge.routing_key import routing_key
+from trio_pd.errors import RouterError
+from trio_pd.pd import payload
+from trio_pd.pd.cancel import RequestCancel
+from trio_pd.pd.dispatch import DispatchContext, PDRequest, dispatch
+from trio_pd.pd.injection import DP_KEYS
+from trio_pd.pd.relay import error_frame
+from trio_pd.respond import Responder
+from trio_pd.upstream.headers import client_authorization, leg_headers
+
+if TYPE_CHECKING:
+    from trio_pd.edge.tracing import Tracing
+
+log = logging.getLogger("trio_pd.app")
+
+
+GENERATION_PATHS = (payload.GENERATE, payload.COMPLETIONS, payload.CHAT)
+
+
+@attrs.define(eq=False)
+class GenerationContext:
+    """What the generation routes read: config, admission, dispatch, the body parsers."""
+
+    config: RouterConfig
+    admission: Admission
+    drain: Drain
+    dispatch: DispatchContext
+    owned_keys: frozenset[str]  # body keys the router writes itself
+    reads_routing_key: bool = False  # a manual policy routes by X-SMG-Routing-Key
+    client_key_is_ours: bool = False  # --api-key/--data-plane-api-keys: not for the workers
+    parsers: trio_parallel.WorkerContext | None = None  # opened by the lifespan
+    tracing: Tracing | None = None  # --enable-trace, from the lifespan's start to its end
+
+
+async def handle_generation(
+    gen: GenerationContext, scope: Scope, receive: Receive, rsp: Responder
+) -> None:
+    """A PD request: read and inspect the body, then dispatch in a scope the client's
+    disconnect cancels. With tracing, the whole of it is the request's span."""
+    # Tracing off costs the two None checks; one function, not a wrapper, for the same reason.
+    trace = gen.tracing.begin(scope, rsp.request_id) if gen.tracing is not None else None
+    cancel = RequestCancel()
+    try:
+        config = gen.config
+        if gen.drain.draining:
+            raise shutting_down()
+        raw = await read_request_body(
+            scope, receive, config.max_payload_size, config.timeouts.client_body_secs
+        )
+        inspected = await inspect(
+            scope["path"], raw, config.max_batch_size, gen.owned_keys, gen.parsers
+        )
+        request = PDRequest(
+            scope["path"],
+            inspected,
+            leg_headers(scope["headers"], rsp.request_id),
+            # With client keys the client's authorization is the router's credential: kept.
+            None if gen.client_key_is_ours else client_authorization(scope["headers"]),
+            rsp.request_id.decode("latin-1"),
+            routing_key(scope["headers"]) if gen.reads_routing_key else None,
+            trace,
+        )
+        with gen.drain.track(cancel), cancel.scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch_disconnect, receive, rsp, cancel)
+                try:
+                    async with gen.admission.slot():
+                        await dispatch(gen.dispatch, request, rsp, cancel)
+                except RouterError as error:  # 429 from admission, 413 with the router's fields
+                    if not rsp.started:
+                        await rsp.error(error)
+                nursery.cancel_scope.cancel()
+        if cancel.scope.cancelled_caught:
+            log.info("request cancelled (%s); every leg of it was closed", cancel.cause)
+            if cancel.cause == "shutdown":
+                await answer_cut(rsp, cut_by_shutdown(gen.drain.grace_secs))
+    except BaseException as error:
+        if trace is not None:
+            trace.end(rsp, cancel, error)
+        raise
+    else:
+        if trace is not None:
+            trace.end(rsp, cancel, None)
+
+
+def owned_keys(config: RouterConfig, aborts: bool) -> frozenset[str]:
+    """The body keys the router writes itself (a client's own are removed first)."""
+    owned = set(payload.BOOTSTRAP_KEYS)
+    if aborts:
+        owned.add("rid")
+    if config.dp_aware:
+        owned |= DP_KEYS
+    return frozenset(owned)
+
+
+async def answer_cut(rsp: Responder, error: RouterError) -> None:
+    """The §4 answer of a request ended from outside: an error, or a frame after the start."""
+    if not rsp.started:
+        await rsp.error(error)
+    elif not rsp.finished:
+        await rsp.finish_stream(error_frame(error.message, error.error_type, error.status))
+
+
+async def watch_disconnect(receive: Receive, responder: Responder, cancel: RequestCancel) -> None:
+    """Cancel the request when the client goes away before its response is complete.
+
+    Hypercorn never cancels an app on disconnect and its send() keeps succeeding afterwards,
+    so without this task a gone client would keep both upstream connections busy. Hypercorn also
+    reports `http.disconnect` right after a complete response: that one is no client gone (the
+    attempt may still be waiting for prefill's end to record its outcome).
+    """
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            if not responder.finished:
+                cancel.cancel("client_gone")
+            return

@@ -1,0 +1,315 @@
+"""The router's ASGI callable: route table, request id, error envelope, lifespan.
+
+A bare ASGI app, no framework: hypercorn calls ``Router.__call__`` for every request and once for
+the lifespan, whose nursery holds every long-lived task (`background.py`). Whatever happens
+inside a handler, the client gets the PROTOCOL.md §7 envelope with its `x-request-id` (or, once
+a stream has started, an error event): never hypercorn's empty 500.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import ssl
+from functools import partial
+from typing import TYPE_CHECKING
+
+import attrs
+import trio
+import trio_parallel
+
+from trio_pd.asgi import ClientGone, Receive, Scope, Send
+from trio_pd.config import RouterConfig
+from trio_pd.control.context import ControlContext
+from trio_pd.edge.admission import Admission
+from trio_pd.edge.auth import Access, startup_warnings
+from trio_pd.edge.cors import CorsPolicy, handle_preflight
+from trio_pd.edge.drain import Drain
+from trio_pd.edge.generation import GenerationContext, owned_keys
+from trio_pd.edge.request_ids import RequestIds
+from trio_pd.edge.routes import Route, route_table
+from trio_pd.edge.services import ServiceContext, run_background
+from trio_pd.errors import RouterError, internal_error, method_not_allowed, not_found
+from trio_pd.fleet.registry import Fleet
+from trio_pd.membership.setup import Membership, membership_for
+from trio_pd.membership.source import MembershipSource, MembershipStore
+from trio_pd.observe.logs import current_request_id, log_access
+from trio_pd.observe.metrics import RouterMetrics
+from trio_pd.pd.aborts import AbortService
+from trio_pd.pd.dispatch import DispatchContext
+from trio_pd.pd.relay import error_frame
+from trio_pd.respond import Responder
+from trio_pd.upstream.client import make_client
+from trio_pd.upstream.pool import UpstreamPool
+from trio_pd.upstream.tls import worker_ssl_context
+from trio_pd.upstream.urls import parse_allow
+
+if TYPE_CHECKING:
+    from trio_pd.edge.tracing import Tracing
+
+log = logging.getLogger("trio_pd.app")
+CLIENT_GONE_STATUS = 499  # nginx's convention for "the client closed the request"
+
+
+@attrs.define(eq=False)
+class Router:
+    """One router: its config, fleet and (from lifespan startup on) its upstream clients.
+
+    State lives here, not in module globals, so a test can run two routers in one process.
+    """
+
+    config: RouterConfig
+    metrics: RouterMetrics = attrs.field()
+    fleet: Fleet = attrs.field()
+    rng: random.Random = attrs.field(factory=random.Random)
+    ssl_context: ssl.SSLContext = attrs.field()
+    pool: UpstreamPool = attrs.field()  # the data plane's two legs
+    admission: Admission = attrs.field()
+    aborts: AbortService | None = attrs.field()
+    access: Access = attrs.field()
+    drain: Drain = attrs.field()
+    membership: Membership = attrs.field()  # the admin API's store and the sources
+    control: ControlContext = attrs.field()
+    generation: GenerationContext = attrs.field()
+    routes: dict[str, dict[str, Route]] = attrs.field()
+    request_ids: RequestIds = attrs.field()
+    cors: CorsPolicy = attrs.field()
+    preflight: Route = attrs.field()
+
+    @metrics.default
+    def _default_metrics(self) -> RouterMetrics:
+        return RouterMetrics(duration_buckets=self.config.prometheus_duration_buckets)
+
+    @fleet.default
+    def _default_fleet(self) -> Fleet:
+        # With a shared membership file the command line's workers live in the file.
+        panics = self.metrics.panic_selections
+        return Fleet(
+            self.config,
+            static=self.config.membership_file is None,
+            on_panic=lambda role: panics.labels(role).inc(),
+        )
+
+    @ssl_context.default
+    def _default_ssl_context(self) -> ssl.SSLContext:
+        return worker_ssl_context(self.config)
+
+    @pool.default
+    def _default_pool(self) -> UpstreamPool:
+        return UpstreamPool(ssl_context=self.ssl_context)
+
+    @admission.default
+    def _default_admission(self) -> Admission:
+        c = self.config
+        return Admission(
+            c.max_concurrent_requests,
+            c.queue_size,
+            c.queue_timeout_secs,
+            self.metrics.admission_waits,
+            c.rate_limit_tokens_per_second,
+        )
+
+    @aborts.default
+    def _default_aborts(self) -> AbortService | None:
+        return AbortService(self.metrics) if self.config.abort_on_cancel else None
+
+    @access.default
+    def _default_access(self) -> Access:
+        c = self.config
+        return Access(
+            c.control_plane_api_keys,
+            c.data_plane_api_keys,
+            c.control_plane_audit_enabled,
+            router_key=c.api_key,
+        )
+
+    @drain.default
+    def _default_drain(self) -> Drain:
+        return Drain(self.config.shutdown_grace_period_secs)
+
+    @membership.default
+    def _default_membership(self) -> Membership:
+        return membership_for(self.config, self.fleet, self.metrics)
+
+    @control.default
+    def _default_control(self) -> ControlContext:
+        allow = parse_allow(self.config.worker_url_allow)
+        return ControlContext(self.config, self.fleet, self.rng, self.store, allow)
+
+    @generation.default
+    def _default_generation(self) -> GenerationContext:
+        dispatch_context = DispatchContext(
+            self.pool, self.fleet, self.config, self.rng, self.metrics, self.aborts
+        )
+        owned = owned_keys(self.config, self.aborts is not None)
+        return GenerationContext(
+            self.config,
+            self.admission,
+            self.drain,
+            dispatch_context,
+            owned,
+            self.config.policy.uses_routing_key,
+            client_key_is_ours=bool(self.access.client_keys),
+        )
+
+    @routes.default
+    def _default_routes(self) -> dict[str, dict[str, Route]]:
+        return route_table(self.control, self.generation, self.fleet, self.drain, self.metrics)
+
+    @request_ids.default
+    def _default_request_ids(self) -> RequestIds:
+        return RequestIds(self.config.request_id_headers)
+
+    @cors.default
+    def _default_cors(self) -> CorsPolicy:
+        return CorsPolicy.from_origins(self.config.cors_allowed_origins)
+
+    @preflight.default
+    def _default_preflight(self) -> Route:
+        return Route(partial(handle_preflight, self.cors), "open")
+
+    @property
+    def store(self) -> MembershipStore:
+        """Where the admin API writes membership (`membership/setup.py` chooses)."""
+        return self.membership.store
+
+    @property
+    def sources(self) -> tuple[MembershipSource, ...]:
+        """The long-lived membership readers, run in the lifespan (`background.py`)."""
+        return self.membership.sources
+
+    def services(self) -> ServiceContext:
+        """The narrow context of the lifespan's services (once the control client is open)."""
+        return ServiceContext(
+            self.config, self.fleet, self.metrics, self.pool, self.control.http, self.aborts,
+            self.sources,
+        )  # fmt: skip
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await self.handle_http(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            await self.lifespan(receive, send)
+
+    # -- lifespan ---------------------------------------------------------------------------
+
+    async def lifespan(self, receive: Receive, send: Send) -> None:
+        message = await receive()
+        assert message["type"] == "lifespan.startup"
+        self.control.client = make_client(self.ssl_context)
+        startup_warnings(self.access)
+        self.metrics.attach(self.fleet, self.pool, lambda: self.admission.waiting)
+        self.generation.tracing = start_tracing(self.config)
+        try:
+            async with trio_parallel.open_worker_context() as parsers:
+                self.generation.parsers = parsers
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(run_background, self.services())
+                    await send({"type": "lifespan.startup.complete"})
+                    message = await receive()
+                    assert message["type"] == "lifespan.shutdown"
+                    nursery.cancel_scope.cancel(reason="lifespan shutdown")
+        finally:
+            self.generation.parsers = None
+            tracing, self.generation.tracing = self.generation.tracing, None
+            with trio.CancelScope(shield=True):
+                await self.control.http.aclose()
+                await self.pool.aclose()
+                await close_membership(self.membership)
+                if tracing is not None:  # after the drain: every request span has ended
+                    await tracing.shutdown()
+        await send({"type": "lifespan.shutdown.complete"})
+
+    # -- http -------------------------------------------------------------------------------
+
+    async def handle_http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = scope["headers"]
+        path = scope["path"]
+        request_id = self.request_ids.incoming(headers) or self.request_ids.new(path)
+        current_request_id.set(request_id.decode("latin-1"))
+        # The request id is echoed as its exact bytes; the CORS headers go on every answer.
+        responder = Responder(send, request_id, self.cors.response_headers(headers))
+        label = path if path in self.routes else "other"
+        started_at = trio.current_time()
+        try:
+            route = self.route(scope["method"], path)
+            caller = self.access.check(route.access, headers, scope.get("client"))
+            await route.handler(scope, receive, responder)
+            if route.access == "write":
+                self.access.record(
+                    caller, scope["method"], path, responder.status or 0, responder.audit
+                )
+        except* RouterError as group:
+            if not responder.started:
+                await responder.error(first_leaf(group))
+        except* ClientGone:
+            log.info("client went away before its body arrived")
+        except* Exception as group:
+            await self.internal_error(group, responder)
+        finally:
+            status = responder.status if responder.finished else CLIENT_GONE_STATUS
+            elapsed = trio.current_time() - started_at
+            self.metrics.count_request(label, status, elapsed)
+            model = responder.route_info.get("model")
+            if model not in (None, "-"):
+                self.metrics.model_requests.labels(model, str(status)).inc()
+            if self.config.access_log:
+                log_access({
+                    "method": scope["method"], "path": path, "status": status,
+                    "ms": round(elapsed * 1000, 1), "bytes": responder.bytes_sent,
+                    **responder.route_info,
+                })  # fmt: skip
+
+    async def internal_error(self, group: BaseExceptionGroup, responder: Responder) -> None:
+        """A bug or an unforeseen input: logged with its traceback, answered with the envelope."""
+        log.error("internal error", exc_info=group)
+        self.metrics.internal_errors.inc()
+        with trio.CancelScope(shield=True):
+            if not responder.started:
+                await responder.error(internal_error())
+            elif not responder.finished:
+                frame = error_frame("internal router error", "internal_error", 500)
+                await responder.finish_stream(frame)
+
+    def route(self, method: str, path: str) -> Route:
+        methods = self.routes.get(path)
+        if methods is None and path.startswith("/workers/"):
+            methods = self.routes["/workers/{id}"]
+        if methods is None:
+            raise not_found(path)
+        if method == "OPTIONS":  # a CORS preflight, answered by the router on every route
+            return self.preflight
+        route = methods.get(method)
+        if route is None:
+            raise method_not_allowed(method, path, (*methods, "OPTIONS"))  # preflights too
+        return route
+
+
+def start_tracing(config: RouterConfig) -> Tracing | None:
+    """This process's tracer (`--enable-trace`), made in the process that serves: with
+    `--workers N` each spawned process exports its own spans. OpenTelemetry is imported here
+    and only here, so a router without tracing never loads it."""
+    if not config.enable_trace:
+        return None
+    from trio_pd.edge.tracing import Tracing
+
+    return Tracing.start(config.otlp_traces_endpoint)
+
+
+async def close_membership(membership: Membership) -> None:
+    """Close the clients the store and sources hold (etcd's), once their tasks have ended."""
+    closers = {id(x): x for x in (membership.store, *membership.sources) if hasattr(x, "aclose")}
+    for thing in closers.values():
+        try:
+            await thing.aclose()
+        except Exception:
+            log.exception("closing membership %s failed", getattr(thing, "name", thing))
+
+
+def first_leaf(group: BaseExceptionGroup) -> RouterError:
+    """The first RouterError in a (possibly nested) group `except*` caught."""
+    error = group.exceptions[0]
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    assert isinstance(error, RouterError)
+    return error

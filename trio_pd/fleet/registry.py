@@ -1,0 +1,275 @@
+"""The worker registry: who is up, who is loaded, and which worker a request leg goes to.
+
+Pure bookkeeping plus trio timing; nothing here knows HTTP. Not thread-safe: one trio run owns it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Iterable
+
+import trio
+
+from trio_pd.config import RouterConfig
+from trio_pd.fleet.breaker import CircuitBreaker
+from trio_pd.fleet.hints import NO_HINTS, RouteHints
+from trio_pd.fleet.policies import Policy, make_policy
+from trio_pd.fleet.worker import ROLES, NoWorkerAvailable, RankHold, Tracked, Worker
+from trio_pd.spec import Role, WorkerRecord, WorkerSpec
+
+log = logging.getLogger(__name__)
+
+
+class Fleet:
+    """All workers of one router, one selection policy per role.
+
+    Membership changes bump `version` and wake `wait_changed()`; the health checker follows them.
+    """
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        rng: random.Random | None = None,
+        *,
+        static: bool = True,
+        on_panic: Callable[[Role], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.rng = rng or random.Random()
+        self.policies: dict[Role, Policy] = {
+            role: make_policy(config.policy.for_role(role), config.policy, self.rng)
+            for role in ROLES
+        }
+        self._workers: dict[str, Worker] = {}
+        self._serial: dict[Role, int] = dict.fromkeys(ROLES, 0)
+        self.version = 0
+        self._changed = trio.Event()
+        self.panics: dict[Role, int] = dict.fromkeys(ROLES, 0)  # selections in panic routing
+        self.on_panic = on_panic  # e.g. a metric
+        self.sources: dict[str, tuple[bool, str]] = {}  # source -> (reachable, detail)
+        self._models: tuple[int, list[str]] | None = None
+        # An engine's reported load (GET /get_loads, the polling of `fleet/loads.py`) counts
+        # until the poll after next would have replaced it.
+        self.load_fresh_secs = 2 * max(config.health.interval_secs, config.load_poll_interval_secs)
+        if static:  # with a shared membership store the static workers live in the store
+            for spec in (*config.prefill, *config.decode):
+                self.add(spec)
+
+    # -- membership ----------------------------------------------------------------------------
+
+    def add(
+        self,
+        spec: WorkerSpec,
+        *,
+        worker_id: str | None = None,
+        source: str = "static",
+        meta: dict[str, str] | None = None,
+    ) -> Worker:
+        """Register a worker; ValueError if its URL and role (or its id) are taken.
+
+        Without `worker_id` the fleet numbers it `<role>-<n>` (numbers are never reused)."""
+        for w in self._workers.values():
+            if w.url == spec.url and w.role == spec.role:
+                raise ValueError(f"{spec.role} worker {spec.url} is already registered as {w.id}")
+        if worker_id is None:
+            self._serial[spec.role] += 1
+            worker_id = f"{spec.role}-{self._serial[spec.role]}"
+        elif worker_id in self._workers:
+            raise ValueError(f"worker id {worker_id!r} is already registered")
+        worker = Worker(
+            spec=spec,
+            id=worker_id,
+            source=source,
+            meta=dict(meta or {}),
+            breaker=CircuitBreaker(self.config.breaker),
+            load_fresh_secs=self.load_fresh_secs,
+        )
+        self._workers[worker_id] = worker
+        self.policies[spec.role].add_worker(worker)
+        self._bump()
+        log.info("worker %s added (%s): %s %s", worker_id, source, spec.role, spec.url)
+        return worker
+
+    def remove(self, worker_id: str) -> Worker:
+        """Unregister a worker: it takes no new leg; legs already running on it finish."""
+        worker = self._workers.pop(worker_id)  # KeyError if unknown
+        worker.removed = True
+        self.policies[worker.role].remove_worker(worker)
+        self._bump()
+        log.info("worker %s removed (%s): %s %s", worker_id, worker.source, worker.role, worker.url)
+        return worker
+
+    def reconcile(self, source: str, desired: Iterable[WorkerRecord]) -> None:
+        """Make the workers of `source` exactly `desired` (the membership Registry interface).
+
+        Level-triggered: a record whose id is missing is added, a worker of this source absent
+        from `desired` is removed, one whose spec changed is replaced (fresh breaker and health:
+        it may be another engine now). Other sources' workers are never touched; a record that
+        collides with another source's worker (same URL and role, or same id) is skipped with a
+        warning, so the first source to name a worker owns it.
+        """
+        wanted = {record.id: record for record in desired}
+        for worker in [w for w in self._workers.values() if w.source == source]:
+            record = wanted.get(worker.id)
+            if record is None or record.spec != worker.spec:
+                self.remove(worker.id)
+            elif record.meta != worker.meta:
+                worker.meta = dict(record.meta)
+        for record in wanted.values():
+            if record.id in self._workers:
+                if self._workers[record.id].source != source:
+                    log.warning("%s: worker id %s is taken by another source", source, record.id)
+                continue
+            try:
+                self.add(record.spec, worker_id=record.id, source=source, meta=dict(record.meta))
+            except ValueError as exc:
+                log.warning("%s: worker %s not added: %s", source, record.id, exc)
+
+    def source_status(self, source: str, ok: bool, detail: str = "") -> None:
+        """A membership source says whether it can be reached (readiness and metrics show it)."""
+        before = self.sources.get(source)
+        self.sources[source] = (ok, detail)
+        if before is None or before[0] != ok:
+            (log.info if ok else log.warning)(
+                "membership source %s is %s%s", source, "ok" if ok else "unreachable",
+                f": {detail}" if detail else "",
+            )  # fmt: skip
+
+    async def wait_changed(self, seen_version: int) -> int:
+        """Wait until membership differs from `seen_version`; return the current version."""
+        while self.version == seen_version:
+            await self._changed.wait()
+        return self.version
+
+    # -- lookup --------------------------------------------------------------------------------
+
+    def get(self, worker_id: str) -> Worker:
+        return self._workers[worker_id]
+
+    def workers(self, role: Role | None = None) -> list[Worker]:
+        if role is None:
+            return list(self._workers.values())
+        return [w for w in self._workers.values() if w.role == role]
+
+    def available(self, role: Role, model: str | None = None) -> list[Worker]:
+        """Workers of `role` (serving `model`) that take traffic: healthy, registered, breaker
+        allowing."""
+        return [
+            w
+            for w in self._workers.values()
+            if w.role == role and w.available() and (model is None or w.model == model)
+        ]
+
+    def routable(self, role: Role, model: str | None = None) -> list[Worker]:
+        """Workers of `role` a request can go to at all: healthy and registered (breakers aside,
+        see `select`). Readiness is this list being non-empty for both roles."""
+        return [
+            w
+            for w in self._workers.values()
+            if w.role == role
+            and w.healthy
+            and not w.removed
+            and (model is None or w.model == model)
+        ]
+
+    # -- selection -----------------------------------------------------------------------------
+
+    def select(
+        self, role: Role, hints: RouteHints = NO_HINTS, avoid: frozenset[Worker] = frozenset()
+    ) -> Worker:
+        """Choose a worker of `role` (serving `hints.model`, when given) for a leg.
+
+        Candidates are the healthy workers whose breaker allows traffic, preferably not in
+        `avoid`. When every healthy worker's breaker is open, they are all candidates anyway
+        (panic routing, as Envoy does below its panic threshold): a breaker must never take the
+        last workers of a role out of rotation, or a handful of poisonous requests would turn
+        into an outage for everyone. A worker that is really dead fails its health checks and
+        leaves rotation that way. Policies only ever see the model's own workers, so cache-aware
+        trees and loads never mix models.
+        """
+        model = hints.model
+        candidates = self.available(role, model)
+        if not candidates:
+            candidates = self.routable(role, model)
+            if not candidates:
+                raise self._why_none(role, model)
+            self.panics[role] += 1
+            if self.on_panic is not None:
+                self.on_panic(role)
+        if avoid:
+            preferred = [w for w in candidates if w not in avoid]
+            if preferred:
+                candidates = preferred
+        return self.policies[role].choose(candidates, hints)
+
+    def select_pair(
+        self, hints: RouteHints = NO_HINTS, avoid: frozenset[Worker] = frozenset()
+    ) -> tuple[Worker, Worker]:
+        """(prefill, decode). Raises NoWorkerAvailable for the first role with nobody up."""
+        prefill = self.select("prefill", hints, avoid)
+        decode = self.select("decode", hints, avoid)
+        return prefill, decode
+
+    def models(self) -> list[str]:
+        """The models this router can serve: those a prefill AND a decode worker serve (as
+        configured or reported), sorted. Asked on every request: cached until membership or a
+        worker's reported model changes."""
+        if self._models is None or self._models[0] != self.version:
+            by_role = {role: {w.model for w in self.workers(role) if w.model} for role in ROLES}
+            self._models = (self.version, sorted(by_role["prefill"] & by_role["decode"]))
+        return self._models[1]
+
+    def models_changed(self) -> None:
+        self._models = None
+
+    def track(
+        self, worker: Worker, hold: RankHold | None = None, key: str | None = None
+    ) -> Tracked:
+        """`with fleet.track(worker, hold, key)`: count a leg on `worker` (under its routing
+        `key`, if any); release its rank hold."""
+        return Tracked(worker, hold, key)
+
+    def record(self, worker: Worker, ok: bool) -> None:
+        breaker = worker.breaker
+        before = breaker.state
+        if ok:
+            breaker.record_success()
+        else:
+            breaker.record_failure()
+        after = breaker.state
+        if after != before:
+            log.warning(
+                "worker %s (%s) circuit breaker %s -> %s", worker.id, worker.url, before, after
+            )
+
+    def evict(self) -> bool:
+        """Periodic eviction for every policy; `run_eviction(fleet, secs)` drives it. True when
+        a policy has more to drop (it works in batches)."""
+        more = False
+        for policy in self.policies.values():
+            more = bool(policy.evict()) or more
+        return more
+
+    def to_json(self) -> list[dict[str, object]]:
+        return [w.to_json() for w in self._workers.values()]
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _bump(self) -> None:
+        self.version += 1
+        changed, self._changed = self._changed, trio.Event()
+        changed.set()
+
+    def _why_none(self, role: Role, model: str | None = None) -> NoWorkerAvailable:
+        registered = [w for w in self.workers(role) if model is None or w.model == model]
+        if not registered:
+            serving = f" for model {model!r}" if model is not None else ""
+            return NoWorkerAvailable(
+                role, "none_registered", f"no {role} worker{serving} is registered"
+            )
+        detail = f"all {len(registered)} are unhealthy"
+        timed_out = sum(1 for w in registered if w.startup_timed_out)
+        if timed_out:
+            detail += f" ({timed_out} never came up: --worker-startup-timeout-secs)"
+        return NoWorkerAvailable(role, "all_unhealthy", f"no available {role} worker: {detail}")

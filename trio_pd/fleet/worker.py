@@ -1,0 +1,185 @@
+"""One upstream engine as the fleet sees it: health, breaker, load, DP ranks, and the
+bookkeeping of a leg running on it.
+
+Pure bookkeeping on trio time; nothing here knows HTTP. Hashes by identity.
+"""
+
+from __future__ import annotations
+
+import attrs
+import trio
+
+from trio_pd.fleet.breaker import CircuitBreaker
+from trio_pd.spec import Role, WorkerSpec
+
+ROLES: tuple[Role, Role] = ("prefill", "decode")
+
+
+class NoWorkerAvailable(Exception):
+    """No worker of `role` can take a request. `reason` is "none_registered" or
+    "all_unhealthy" (open breakers alone never leave a role without workers: panic routing)."""
+
+    def __init__(self, role: Role, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.role = role
+        self.reason = reason
+        self.message = message
+
+
+@attrs.define(eq=False)
+class Worker:
+    """One upstream engine. Hashes by identity, so it can key sets and dicts.
+
+    `load()` is the router's own `in_flight` count, raised to the engine's reported load while
+    that report is fresh (younger than `load_fresh_secs`, which the Fleet sets to twice the health
+    interval): the engine also counts requests from other routers, the router's count is exact
+    for its own legs and never stale.
+    """
+
+    spec: WorkerSpec
+    id: str
+    source: str = "static"  # the membership source that added it (only it may remove it)
+    meta: dict[str, str] = attrs.field(factory=dict)  # the source's own names for it
+    breaker: CircuitBreaker = attrs.field(factory=CircuitBreaker)
+    healthy: bool = False  # unhealthy until the first health pass
+    startup_timed_out: bool = False  # no pass within --worker-startup-timeout-secs: given up
+    removed: bool = False
+    in_flight: int = 0
+    dp_size: int = 1  # DP attention ranks behind the URL (learned from /get_server_info)
+    served_model: str | None = None  # learned from /v1/models when the spec names none
+    info_at: float | None = None  # when dp_size / served_model were last learned
+    rank_in_flight: list[int] = attrs.Factory(lambda: [0])  # legs per DP rank (--dp-aware)
+    rank_turn: int = 0  # where the next tie between ranks starts
+    reported_load: int | None = None
+    reported_at: float | None = None
+    load_fresh_secs: float = 120.0
+    # Legs in flight per routing key (only counted when a manual policy reads keys): its
+    # min_group assignment mode places a new key where the fewest distinct keys are active.
+    active_keys: dict[str, int] = attrs.Factory(dict)
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def role(self) -> Role:
+        return self.spec.role
+
+    @property
+    def bootstrap_port(self) -> int | None:
+        return self.spec.bootstrap_port
+
+    @property
+    def model(self) -> str | None:
+        """The model it serves: its spec's `model_id`, else what it reported."""
+        return self.spec.model_id or self.served_model
+
+    def learn(self, dp_size: int | None, served_model: str | None) -> bool:
+        """Record what the worker reported about itself (health checks refresh it); True when
+        the model it serves changed."""
+        if dp_size is not None and dp_size >= 1 and dp_size != self.dp_size:
+            self.dp_size = dp_size
+            self.rank_in_flight = [0] * dp_size
+        changed = bool(served_model) and served_model != self.served_model
+        if served_model:
+            self.served_model = served_model
+        self.info_at = trio.current_time()
+        return changed
+
+    def least_loaded_rank(self) -> int:
+        """The DP rank with the fewest of this router's legs; ties go round the ranks, so a
+        burst chosen before any of its legs started still spreads evenly."""
+        counts = self.rank_in_flight
+        low = min(counts)
+        size = len(counts)
+        start = self.rank_turn
+        for step in range(size):
+            rank = (start + step) % size
+            if counts[rank] == low:
+                self.rank_turn = rank + 1
+                return rank
+        return 0  # unreachable: some rank holds the minimum
+
+    def report_load(self, load: int) -> None:
+        """Record the engine's own load figure (e.g. from its /get_load), stamped now."""
+        self.reported_load = load
+        self.reported_at = trio.current_time()
+
+    def load(self) -> int:
+        reported = self.reported_load
+        if (
+            reported is not None
+            and reported > self.in_flight
+            and self.reported_at is not None
+            and trio.current_time() - self.reported_at < self.load_fresh_secs
+        ):
+            return reported
+        return self.in_flight
+
+    def available(self) -> bool:
+        return self.healthy and not self.removed and self.breaker.allows_request()
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "id": self.id,
+            "url": self.url,
+            "worker_type": self.role,
+            "bootstrap_port": self.bootstrap_port,
+            "healthy": self.healthy,
+            **({"startup_timed_out": True} if self.startup_timed_out else {}),
+            "circuit_breaker": self.breaker.state,
+            "load": self.load(),
+            "in_flight": self.in_flight,
+            "source": self.source,
+            **({"model_id": self.model} if self.model else {}),
+            **({"dp_size": self.dp_size} if self.dp_size > 1 else {}),
+            **({"meta": self.meta} if self.meta else {}),
+        }
+
+
+class RankHold:
+    """One leg's claim on a DP rank of its worker, counted from the moment the rank is chosen
+    (so a burst chosen before any of its legs started still spreads) until `release()`, which
+    the leg calls when it ends and its attempt calls again in case it never started."""
+
+    __slots__ = ("_rank", "_worker")
+
+    def __init__(self, worker: Worker, rank: int) -> None:
+        self._worker: Worker | None = worker
+        self._rank = rank
+        worker.rank_in_flight[rank] += 1
+
+    def release(self) -> None:
+        worker, self._worker = self._worker, None
+        if worker is not None and self._rank < len(worker.rank_in_flight):
+            worker.rank_in_flight[self._rank] -= 1
+
+
+class Tracked:
+    """A leg counted on its worker while it runs, under its routing key when it has one (and its
+    rank hold released when it ends); a class, not a generator: it is on every leg's path."""
+
+    __slots__ = ("_hold", "_key", "_worker")
+
+    def __init__(self, worker: Worker, hold: RankHold | None, key: str | None = None) -> None:
+        self._worker = worker
+        self._hold = hold
+        self._key = key
+
+    def __enter__(self) -> Worker:
+        worker = self._worker
+        worker.in_flight += 1
+        if self._key is not None:
+            worker.active_keys[self._key] = worker.active_keys.get(self._key, 0) + 1
+        return worker
+
+    def __exit__(self, *exc_info: object) -> None:
+        worker = self._worker
+        worker.in_flight -= 1
+        key = self._key
+        if key is not None:
+            left = worker.active_keys.pop(key, 1) - 1
+            if left > 0:
+                worker.active_keys[key] = left
+        if self._hold is not None:
+            self._hold.release()

@@ -1,0 +1,297 @@
+"""Prometheus metrics of one router, in a registry of its own (two routers can share a process).
+
+The PD story in numbers: requests by status, leg failures by kind, legs cancelled by cause
+(prefill_failed, decode_failed, client_gone, deadline, stall, shutdown), the router-side
+teardown time (the decision to cancel a leg -> its connection closed), time to first token and
+gaps between relayed chunks, events relayed, the admission queue, aborts sent to engines, and
+per-worker gauges.
+
+One process: fleet, pool and queue gauges are read at scrape time from the objects themselves,
+so the hot path only bumps counters. `--workers N` (PROMETHEUS_MULTIPROC_DIR set by the parent):
+every process writes its values to the shared directory and `/metrics` on any process renders
+the sum over all of them (prometheus-client's multiprocess mode); the gauges are then copied into
+multiprocess gauges once a second (`sync_gauges`): in-flight legs and connections summed over
+processes, breaker state the worst, health the worst.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from trio_pd.fleet.registry import Fleet
+    from trio_pd.upstream.pool import UpstreamPool
+
+BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
+WORKER_LABELS = ["worker", "role", "url"]
+FAST_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5)
+TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+CONTENT_TYPE = b"text/plain; version=0.0.4"  # what generate_latest writes
+REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+DURATION_SUFFIX = "duration_seconds"  # SMG's matcher for --prometheus-duration-buckets
+
+
+class RouterMetrics:
+    """``duration_buckets`` (`--prometheus-duration-buckets`) replace the buckets of every
+    histogram named `*duration_seconds`, the rule SMG applies (`Matcher::Suffix`); the
+    others (teardown, first token, chunk gaps, admission waits) keep their own scales."""
+
+    def __init__(
+        self,
+        multiprocess_dir: str | None = None,
+        duration_buckets: tuple[float, ...] | None = None,
+    ) -> None:
+        if multiprocess_dir is None:
+            multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+        self.multiprocess_dir = multiprocess_dir
+        self.duration_buckets = duration_buckets
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "trio_pd_requests",
+            "Client requests answered, by path and status (499: client went away).",
+            ["path", "status"],
+            registry=r,
+        )
+        self.model_requests = Counter(
+            "trio_pd_model_requests",
+            "Generation requests by model and status, when the router serves several models.",
+            ["model", "status"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "trio_pd_request_duration_seconds",
+            "Time from request start to the end of the response.",
+            ["path"],
+            registry=r,
+            buckets=self.buckets_for("trio_pd_request_duration_seconds", REQUEST_BUCKETS),
+        )
+        self.leg_failures = Counter(
+            "trio_pd_leg_failures",
+            "Failed legs by role and kind (status, inband, transport, timeout).",
+            ["role", "kind"],
+            registry=r,
+        )
+        self.retries = Counter("trio_pd_retries", "Attempts beyond the first.", registry=r)
+        self.legs_cancelled = Counter(
+            "trio_pd_legs_cancelled",
+            "Legs cancelled while their request was out, by role and cause (prefill_failed, "
+            "decode_failed, client_gone, deadline, stall, shutdown).",
+            ["role", "cause"],
+            registry=r,
+        )
+        self.teardown = Histogram(
+            "trio_pd_leg_teardown_seconds",
+            "From the decision to cancel a leg to its upstream connection being closed.",
+            ["role"],
+            registry=r,
+            buckets=self.buckets_for("trio_pd_leg_teardown_seconds", FAST_BUCKETS),
+        )
+        self.first_token = Histogram(
+            "trio_pd_time_to_first_token_seconds",
+            "Streams: from the request's start to decode's first event going to the client.",
+            registry=r,
+            buckets=self.buckets_for("trio_pd_time_to_first_token_seconds", TOKEN_BUCKETS),
+        )
+        self.chunk_gap = Histogram(
+            "trio_pd_stream_chunk_gap_seconds",
+            "Streams: time between two relayed decode chunks (inter-token gaps).",
+            registry=r,
+            buckets=self.buckets_for("trio_pd_stream_chunk_gap_seconds", TOKEN_BUCKETS),
+        )
+        self.events_relayed = Counter(
+            "trio_pd_events_relayed", "SSE events relayed from decode to clients.", registry=r
+        )
+        self.admission_waits = Histogram(
+            "trio_pd_admission_wait_seconds",
+            "Time requests waited in the admission queue (--max-concurrent-requests).",
+            ["outcome"],
+            registry=r,
+            buckets=self.buckets_for("trio_pd_admission_wait_seconds", TOKEN_BUCKETS),
+        )
+        self.aborts = Counter(
+            "trio_pd_aborts",
+            "POST /abort_request sent to engines for cancelled legs, by role and result (sent, "
+            "failed, dropped: the abort queue was full).",
+            ["role", "result"],
+            registry=r,
+        )
+        self.panic_selections = Counter(
+            "trio_pd_panic_selections",
+            "Workers chosen while every healthy worker of the role had its breaker open.",
+            ["role"],
+            registry=r,
+        )
+        self.internal_errors = Counter(
+            "trio_pd_internal_errors",
+            "Unexpected exceptions inside the router, answered 500 (or an error frame).",
+            registry=r,
+        )
+        self.background_restarts = Counter(
+            "trio_pd_background_restarts",
+            "Long-lived tasks restarted after an unexpected exception, by task.",
+            ["task"],
+            registry=r,
+        )
+        self.membership_errors = Counter(
+            "trio_pd_membership_errors",
+            "Errors of membership sources (Kubernetes, etcd, the shared file), by source and kind.",
+            ["source", "kind"],
+            registry=r,
+        )
+        self._gauges: SyncedGauges | None = None
+        self._per_request: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
+
+    def buckets_for(self, name: str, default: tuple[float, ...]) -> tuple[float, ...]:
+        if self.duration_buckets and name.endswith(DURATION_SUFFIX):
+            return self.duration_buckets
+        return default
+
+    def count_request(self, path: str, status: int, seconds: float) -> None:
+        """One answered request (the hot path: its labelled children are looked up once)."""
+        children = self._per_request.get((path, status))
+        if children is None:
+            children = (self.requests.labels(path, str(status)), self.latency.labels(path))
+            self._per_request[(path, status)] = children
+        children[0].inc()
+        children[1].observe(seconds)
+
+    def attach(self, fleet: Fleet, pool: UpstreamPool, queue_depth: Callable[[], int]) -> None:
+        """Add the fleet, pool and queue gauges (read at scrape time, or synced)."""
+        collector = FleetCollector(fleet, pool, queue_depth)
+        if self.multiprocess_dir:
+            self._gauges = SyncedGauges(collector, self.registry)
+        else:
+            self.registry.register(collector)
+
+    def sync_gauges(self) -> None:
+        """Multiprocess mode: copy this process's gauges to the shared directory."""
+        if self._gauges is not None:
+            self._gauges.sync()
+
+    def render(self) -> bytes:
+        if self.multiprocess_dir:
+            self.sync_gauges()
+            return render_multiprocess(self.multiprocess_dir)
+        return generate_latest(self.registry)
+
+
+def render_multiprocess(path: str) -> bytes:
+    """The sum over the processes that write to `path` (any process may render it: the
+    supervisor of `--workers N` does, for the metrics listener)."""
+    merged = CollectorRegistry()
+    MultiProcessCollector(merged, path=path)
+    return generate_latest(merged)
+
+
+class FleetCollector(Collector):
+    def __init__(self, fleet: Fleet, pool: UpstreamPool, queue_depth: Callable[[], int]) -> None:
+        self.fleet = fleet
+        self.pool = pool
+        self.queue_depth = queue_depth
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        in_flight = GaugeMetricFamily(
+            "trio_pd_worker_in_flight", "Active legs.", labels=WORKER_LABELS
+        )
+        healthy = GaugeMetricFamily("trio_pd_worker_healthy", "1 if healthy.", labels=WORKER_LABELS)
+        breaker = GaugeMetricFamily(
+            "trio_pd_worker_breaker_state", "0 closed, 1 half-open, 2 open.", labels=WORKER_LABELS
+        )
+        for worker in self.fleet.workers():
+            key = [worker.id, worker.role, worker.url]
+            in_flight.add_metric(key, worker.in_flight)
+            healthy.add_metric(key, 1.0 if worker.healthy else 0.0)
+            breaker.add_metric(key, BREAKER_STATES.get(worker.breaker.state, -1))
+        pool = GaugeMetricFamily(
+            "trio_pd_upstream_connections", "Pooled upstream connections.", labels=["state"]
+        )
+        counts = {"idle": 0, "active": 0}
+        for _, state in self.pool.connections():
+            counts[state] += 1
+        for state, count in counts.items():
+            pool.add_metric([state], count)
+        queue = GaugeMetricFamily(
+            "trio_pd_admission_queue_depth", "Requests waiting for admission right now."
+        )
+        queue.add_metric([], self.queue_depth())
+        sources = GaugeMetricFamily(
+            "trio_pd_membership_source_up",
+            "1 when the membership source can be read, by source.",
+            labels=["source"],
+        )
+        for source, (ok, _) in self.fleet.sources.items():
+            sources.add_metric([source], 1.0 if ok else 0.0)
+        members = GaugeMetricFamily(
+            "trio_pd_membership_workers",
+            "Registered workers by the membership source that added them and role.",
+            labels=["source", "role"],
+        )
+        counted: dict[tuple[str, str], int] = {}
+        info = GaugeMetricFamily(
+            "trio_pd_worker_info",
+            "1 per registered worker, labelled with its membership source (join on worker).",
+            labels=[*WORKER_LABELS, "source"],
+        )
+        for worker in self.fleet.workers():
+            counted[worker.source, worker.role] = counted.get((worker.source, worker.role), 0) + 1
+            info.add_metric([worker.id, worker.role, worker.url, worker.source], 1.0)
+        for (source, role), count in sorted(counted.items()):
+            members.add_metric([source, role], count)
+        yield from (in_flight, healthy, breaker, pool, queue, sources, members, info)
+
+
+# How each gauge combines over processes in multiprocess mode.
+MULTIPROCESS_MODES = {
+    "trio_pd_worker_in_flight": "livesum",
+    "trio_pd_worker_healthy": "livemin",
+    "trio_pd_worker_breaker_state": "livemax",
+    "trio_pd_upstream_connections": "livesum",
+    "trio_pd_admission_queue_depth": "livesum",
+    "trio_pd_membership_source_up": "livemin",
+    "trio_pd_membership_workers": "livemax",  # every process registers the same workers
+    "trio_pd_worker_info": "livemax",
+}
+
+
+class SyncedGauges:
+    """The collector's families, mirrored into multiprocess gauges on each sync."""
+
+    def __init__(self, collector: FleetCollector, registry: CollectorRegistry) -> None:
+        self.collector = collector
+        self.registry = registry
+        self.gauges: dict[str, Gauge] = {}
+        self.seen: dict[str, set[tuple[str, ...]]] = {}
+
+    def sync(self) -> None:
+        for family in self.collector.collect():
+            name = family.name.removesuffix("_total")
+            gauge = self.gauges.get(name)
+            labels = list(family.samples[0].labels) if family.samples else None
+            if gauge is None:
+                if labels is None:
+                    continue
+                gauge = self.gauges[name] = Gauge(
+                    name,
+                    family.documentation,
+                    labels,
+                    registry=self.registry,
+                    multiprocess_mode=MULTIPROCESS_MODES[name],  # type: ignore[arg-type]
+                )
+            current: set[tuple[str, ...]] = set()
+            for sample in family.samples:
+                key = tuple(sample.labels[k] for k in gauge._labelnames)
+                current.add(key)
+                (gauge.labels(*key) if key else gauge).set(sample.value)
+            for gone in self.seen.get(name, set()) - current:  # a removed worker: zero it
+                gauge.labels(*gone).set(0)
+            self.seen[name] = current

@@ -1,0 +1,465 @@
+"""One PD attempt: the prefill and decode legs as siblings in one trio nursery.
+
+This module is the outcome table of PROTOCOL.md §4 in code:
+
+- prefill fails (status, transport, timeout, in-band) -> the decode leg is cancelled at once; its
+  connection is closed by cancellation, not by an explicit drop;
+- decode fails first -> the prefill leg is cancelled at once;
+- decode answers 2xx first -> its answer is held until prefill is known (at most
+  `prefill_hold_secs` more);
+- the deadline, the first-token timeout, a silent decode stream or a client that stopped reading
+  end the legs that still run;
+- the client goes away -> an enclosing scope is cancelled and ``Cancelled`` simply propagates.
+
+Nothing an attempt starts outlives it: when ``Attempt.run`` returns (or raises), both
+connections are either back in the pool, fully read, or closed. Each leg remembers whether it
+was cancelled after its request went out, and why, so the caller can count it and ask the
+engine to free the request at once (`Leg.cancel_cause`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import attrs
+import orjson
+import trio
+
+from trio_pd.config import TimeoutConfig
+from trio_pd.fleet.worker import Worker
+from trio_pd.observe.metrics import RouterMetrics
+from trio_pd.pd.outcome import LegFailure, LegResult, LegSuccess
+from trio_pd.pd.relay import (
+    data_failure,
+    event_data,
+    inband_failure,
+    merge_logprobs,
+    parse_json,
+    split_event,
+)
+from trio_pd.respond import Reply, Responder
+from trio_pd.spec import Role
+from trio_pd.upstream.headers import relayable_headers
+from trio_pd.upstream.pool import UpstreamError, UpstreamPool, UpstreamResponse
+
+log = logging.getLogger("trio_pd.attempt")
+
+SSE_TYPE = b"text/event-stream"
+MAX_ERROR_BODY = 1 << 20  # an upstream error body we relay is read up to this size
+MAX_ANSWER_BODY = 256 << 20  # a non-streamed answer larger than this fails the leg
+WATCHDOG_CHECKS = 4  # the stream watchdog looks this often per (shortest) timeout
+
+
+@attrs.define(eq=False)
+class Leg:
+    """One side of an attempt: its worker, its cancel scope and how it ended.
+
+    ``cancel_cause`` is set when the leg was cancelled while its request was out ("prefill_failed",
+    "decode_failed", "client_gone", "deadline", "stall", "shutdown"): the engine may still hold
+    the request, which is what the caller's abort is for.
+    """
+
+    role: Role
+    worker: Worker
+    body: bytes
+    headers: list[tuple[bytes, bytes]]
+    track: Callable[[], AbstractContextManager[Any]]  # load accounting while the leg runs
+    on_abandon: Callable[[Leg], None] | None = None  # asks the engine to abort (aborts.py)
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    result: LegResult = None
+    posted: bool = False  # the request was (being) sent: the engine may hold it
+    abandoned: bool = False  # the engine was asked to drop it
+    cancel_cause: str | None = None
+    cancelled_at: float | None = None
+    ended_at: float | None = None  # its connection released (pooled or closed)
+
+    def cancel(self, cause: str) -> None:
+        """Cancel the leg unless it already ended; the first cause wins."""
+        if self.result is not None or self.ended_at is not None or self.cancel_cause is not None:
+            return
+        self.cancel_cause = cause
+        self.cancelled_at = trio.current_time()
+        self.scope.cancel()
+        self.abandon()
+
+    def note_outer_cancel(self, cause: str, at: float) -> None:
+        """The leg ended by an enclosing scope's cancellation (client gone, shutdown, deadline)."""
+        if self.result is None and self.cancel_cause is None and self.posted:
+            self.cancel_cause = cause
+            self.cancelled_at = at
+            self.abandon()
+
+    def abandon(self) -> None:
+        """The router gave up on this leg while the engine may still hold it: have the engine
+        free it now rather than at its next disconnect poll. Once per leg."""
+        if self.posted and not self.abandoned and self.on_abandon is not None:
+            self.abandoned = True
+            self.on_abandon(self)
+
+    @property
+    def failed(self) -> bool:
+        return isinstance(self.result, LegFailure)
+
+    @property
+    def url(self) -> str:
+        return self.worker.url
+
+
+@attrs.define
+class StreamClock:
+    """What the stream watchdog reads: counters the relay bumps, no clock reads per event (the
+    watchdog notes the time when it sees them move)."""
+
+    chunks: int = 0  # decode chunks received
+    started: int = 0  # client writes begun
+    sent: int = 0  # client writes finished (started != sent: a write is in progress)
+
+
+@attrs.define(eq=False)
+class Attempt:
+    """One try of a request on one (prefill, decode) pair, with its own bootstrap room."""
+
+    pool: UpstreamPool
+    path: str
+    prefill: Leg
+    decode: Leg
+    stream: bool
+    logprobs: bool
+    responder: Responder
+    deadline: float
+    timeouts: TimeoutConfig
+    outer_cause: Callable[[], tuple[str, float]]  # why an enclosing scope cancelled us, and when
+    metrics: RouterMetrics
+    request_started: float  # the client request's start: time to first token counts from it
+    prefill_answer: Any = None  # prefill's first answer, parsed only when logprobs are merged
+    prefill_answer_known: trio.Event = attrs.field(factory=trio.Event)
+    stalled: bool = False  # the client stopped reading: nothing more can be sent to it
+
+    async def run(self) -> None:
+        """Run both legs to completion; on return the legs' results say what happened."""
+        ended = False
+        try:
+            with trio.CancelScope(deadline=self.deadline) as deadline_scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._decode_leg)
+                    await self._prefill_leg()  # the nursery's own task: one task spawn less
+            ended = True
+        finally:
+            if not ended:  # an enclosing scope cancelled us (client gone, shutdown)
+                cause, at = self.outer_cause()
+                self.prefill.note_outer_cancel(cause, at)
+                self.decode.note_outer_cancel(cause, at)
+        if deadline_scope.cancelled_caught:
+            now = trio.current_time()
+            self.prefill.note_outer_cancel("deadline", now)
+            self.decode.note_outer_cancel("deadline", now)
+            # The slow leg: prefill while decode is still waiting for its KV cache; decode once
+            # prefill is done or the stream has started.
+            timeout = LegFailure("timeout", "request deadline passed")
+            if (
+                self.prefill.result is None
+                and not self.decode.failed
+                and not self.responder.started
+            ):
+                self.prefill.result = timeout
+            elif self.decode.result is None:
+                self.decode.result = timeout
+
+    def reply(self) -> Reply | None:
+        """The client's answer once the attempt ran, or None when it was streamed already."""
+        if self.responder.started:
+            return None
+        if isinstance(self.prefill.result, LegFailure):
+            return self.prefill.result.client_reply("prefill")
+        if isinstance(self.decode.result, LegFailure):
+            return self.decode.result.client_reply("decode")
+        decode = self.decode.result
+        assert isinstance(decode, LegSuccess), "both legs finished without a failure"
+        body = decode.body
+        if self.logprobs and self.prefill_answer is not None:
+            merged = parse_json(body)
+            if merge_logprobs(self.prefill_answer, merged):
+                body = orjson.dumps(merged)
+        return Reply(decode.status, decode.headers, body)
+
+    def culprit(self) -> Leg | None:
+        """The leg whose failure decided the attempt (prefill's comes first, PROTOCOL.md §4)."""
+        if self.prefill.failed:
+            return self.prefill
+        if self.decode.failed:
+            return self.decode
+        return None
+
+    # -- prefill ----------------------------------------------------------------------------
+
+    def _fail_prefill(self, failure: LegFailure) -> None:
+        self.prefill.result = failure
+        self.prefill_answer_known.set()
+        if not self.responder.started:
+            self.decode.cancel("prefill_failed")  # the heart of trio_pd: decode closes now
+        log.info("prefill failed (%s): %s", failure.kind, failure.message)
+
+    async def _prefill_leg(self) -> None:
+        leg = self.prefill
+        with leg.scope, leg.track():
+            try:
+                leg.posted = True
+                async with self.pool.post(leg.url, self.path, leg.headers, leg.body) as response:
+                    await self._read_prefill(response)
+            except UpstreamError as exc:
+                self._fail_prefill(LegFailure(exc.kind, str(exc)))
+            finally:
+                leg.ended_at = trio.current_time()
+        if leg.scope.cancelled_caught and leg.cancel_cause is None and leg.result is None:
+            # Not cancelled by its sibling: the hold deadline set once decode had answered.
+            hold = self.timeouts.prefill_hold_secs
+            self._fail_prefill(
+                LegFailure("timeout", f"prefill did not finish within {hold:g}s of decode's answer")
+            )
+            leg.abandon()
+        self.prefill_answer_known.set()  # also when cancelled: decode must not wait for it
+
+    def _hold_prefill(self) -> None:
+        """Decode has answered (or streamed its first event): prefill gets a bounded while."""
+        if self.prefill.result is None and self.prefill.ended_at is None:
+            deadline = trio.current_time() + self.timeouts.prefill_hold_secs
+            self.prefill.scope.deadline = min(self.prefill.scope.deadline, deadline)
+
+    async def _read_prefill(self, response: UpstreamResponse) -> None:
+        if not 200 <= response.status < 300:
+            self._fail_prefill(await status_failure(response))
+            return
+        if is_sse(response):
+            await self._read_prefill_stream(response)
+            return
+        body = await read_answer(response)
+        # Parsed only when something is to be read in it: a failure marker, or logprobs.
+        suspect = b"error" in body or b"abort" in body
+        answer = parse_json(body) if suspect or self.logprobs else None
+        found = inband_failure(answer) if suspect else None
+        if found is not None:
+            self._fail_prefill(LegFailure("inband", found.message, found.code))
+            return
+        self.prefill_answer = answer
+        self.prefill_answer_known.set()
+        self.prefill.result = LegSuccess(response.status, [], b"")
+
+    async def _read_prefill_stream(self, response: UpstreamResponse) -> None:
+        """Read prefill's SSE to its end: any error event fails it; the first one may be merged."""
+        buffer = b""
+        async for chunk in response.chunks():
+            buffer += chunk
+            while (split := split_event(buffer)) is not None:
+                event, buffer = split
+                data = event_data(event)
+                if data is None or data == b"[DONE]":
+                    continue
+                found = data_failure(data)
+                if found is not None:
+                    self._fail_prefill(LegFailure("inband", found.message, found.code))
+                    return
+                if not self.prefill_answer_known.is_set():
+                    if self.logprobs:
+                        self.prefill_answer = parse_json(data)
+                    self.prefill_answer_known.set()
+        self.prefill.result = LegSuccess(response.status, [], b"")
+
+    # -- decode -----------------------------------------------------------------------------
+
+    def _fail_decode(self, failure: LegFailure) -> None:
+        self.decode.result = failure
+        self.prefill.cancel("decode_failed")
+        log.info("decode failed (%s): %s", failure.kind, failure.message)
+
+    async def _decode_leg(self) -> None:
+        leg = self.decode
+        with leg.scope, leg.track():
+            if not self.stream:
+                await self._post_decode(None)
+                return
+            # Streams: decode's first event must come within `first_token_secs` of the start;
+            # the relay lifts this deadline once it has arrived.
+            first_token = self.timeouts.first_token_secs
+            with trio.CancelScope(deadline=trio.current_time() + first_token) as first_scope:
+                await self._post_decode(first_scope)
+            if first_scope.cancelled_caught:
+                self._fail_decode(LegFailure("timeout", f"no first token within {first_token:g}s"))
+                leg.abandon()
+
+    async def _post_decode(self, first_scope: trio.CancelScope | None) -> None:
+        leg = self.decode
+        try:
+            leg.posted = True
+            async with self.pool.post(leg.url, self.path, leg.headers, leg.body) as response:
+                await self._read_decode(response, first_scope)
+        except UpstreamError as exc:
+            self._fail_decode(LegFailure(exc.kind, str(exc)))
+        finally:
+            leg.ended_at = trio.current_time()
+
+    async def _read_decode(
+        self, response: UpstreamResponse, first_scope: trio.CancelScope | None
+    ) -> None:
+        if not 200 <= response.status < 300:
+            self._fail_decode(await status_failure(response))
+            return
+        headers = relayable_headers(response)
+        if first_scope is not None and is_sse(response):
+            await self._relay_decode_stream(response, headers, first_scope)
+            return
+        body = await read_answer(response)
+        found = inband_failure(parse_json(body)) if b"error" in body or b"abort" in body else None
+        if found is not None:
+            self._fail_decode(LegFailure("inband", found.message, found.code))
+            return
+        self.decode.result = LegSuccess(response.status, headers, body)
+        self._hold_prefill()
+
+    async def _relay_decode_stream(
+        self,
+        response: UpstreamResponse,
+        headers: list[tuple[bytes, bytes]],
+        first_scope: trio.CancelScope,
+    ) -> None:
+        """Hold decode's stream until its first event, then relay it raw to the client.
+
+        The first event proves the KV cache arrived, so only then do the client's headers go out;
+        with logprobs it also waits for prefill's first answer to merge into that event.
+        """
+        chunks = response.chunks()
+        buffer = b""
+        first = None
+        async for chunk in chunks:
+            buffer += chunk
+            first = split_event(buffer)
+            if first is not None:
+                break
+        if first is None:
+            self._fail_decode(LegFailure("transport", "decode stream ended before any event"))
+            return
+        first_scope.deadline = math.inf
+        event, rest = first
+        data = event_data(event)
+        found = data_failure(data) if data is not None else None
+        if found is not None:
+            self._fail_decode(LegFailure("inband", found.message, found.code))
+            return
+        self._hold_prefill()
+        if self.logprobs:
+            await self.prefill_answer_known.wait()
+            if data is not None and self.prefill_answer is not None:
+                event = merged_event(self.prefill_answer, data) or event
+        if self.prefill.failed:
+            # Prefill failed while this task held a chunk read before its cancellation landed.
+            return
+        await self.responder.start(response.status, headers)
+        clock = StreamClock()
+        metrics = self.metrics
+        last = trio.current_time()
+        metrics.first_token.observe(last - self.request_started)
+        gaps = metrics.chunk_gap
+        send = self.responder.send
+        events = 1 + rest.count(b"\n\n")
+        try:
+            async with trio.open_nursery() as guard:
+                guard.start_soon(self._watch_stream, clock, response)
+                try:
+                    clock.started += 1
+                    await send(event + rest)
+                    clock.sent += 1
+                    async for chunk in chunks:
+                        clock.chunks += 1
+                        now = trio.current_time()
+                        gaps.observe(now - last)
+                        last = now
+                        events += chunk.count(b"\n\n")
+                        clock.started += 1
+                        await send(chunk)
+                        clock.sent += 1
+                except UpstreamError as exc:  # decode broke mid-stream: dispatch sends a frame
+                    self._fail_decode(LegFailure(exc.kind, str(exc)))
+                    guard.cancel_scope.cancel()
+                    return
+                guard.cancel_scope.cancel()
+        finally:
+            metrics.events_relayed.inc(events)
+        await self.responder.finish_stream(b"")
+        self.decode.result = LegSuccess(response.status, headers, b"")
+
+    async def _watch_stream(self, clock: StreamClock, response: UpstreamResponse) -> None:
+        """The stream's watchdog: a client that stopped reading, or a decode gone silent.
+
+        A client write can block for good (hypercorn shields its socket writes; the listening
+        socket's TCP_USER_TIMEOUT ends such a connection in the end), so a stall cannot cancel the
+        relay task itself: the watchdog closes decode's connection under it instead (the engine
+        sees the disconnect at once) and cancels the leg. A silent decode is simply cancelled.
+        """
+        stall, idle = self.timeouts.stream_stall_secs, self.timeouts.stream_idle_secs
+        period = min(stall, idle) / WATCHDOG_CHECKS  # a few wakeups per timeout, per stream
+        seen = (clock.chunks, clock.started, clock.sent)
+        moved_at = trio.current_time()  # when the counters last moved
+        while True:
+            await trio.sleep(period)
+            now = trio.current_time()
+            current = (clock.chunks, clock.started, clock.sent)
+            if current != seen:
+                seen, moved_at = current, now
+                continue
+            writing = clock.started != clock.sent
+            if writing and now - moved_at >= stall:
+                log.warning("client stopped reading for %gs: ending the stream", stall)
+                self.stalled = True
+                response.close_connection_now()
+                self.decode.cancel("stall")
+                self.prefill.cancel("stall")
+                return
+            if not writing and now - moved_at >= idle:
+                self._fail_decode(LegFailure("timeout", f"decode sent nothing for {idle:g}s"))
+                self.decode.scope.cancel()
+                self.decode.abandon()
+                return
+
+
+async def read_answer(response: UpstreamResponse) -> bytes:
+    """A whole non-streamed answer; one past `MAX_ANSWER_BODY` fails the leg, never truncated."""
+    body = await response.read(limit=MAX_ANSWER_BODY)
+    if not response.complete:
+        raise UpstreamError("transport", f"answer larger than {MAX_ANSWER_BODY} bytes")
+    return body
+
+
+def merged_event(prefill_answer: Any, decode_data: bytes) -> bytes | None:
+    decode_answer = parse_json(decode_data)
+    if not merge_logprobs(prefill_answer, decode_answer):
+        return None
+    return b"data: " + orjson.dumps(decode_answer) + b"\n\n"
+
+
+def is_sse(response: UpstreamResponse) -> bool:
+    return (response.header(b"content-type") or b"").startswith(SSE_TYPE)
+
+
+async def status_failure(response: UpstreamResponse) -> LegFailure:
+    """A non-2xx answer: keep (a bounded part of) its body and content type to relay it."""
+    body = await response.read(limit=MAX_ERROR_BODY)
+    content_type = response.header(b"content-type") or b"application/json"
+    message = upstream_message(body) or f"status {response.status}"
+    return LegFailure("status", message, response.status, body, content_type)
+
+
+def upstream_message(body: bytes) -> str | None:
+    """The human-readable message of an upstream error body, when it has one."""
+    parsed = parse_json(body)
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+        if parsed.get("message"):
+            return str(parsed["message"])
+    return None

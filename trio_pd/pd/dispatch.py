@@ -1,0 +1,366 @@
+"""Answering one PD request: attempts on fresh pairs with fresh rooms, retried while that can help.
+
+The retry loop only: choosing the pair (the fleet), building each attempt's body (injection),
+running it (`attempt.py`), charging the breakers (`outcome.py`) and deciding whether to try
+again. Each attempt is its own nursery (``Attempt.run``), so nothing of attempt k survives into
+k+1. A retry needs all of: nothing reached the client yet, a failure another worker might not
+have (`LegFailure.retryable`), the same failure not already seen on two workers of that role
+(then it is the request's doing), attempts left, and time before the deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import attrs
+import trio
+
+from trio_pd.config import RouterConfig
+from trio_pd.errors import RouterError, bad_request, no_worker
+from trio_pd.fleet.hints import RouteHints
+from trio_pd.fleet.registry import Fleet
+from trio_pd.fleet.retry import attempts, backoff_delay
+from trio_pd.fleet.worker import NoWorkerAvailable, RankHold, Worker
+from trio_pd.observe.metrics import RouterMetrics
+from trio_pd.pd.aborts import AbortJob, AbortService
+from trio_pd.pd.attempt import Attempt, Leg
+from trio_pd.pd.cancel import RequestCancel
+from trio_pd.pd.injection import bootstrap_fields, bootstrap_host, dp_fields, rooms_for, splice
+from trio_pd.pd.outcome import FailureHistory, LegFailure, record_outcome
+from trio_pd.pd.payload import Inspected
+from trio_pd.pd.relay import error_frame
+from trio_pd.pd.trace import RequestTrace
+from trio_pd.respond import Responder
+from trio_pd.upstream.headers import worker_authorization
+from trio_pd.upstream.pool import UpstreamPool
+
+log = logging.getLogger("trio_pd.dispatch")
+
+
+@attrs.frozen
+class PDRequest:
+    """A validated client request: what dispatch needs to know of it, and its bytes."""
+
+    path: str
+    inspected: Inspected
+    headers: list[tuple[bytes, bytes]]  # the legs' headers, less authorization
+    authorization: bytes | None = None  # the client's, forwarded when a worker has no key
+    request_id: str = ""
+    routing_key: str | None = None  # X-SMG-Routing-Key, read only for a manual policy
+    trace: RequestTrace | None = None  # its span (`--enable-trace`), else None
+
+
+@attrs.frozen
+class DispatchContext:
+    """What dispatch reads from the router: one per process, shared by every request."""
+
+    pool: UpstreamPool
+    fleet: Fleet
+    config: RouterConfig
+    rng: random.Random
+    metrics: RouterMetrics
+    aborts: AbortService | None = None  # None: --no-abort-on-cancel
+
+
+async def dispatch(
+    ctx: DispatchContext, request: PDRequest, responder: Responder, cancel: RequestCancel
+) -> None:
+    """Answer one PD request (see the module docstring for when it is retried)."""
+    started = trio.current_time()
+    deadline = started + ctx.config.request_timeout_secs
+    total = attempts(ctx.config.retry)
+    history = FailureHistory()
+    avoid: set[Worker] = set()
+    model = resolve_model(ctx, request.inspected.model)
+    responder.route_info["model"] = model or "-"
+    inspected = request.inspected
+    hints = RouteHints(inspected.text, inspected.length, request.routing_key, model)
+    trace = request.trace
+    for number in range(1, total + 1):
+        try:
+            prefill, decode = ctx.fleet.select_pair(hints, frozenset(avoid))
+        except NoWorkerAvailable as exc:
+            await responder.error(no_worker(str(exc)))
+            return
+        ranks = choose_ranks(ctx, prefill, decode)
+        try:
+            attempt = new_attempt(
+                ctx, request, responder, cancel, (prefill, decode), (started, deadline), number,
+                ranks,
+            )  # fmt: skip
+        except BaseException:
+            ranks.release()
+            raise
+        responder.route_info.update(prefill=prefill.id, decode=decode.id, attempts=number)
+        if number > 1:
+            ctx.metrics.retries.inc()
+        spans = None
+        try:
+            # Its span and its legs' (each leg's traceparent is its own span's): tracing only.
+            spans = trace.attempt(number, attempt) if trace is not None else None
+            await attempt.run()
+        finally:
+            ranks.release()  # a leg that never started still held its rank
+            account_cancelled_legs(ctx.metrics, attempt)
+            if spans is not None:
+                spans.end(attempt)
+        record_outcome(
+            ctx.fleet, (prefill, attempt.prefill.result), (decode, attempt.decode.result), history
+        )
+        count_failures(ctx.metrics, attempt)
+        if responder.started:
+            if not responder.finished and not attempt.stalled:
+                await responder.finish_stream(stream_error_frame(attempt))
+            return
+        reply = attempt.reply()
+        assert reply is not None
+        retry = retry_plan(ctx, attempt, history, number, total, deadline)
+        if retry is not None:
+            culprit, delay = retry
+            log.info("attempt %d failed with %d, retrying in %.3fs", number, reply.status, delay)
+            if trace is not None:
+                trace.retrying(number, culprit.role, delay)
+            avoid.add(prefill if culprit is attempt.prefill else decode)
+            await trio.sleep(delay)
+            continue
+        await responder.reply(reply)
+        return
+
+
+def retry_plan(
+    ctx: DispatchContext,
+    attempt: Attempt,
+    history: FailureHistory,
+    number: int,
+    total: int,
+    deadline: float,
+) -> tuple[Leg, float] | None:
+    """(the leg to blame, the backoff) when another attempt may help, else None: a failure
+    another worker might not have, not already seen on two workers of that role, attempts left,
+    and time before the deadline."""
+    culprit = attempt.culprit()
+    if culprit is None or number >= total:
+        return None
+    failure = culprit.result
+    assert isinstance(failure, LegFailure)
+    history.add(culprit.role, culprit.worker, failure)
+    delay = backoff_delay(number, ctx.config.retry, ctx.rng)
+    if (
+        failure.retryable()
+        and not history.repeats_across_workers(culprit.role, failure)
+        and trio.current_time() + delay < deadline
+    ):
+        return culprit, delay
+    return None
+
+
+def new_attempt(
+    ctx: DispatchContext,
+    request: PDRequest,
+    responder: Responder,
+    cancel: RequestCancel,
+    pair: tuple[Worker, Worker],
+    times: tuple[float, float],
+    number: int = 1,
+    ranks: Ranks | None = None,
+) -> Attempt:
+    """An attempt on this pair, its body carrying fresh bootstrap fields; `times` are the
+    request's start and deadline."""
+    prefill, decode = pair
+    started, deadline = times
+    inspected = request.inspected
+    ranks = ranks or Ranks()
+    fields: dict[str, Any] = bootstrap_fields(
+        bootstrap_host(prefill.url),
+        prefill.bootstrap_port,
+        rooms_for(inspected.batch, ctx.rng, *ranks.room_alignment),
+        inspected.batch,
+    )
+    rids: tuple[str, ...] = ()
+    if ctx.aborts is not None:
+        rid = attempt_rid(inspected.rid, request.request_id, inspected.batch, number, ctx.rng)
+        fields["rid"] = rid
+        rids = (rid,) if isinstance(rid, str) else tuple(rid)
+    prefill_body = splice(inspected.body, inspected.empty, {**fields, **ranks.prefill_fields})
+    decode_body = (
+        splice(inspected.body, inspected.empty, {**fields, **ranks.decode_fields})
+        if ranks.decode_fields or ranks.prefill_fields
+        else prefill_body  # the same bytes to both legs (PROTOCOL.md §1) unless ranks differ
+    )
+    if max(len(prefill_body), len(decode_body)) > ctx.config.max_payload_size:
+        raise RouterError(
+            413,
+            f"the request with the router's fields exceeds {ctx.config.max_payload_size} bytes",
+            "payload_too_large",
+        )
+
+    def leg(worker: Worker, body: bytes, hold: RankHold | None) -> Leg:
+        return Leg(
+            worker.role,
+            worker,
+            body,
+            leg_headers_for(ctx, request, worker),
+            partial(ctx.fleet.track, worker, hold, request.routing_key),
+            abort_hook(ctx, worker, rids),
+        )
+
+    return Attempt(
+        pool=ctx.pool,
+        path=request.path,
+        prefill=leg(prefill, prefill_body, ranks.prefill_hold),
+        decode=leg(decode, decode_body, ranks.decode_hold),
+        stream=inspected.stream,
+        logprobs=inspected.logprobs,
+        responder=responder,
+        deadline=deadline,
+        timeouts=ctx.config.timeouts,
+        outer_cause=cancel.why,
+        metrics=ctx.metrics,
+        request_started=started,
+    )
+
+
+@attrs.frozen
+class Ranks:
+    """The DP ranks of one attempt (`--dp-aware`); None: the worker's engine chooses."""
+
+    prefill: int | None = None
+    decode: int | None = None
+    prefill_dp: int = 1
+    decode_dp: int = 1
+    prefill_hold: RankHold | None = None
+    decode_hold: RankHold | None = None
+
+    def release(self) -> None:
+        for hold in (self.prefill_hold, self.decode_hold):
+            if hold is not None:
+                hold.release()
+
+    @property
+    def room_alignment(self) -> tuple[int, int]:
+        """(dp_size, rank) rooms must agree with: `room % dp_size == rank` on the prefill."""
+        return (self.prefill_dp, self.prefill or 0) if self.prefill is not None else (1, 0)
+
+    @property
+    def prefill_fields(self) -> dict[str, Any]:
+        return dp_fields(self.prefill_dp, self.prefill or 0, self.decode_dp, self.decode or 0)[0]
+
+    @property
+    def decode_fields(self) -> dict[str, Any]:
+        return dp_fields(self.prefill_dp, self.prefill or 0, self.decode_dp, self.decode or 0)[1]
+
+
+def choose_ranks(ctx: DispatchContext, prefill: Worker, decode: Worker) -> Ranks:
+    """With `--dp-aware`, the least loaded rank of each worker that has several (the policy
+    chose the worker; the ranks balance inside it): a (worker, rank) pair is the unit of load."""
+    if not ctx.config.dp_aware or (prefill.dp_size <= 1 and decode.dp_size <= 1):
+        return Ranks()
+    p_rank = prefill.least_loaded_rank() if prefill.dp_size > 1 else None
+    d_rank = decode.least_loaded_rank() if decode.dp_size > 1 else None
+    return Ranks(
+        prefill=p_rank,
+        decode=d_rank,
+        prefill_dp=prefill.dp_size,
+        decode_dp=decode.dp_size,
+        prefill_hold=RankHold(prefill, p_rank) if p_rank is not None else None,
+        decode_hold=RankHold(decode, d_rank) if d_rank is not None else None,
+    )
+
+
+def resolve_model(ctx: DispatchContext, requested: str | None) -> str | None:
+    """The model a request routes to, or None when the router serves one model (zero
+    configuration: the `model` field routes nothing, exactly as with one model before).
+
+    Several models: the request's `model`, else `--default-model`; an unknown one is a 404
+    listing the models served, none at all a 400."""
+    models = ctx.fleet.models()
+    if len(models) <= 1:
+        return None
+    model = requested or ctx.config.default_model
+    if model is None:
+        raise bad_request(
+            f"this router serves several models ({', '.join(models)}): name one in `model`, "
+            "or start the router with --default-model"
+        )
+    if model not in models:
+        raise RouterError(
+            404,
+            f"model {model!r} is not served here; models: {', '.join(models)}",
+            "not_found_error",
+            code="model_not_found",
+        )
+    return model
+
+
+def attempt_rid(
+    client_rid: Any, request_id: str, batch: int | None, number: int, rng: random.Random
+) -> str | list[str]:
+    """The SGLang `rid` of one attempt, which names it for `/abort_request`.
+
+    The client's own rid is kept on the first attempt; a retry appends `-retry<k>`, because the
+    engine may still hold the failed attempt's rid and refuses one it holds. Without a client
+    rid: the request id plus a random suffix (clients may reuse request ids). Batches get one
+    rid per item (a string rid names the items `<rid>_<i>`, as SGLang does)."""
+    suffix = f"-retry{number - 1}" if number > 1 else ""
+    if isinstance(client_rid, str) and client_rid:
+        if batch is None:
+            return client_rid + suffix
+        return [f"{client_rid}_{i}{suffix}" for i in range(batch)]
+    if isinstance(client_rid, list) and client_rid and all(isinstance(r, str) for r in client_rid):
+        return [r + suffix for r in client_rid]
+    base = f"{request_id}-{rng.getrandbits(32):08x}"
+    return base if batch is None else [f"{base}-{i}" for i in range(batch)]
+
+
+def abort_hook(
+    ctx: DispatchContext, worker: Worker, rids: tuple[str, ...]
+) -> Callable[[Leg], None] | None:
+    """What an abandoned leg does: queue `/abort_request` for its rids on its worker."""
+    aborts = ctx.aborts
+    if aborts is None or not rids:
+        return None
+
+    def abandon(leg: Leg) -> None:
+        key = worker.spec.api_key or ctx.config.api_key
+        headers = tuple(worker_authorization(key, None))
+        aborts.request(AbortJob(leg.role, worker.url, rids, headers))
+
+    return abandon
+
+
+def leg_headers_for(
+    ctx: DispatchContext, request: PDRequest, worker: Worker
+) -> list[tuple[bytes, bytes]]:
+    key = worker.spec.api_key or ctx.config.api_key
+    if not key and not request.authorization:
+        return request.headers
+    return [*request.headers, *worker_authorization(key, request.authorization)]
+
+
+def stream_error_frame(attempt: Attempt) -> bytes:
+    """The error event that ends a stream cut after it started (PROTOCOL.md §4)."""
+    failure = attempt.decode.result
+    if isinstance(failure, LegFailure) and failure.kind != "timeout":
+        return error_frame(f"decode worker failed: {failure.message}", "upstream_error", 502)
+    message = failure.message if isinstance(failure, LegFailure) else "request deadline passed"
+    return error_frame(message, "timeout_error", 504)
+
+
+def account_cancelled_legs(metrics: RouterMetrics, attempt: Attempt) -> None:
+    """Count each leg cancelled while its request was out, and how long its teardown took."""
+    for leg in (attempt.prefill, attempt.decode):
+        if leg.cancel_cause is None or not leg.posted:
+            continue
+        metrics.legs_cancelled.labels(leg.role, leg.cancel_cause).inc()
+        if leg.cancelled_at is not None and leg.ended_at is not None:
+            metrics.teardown.labels(leg.role).observe(max(0.0, leg.ended_at - leg.cancelled_at))
+
+
+def count_failures(metrics: RouterMetrics, attempt: Attempt) -> None:
+    for leg in (attempt.prefill, attempt.decode):
+        if isinstance(leg.result, LegFailure):
+            metrics.leg_failures.labels(leg.role, leg.result.kind).inc()

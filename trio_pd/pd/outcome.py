@@ -1,0 +1,141 @@
+"""What one leg's end means: for the client, for the circuit breakers, for retries.
+
+PROTOCOL.md §4 and §5 as values and pure functions, apart from the I/O of the legs
+(`attempt.py`) and the retry loop (`dispatch.py`):
+
+- `LegFailure.client_reply(role)`: the answer a client gets for a failed leg;
+- `LegFailure.counts_against_worker()`: a breaker failure, or the client's fault;
+- `LegFailure.retryable()` and `FailureHistory`: whether another attempt may help;
+- `record_outcome`: breaker attribution, once per worker per attempt, and at most one failure
+  per worker per request, so one poisonous request cannot vote a worker out five times.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+import attrs
+
+from trio_pd.errors import RouterError, gateway_timeout
+from trio_pd.respond import JSON_HEADERS, Reply, error_reply
+
+if TYPE_CHECKING:
+    from trio_pd.fleet.registry import Fleet
+    from trio_pd.fleet.worker import Worker
+
+FailureKind = Literal["status", "inband", "transport", "timeout"]
+Role = Literal["prefill", "decode"]
+RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+
+
+@attrs.frozen
+class LegFailure:
+    """Why one leg failed. ``status``: the worker's HTTP status (kind "status") or the code an
+    in-band error carried (kind "inband", when it had one)."""
+
+    kind: FailureKind
+    message: str
+    status: int | None = None
+    body: bytes = b""  # a status failure's own body, relayed as it came
+    content_type: bytes = b"application/json"
+
+    @property
+    def is_client_error(self) -> bool:
+        """The worker refused the client's request (a 4xx status or in-band code)."""
+        return self.status is not None and 400 <= self.status < 500
+
+    def client_reply(self, role: Role) -> Reply:
+        """The answer a client gets for this failure (PROTOCOL.md §4, first and third rows)."""
+        if self.kind == "status":
+            assert self.status is not None
+            if role == "decode" or self.is_client_error:
+                return Reply(self.status, [(b"content-type", self.content_type)], self.body)
+            message = f"prefill worker answered {self.status}: {self.message}"
+            return error_reply(RouterError(502, message, "upstream_error"))
+        if self.kind == "inband" and self.is_client_error:
+            assert self.status is not None
+            body = RouterError(self.status, self.message, "invalid_request_error").body()
+            return Reply(self.status, JSON_HEADERS, body)
+        if self.kind == "timeout":
+            return error_reply(gateway_timeout(f"{role} worker timed out: {self.message}"))
+        return error_reply(
+            RouterError(502, f"{role} worker failed: {self.message}", "upstream_error")
+        )
+
+    def counts_against_worker(self) -> bool:
+        """A breaker failure? A refused request (4xx) is the client's and a breaker success."""
+        return not self.is_client_error
+
+    def retryable(self) -> bool:
+        """May another attempt, on another pair, succeed? Never for the client's own fault."""
+        if self.kind in ("transport", "timeout"):
+            return True
+        if self.kind == "inband":
+            return not self.is_client_error
+        return self.status in RETRYABLE_STATUSES
+
+    def signature(self, role: Role) -> tuple[str, str, int | None]:
+        return (role, self.kind, self.status)
+
+
+@attrs.frozen
+class LegSuccess:
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes  # empty when the body was streamed to the client
+
+
+LegResult = LegSuccess | LegFailure | None  # None: still running, or cancelled
+
+
+@attrs.define
+class FailureHistory:
+    """The failures of one request's attempts, to tell a failing worker from a failing request.
+
+    The same kind of failure (role, kind, status) on two different workers of the same role is
+    the request's doing, not the workers': retrying it on a third would only spend another
+    worker's time and another breaker vote. Workers that already recorded a breaker failure for
+    this request are remembered so they record no second one.
+    """
+
+    workers_by_signature: dict[tuple[str, str, int | None], set[Worker]] = attrs.Factory(dict)
+    charged: set[Worker] = attrs.Factory(set)
+
+    def add(self, role: Role, worker: Worker, failure: LegFailure) -> None:
+        self.workers_by_signature.setdefault(failure.signature(role), set()).add(worker)
+
+    def repeats_across_workers(self, role: Role, failure: LegFailure) -> bool:
+        return len(self.workers_by_signature.get(failure.signature(role), ())) >= 2
+
+
+def record_outcome(
+    fleet: Fleet,
+    prefill: tuple[Worker, LegResult],
+    decode: tuple[Worker, LegResult],
+    history: FailureHistory,
+) -> None:
+    """Circuit-breaker attribution for one attempt (PROTOCOL.md §5).
+
+    Prefill failed: only prefill records (a refused request is a success: the client's fault);
+    decode was a victim. Decode failed: only decode records. Both fine: both succeed. A client
+    disconnect never gets here (``Cancelled`` propagates past it). A worker records at most one
+    failure per request (``history.charged``).
+    """
+    (p_worker, p), (d_worker, d) = prefill, decode
+    if isinstance(p, LegFailure):
+        _record(fleet, p_worker, p, history)
+    elif isinstance(d, LegFailure):
+        _record(fleet, d_worker, d, history)
+    else:
+        if isinstance(p, LegSuccess):
+            fleet.record(p_worker, ok=True)
+        if isinstance(d, LegSuccess):
+            fleet.record(d_worker, ok=True)
+
+
+def _record(fleet: Fleet, worker: Worker, failure: LegFailure, history: FailureHistory) -> None:
+    if not failure.counts_against_worker():
+        fleet.record(worker, ok=True)
+    elif worker not in history.charged:
+        history.charged.add(worker)
+        fleet.record(worker, ok=False)

@@ -1,0 +1,167 @@
+"""What the router reads of a client's JSON body, without a schema, and the bounds it enforces.
+
+The router never re-serializes a client's body: `inspect_body` validates it, reads the few keys
+routing needs, and hands back the client's own bytes, into which `injection.splice` writes the
+router's fields. Only a body that already carries router-owned keys (`bootstrap_*`, `rid`, the DP
+rank fields when the router picks ranks) is rewritten without them, so the legs never see a key
+twice.
+
+Everything here is a pure function of the bytes and runs before any leg starts. Its cost is
+bounded: list lengths are capped (`--max-batch-size`) before the router builds a room per item,
+and the routing text is cut to `ROUTING_TEXT_LIMIT` characters. Parsing itself costs time in
+proportion to the body (up to ~0.3 µs per JSON value), so `app.py` runs this function in a worker
+process for bodies of `OFFLOAD_BYTES` or more: a large body never stalls the event loop that
+relays everyone else's tokens. That is why the result is a plain picklable value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+
+from trio_pd import jsonbody as json_body
+from trio_pd.errors import RouterError, bad_request
+
+GENERATE = "/generate"
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+# Prefix matching beyond this many characters changes no routing decision worth its memory.
+ROUTING_TEXT_LIMIT = 32_768
+ROUTING_MESSAGE_LIMIT = 1_024  # messages (and content parts) looked at for the routing text
+OFFLOAD_BYTES = 32 * 1024  # bodies this large are inspected off the event loop
+BOOTSTRAP_KEYS = frozenset(("bootstrap_host", "bootstrap_port", "bootstrap_room"))
+
+
+@attrs.frozen
+class Inspected:
+    """What routing needs to know of a valid client body, and the bytes the legs start from."""
+
+    body: bytes  # the client's bytes, or the client's object less the router-owned keys
+    empty: bool  # `{}`: the injected fields need no leading comma
+    stream: bool
+    logprobs: bool
+    batch: int | None  # None: a single sequence (scalar bootstrap fields)
+    text: str | None  # the routing text, capped
+    length: int  # characters of the routing text before the cap (bucket policy); 0: no text
+    model: str | None
+    rid: Any  # the client's own `rid` (str, list or None); the router owns the key on the legs
+
+
+@attrs.frozen
+class Refused:
+    """A body refused with a 4xx, as a picklable value (crosses the worker-process boundary)."""
+
+    status: int
+    message: str
+    error_type: str
+
+    def error(self) -> RouterError:
+        return RouterError(self.status, self.message, self.error_type)
+
+
+def inspect_body(
+    path: str, raw: bytes, max_batch: int, owned_keys: frozenset[str]
+) -> Inspected | Refused:
+    """Validate `raw` for `path` and read what routing needs; never raises for bad input."""
+    try:
+        payload = json_body.parse_object(raw)
+        batch = batch_size(path, payload, max_batch)
+    except RouterError as error:
+        return Refused(error.status, error.message, error.error_type)
+    present = owned_keys.intersection(payload)
+    if present:
+        raw = json_body.dump({k: v for k, v in payload.items() if k not in present})
+    model = payload.get("model")
+    text, length = prompt_text(path, payload)
+    return Inspected(
+        body=raw,
+        empty=len(payload) == len(present),
+        stream=payload.get("stream") is True,
+        logprobs=wants_logprobs(path, payload),
+        batch=batch,
+        text=text[:ROUTING_TEXT_LIMIT] if text else None,
+        length=length,
+        model=model if isinstance(model, str) else None,
+        rid=payload.get("rid"),
+    )
+
+
+def batch_size(path: str, payload: dict[str, Any], limit: int) -> int | None:
+    """Sequences a request carries (None: a single one, scalar bootstrap fields); a batch over
+    `limit` is refused with 400 before the router spends anything on it."""
+    size = _batch_size(path, payload)
+    if size is not None and size > limit:
+        what = "n" if path == CHAT else "the batch size"
+        raise bad_request(f"{what} is {size}, more than this router's --max-batch-size {limit}")
+    return size
+
+
+def _batch_size(path: str, payload: dict[str, Any]) -> int | None:
+    if path == GENERATE:
+        text = payload.get("text")
+        if isinstance(text, list):
+            return len(text)
+        ids = payload.get("input_ids")
+        if isinstance(ids, list) and ids and isinstance(ids[0], list):
+            return len(ids)
+        return None
+    if path == COMPLETIONS:
+        prompt = payload.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            return len(prompt)
+        return None
+    if path == CHAT:
+        n = payload.get("n")
+        if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+            return n
+    return None
+
+
+def prompt_text(path: str, payload: dict[str, Any]) -> tuple[str | None, int]:
+    """The prompt as text and its length in characters: `/generate` `text`, completions
+    `prompt` (the first of a batch), chat the conversation's text parts joined by newlines.
+    Cache-aware matches on the text's first `ROUTING_TEXT_LIMIT` characters, bucket balances on
+    the length. A chat text joins the first `ROUTING_MESSAGE_LIMIT` messages (and parts of
+    each); its length counts them all, as the joined text would be. Values of unexpected types
+    are skipped: the engines judge the request, the router only needs a routing hint."""
+    if path == CHAT:
+        messages = payload.get("messages")
+        if not isinstance(messages, list):
+            return None, 0
+        return _conversation(messages)
+    value = payload.get("text" if path == GENERATE else "prompt")
+    if isinstance(value, list) and value:
+        value = value[0]
+    text = value if isinstance(value, str) and value else None
+    return text, len(text) if text else 0
+
+
+def _conversation(messages: list[Any]) -> tuple[str | None, int]:
+    """One pass over a conversation's text parts (each message's string content or the `text`
+    of its content parts): the first `ROUTING_MESSAGE_LIMIT` messages, and parts of each, joined
+    by newlines; and the length of all of them joined so."""
+    kept: list[str] = []
+    chars = parts = 0
+    for index, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            texts: Iterable[Any] = (content,)
+        elif isinstance(content, list):
+            texts = (p.get("text") if isinstance(p, dict) else None for p in content)
+        else:
+            continue
+        for number, text in enumerate(texts):
+            if isinstance(text, str):
+                chars += len(text)
+                parts += 1
+                if index < ROUTING_MESSAGE_LIMIT and number < ROUTING_MESSAGE_LIMIT:
+                    kept.append(text)
+    return "\n".join(kept) or None, chars + parts - 1 if parts else 0
+
+
+def wants_logprobs(path: str, payload: dict[str, Any]) -> bool:
+    if path == GENERATE:
+        return bool(payload.get("return_logprob"))
+    return bool(payload.get("logprobs"))

@@ -1,0 +1,25 @@
+"""What dispatch tells a request's trace, as an interface (`edge/tracing.py` implements it).
+
+Tracing lives above this layer (it imports OpenTelemetry, and only when `--enable-trace` is
+given), so dispatch sees it through these two protocols; a request without tracing carries None.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from trio_pd.pd.attempt import Attempt
+
+
+class AttemptTrace(Protocol):
+    def end(self, attempt: Attempt) -> None:
+        """The attempt ran: its legs' spans are read off the finished attempt."""
+
+
+class RequestTrace(Protocol):
+    def attempt(self, number: int, attempt: Attempt) -> AttemptTrace:
+        """An attempt is about to run on its pair."""
+
+    def retrying(self, number: int, role: str, delay: float) -> None:
+        """Attempt `number` failed on `role` and another follows after `delay` seconds."""

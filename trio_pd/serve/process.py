@@ -1,0 +1,125 @@
+"""Serving a Router with hypercorn's trio worker: one process, or several sharing the sockets.
+
+Every mode runs `serve`: hypercorn's trio connection handling (`serving.py`, with a fair accept
+loop) on sockets made here (so they get TCP_USER_TIMEOUT, see `make_sockets`) with the router's
+drain as the shutdown trigger: the server drains through that trigger, never by having `serve`
+cancelled from outside (`drain.py`).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import multiprocessing
+import signal
+from functools import partial
+from typing import Any
+
+import trio
+from hypercorn.config import Sockets
+from hypercorn.utils import wrap_app
+
+from trio_pd.config import RouterConfig
+from trio_pd.edge.router import Router
+from trio_pd.observe.logs import configure as configure_logging
+from trio_pd.serve.accept import serve_app
+from trio_pd.serve.listeners import hypercorn_config, make_sockets
+from trio_pd.serve.metrics_listener import bind_metrics, close_sockets, serve_metrics
+
+log = logging.getLogger("trio_pd.server")
+
+
+async def serve(
+    config: RouterConfig,
+    *,
+    router: Router | None = None,
+    sockets: Sockets | None = None,
+    metrics_sockets: Sockets | None = None,
+    signals: tuple[int, ...] = (),
+    parent_sentinel: int | None = None,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve until drained (on one of `signals`, or the parent's death) or cancelled;
+    ``task_status`` gets the bound URLs (port 0 picks a free one).
+
+    With `config.prometheus_port` the metrics listener is bound first (as SMG does; a port it
+    cannot have fails the start: MetricsListenError) and served until the router is done."""
+    app = router if router is not None else Router(config)
+    hc = hypercorn_config(config)
+    if metrics_sockets is None and config.prometheus_port is not None:
+        metrics_sockets = bind_metrics(config.prometheus_host, config.prometheus_port)
+    if sockets is None:
+        try:
+            sockets = make_sockets(config, hc)
+        except BaseException:
+            if metrics_sockets is not None:
+                close_sockets(metrics_sockets)
+            raise
+    for sock in (*sockets.secure_sockets, *sockets.insecure_sockets):
+        sock.listen(hc.backlog)
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        if signals or parent_sentinel is not None:
+            nursery.start_soon(app.drain.run, stop, signals, parent_sentinel)
+        if metrics_sockets is not None:  # until the router is done: it outlives the drain
+            render = app.metrics.render
+            await nursery.start(serve_metrics, render, metrics_sockets, trio.sleep_forever)
+        wrapped = wrap_app(app, hc.wsgi_max_body_size, "asgi")
+        await serve_app(wrapped, hc, sockets, stop.wait, task_status=task_status)
+        nursery.cancel_scope.cancel(reason="served")
+
+
+GC_THRESHOLDS = (20_000, 50, 100)  # Python's default is (700, 10, 10)
+
+
+def tune_gc() -> None:
+    """After startup: freeze what is alive (the app, imports, config) out of the collector's
+    sight, and collect the youngest generation every 20,000 allocations instead of 700.
+
+    Each request leaves short cycles behind (trio's cancellation exceptions and their
+    tracebacks), so the collector ran every few requests; measured on the router-bound bench
+    (c=32/c=256, four alternating runs each) CPU per request fell by about a fifth. Memory
+    stays bounded: a young collection still runs every 20,000 net allocations."""
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
+async def _serve_main(
+    config: RouterConfig,
+    sockets: Sockets | None = None,
+    signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT),
+    parent_sentinel: int | None = None,
+    ready: Any = None,
+    *,
+    metrics_sockets: Sockets | None = None,
+) -> None:
+    async with trio.open_nursery() as nursery:
+        urls = await nursery.start(
+            partial(
+                serve,
+                config,
+                sockets=sockets,
+                metrics_sockets=metrics_sockets,
+                signals=signals,
+                parent_sentinel=parent_sentinel,
+            )
+        )
+        log.info("trio-pd routing on %s", ", ".join(urls))
+        tune_gc()
+        if ready is not None:
+            ready.set()  # the parent may forward SIGTERM now: the drain handles it
+    log.info("trio-pd stopped")
+
+
+def worker_main(config: RouterConfig, sockets: Sockets, index: int, ready: Any) -> None:
+    """A router process of `--workers N` (spawned by `processes.Supervisor`).
+
+    It answers SIGTERM only: a terminal's Ctrl-C reaches the parent, which forwards SIGTERM
+    (were SIGINT taken here too, one Ctrl-C would count as two signals). If the parent dies,
+    the process drains and exits as on a signal.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    configure_logging(config.log_level, json_lines=config.log_json, log_dir=config.log_dir)
+    parent = multiprocessing.parent_process()
+    sentinel = parent.sentinel if parent is not None else None
+    trio.run(partial(_serve_main, config, sockets, (signal.SIGTERM,), sentinel, ready))

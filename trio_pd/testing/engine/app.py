@@ -1,0 +1,173 @@
+"""The engine's HTTP API (a bare ASGI app): info endpoints, the three generation endpoints and
+POST /abort_request (abort.py). A generation request is admitted by intake.py, then runs here.
+
+Disconnects: hypercorn never cancels an app when its client goes away, it only delivers
+`http.disconnect` from receive(). Each generation request therefore runs a watcher task. On a
+disconnect it logs `connection_closed` at once; a prefill request stops at once, a decode request
+is aborted at the engine's next disconnect-poll tick (see slots.DisconnectTicker), which is when
+its slots are freed with reason `aborted_disconnect`. POST /abort_request cancels the same work
+scope at once (reason `aborted_request`) and the request then answers an abort if it still can.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import trio
+
+from trio_pd.testing.engine.abort import ABORTED, answer_aborted, handle_abort
+from trio_pd.testing.engine.asgi import Responder
+from trio_pd.testing.engine.decode import run_decode
+from trio_pd.testing.engine.intake import admit
+from trio_pd.testing.engine.load import load_report
+from trio_pd.testing.engine.prefill import run_prefill
+from trio_pd.testing.engine.state import Call, EngineState
+from trio_pd.testing.engine.workload import ENDPOINTS
+
+log = logging.getLogger("trio_pd.testing.engine")
+
+
+class EngineApp:
+    def __init__(self, engine: EngineState) -> None:
+        self.engine = engine
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        if path in ENDPOINTS:
+            if method != "POST":
+                await Responder(send).error(405, f"{path} takes POST")
+                return
+            await self.generate(scope, receive, send, ENDPOINTS[path])
+            return
+        if path == "/abort_request":
+            await handle_abort(self.engine, scope, receive, send)
+            return
+        await self.info(path, method, send)
+
+    # ---- info endpoints --------------------------------------------------------------------
+    async def info(self, path: str, method: str, send: Any) -> None:
+        engine, cfg = self.engine, self.engine.config
+        resp = Responder(send)
+        routes: dict[tuple[str, str], Any] = {
+            ("GET", "/health"): None,
+            ("GET", "/health_generate"): None,
+            ("POST", "/flush_cache"): None,
+            ("GET", "/get_model_info"): {
+                "model_path": cfg.model,
+                "tokenizer_path": cfg.model,
+                "is_generation": True,
+            },
+            ("GET", "/v1/models"): {
+                "object": "list",
+                "data": [{"id": cfg.model, "object": "model", "created": 0, "owned_by": "trio_pd"}],
+            },
+            ("GET", "/get_load"): load_report(engine),
+            ("GET", "/get_server_info"): {
+                "model_path": cfg.model,
+                "disaggregation_mode": cfg.role,
+                "disaggregation_bootstrap_port": cfg.bootstrap_port,
+                "max_running_requests": cfg.max_running,  # per rank
+                "dp_size": cfg.dp_size,
+                "simulator": "trio_pd.testing.engine",
+                "waiting_timeout": cfg.waiting_timeout,
+                "bootstrap_timeout": cfg.bootstrap_timeout,
+                "disconnect_poll_secs": cfg.disconnect_poll_secs,
+                "faults": [f.spec for f in engine.faults],
+            },
+        }
+        key = (method, path)
+        if key in routes:
+            engine.events.emit("info_request", method=method, path=path)  # probes, polls
+            body = routes[key]
+            if path == "/health" and engine.health_status != 200:
+                await resp.error(engine.health_status, "the engine is not ready")
+                return
+            await (resp.empty() if body is None else resp.json(200, body))
+        elif any(p == path for _, p in routes):
+            await resp.error(405, f"method {method} not allowed on {path}")
+        else:
+            await resp.error(404, f"no route {method} {path}")
+
+    # ---- generation ------------------------------------------------------------------------
+    async def generate(self, scope: dict[str, Any], receive: Any, send: Any, api: str) -> None:
+        call = await admit(self.engine, scope, receive, send, api)
+        if call is None:
+            return  # refused (and answered) or the client left
+        try:
+            await self._serve(call, receive)
+        finally:
+            self.engine.rids.release(call.sglang_rids, call)  # (if _serve did not get to it)
+
+    async def _serve(self, call: Call, receive: Any) -> None:
+        """Run the role's flow under the request's work scope, watching for a disconnect."""
+        engine, w, resp = self.engine, call.workload, call.resp
+        started = time.monotonic()
+        tokens = sum(len(i) for i in w.inputs) + w.max_new_tokens * w.size
+        engine.inflight += 1
+        engine.inflight_tokens += tokens
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_disconnect, call, receive)
+                with call.work_scope:
+                    await self._run(call)
+                if call.cancel_reason == ABORTED and not resp.completed:
+                    await answer_aborted(call)
+                # before the next checkpoint: a client holding its answer may reuse the rid
+                engine.rids.release(call.sglang_rids, call)
+                nursery.cancel_scope.cancel()
+        finally:
+            engine.inflight -= 1
+            engine.inflight_tokens -= tokens
+            end = call.ended or (call.cancel_reason if not resp.completed else None)
+            call.emit("request_end", status=resp.status, ended=end)
+            log.info(
+                "%s %s %s rooms=%s status=%s%s %.0fms",
+                engine.role,
+                call.path,
+                call.rid,
+                w.rooms,
+                resp.status,
+                f" ({end})" if end else "",
+                (time.monotonic() - started) * 1000,
+            )
+
+    async def _run(self, call: Call) -> None:
+        try:
+            if self.engine.role == "prefill":
+                await run_prefill(call)
+            else:
+                await run_decode(call)
+        except Exception as exc:  # a simulator bug must still answer, like a real server would
+            log.exception("%s: internal error", call.rid)
+            if not call.resp.completed:
+                await call.resp.error(500, f"internal simulator error: {exc!r}")
+
+    async def _watch_disconnect(self, call: Call, receive: Any) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if call.resp.completed:
+            return
+        call.disconnected = True
+        call.emit("connection_closed", status=call.resp.status)
+        if self.engine.role == "prefill":
+            call.cancel("aborted_disconnect")
+            return
+        await self.engine.ticker.wait_next_tick()
+        call.cancel("aborted_disconnect")
+
+
+async def _lifespan(receive: Any, send: Any) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

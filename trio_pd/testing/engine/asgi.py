@@ -1,0 +1,110 @@
+"""Small ASGI helpers: reading the body, JSON / SSE responses, watching for a disconnect."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from trio_pd.testing.engine.responses import error_body
+
+MAX_BODY = 64 * 1024 * 1024
+
+JSON = b"application/json"
+SSE = b"text/event-stream"
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def read_body(receive: Any, limit: int = MAX_BODY) -> bytes | None:
+    """The whole request body, or None if the client went away first."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def header(scope: dict[str, Any], name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+class Responder:
+    """Sends one response; remembers what was sent. Calls `on_start(status)` once.
+
+    `on_start` may be replaced before the response starts (once the request's Call exists).
+    """
+
+    def __init__(
+        self,
+        send: Any,
+        request_id: str | None = None,
+        on_start: Callable[[int], None] | None = None,
+    ) -> None:
+        self._send = send
+        self._request_id = request_id
+        self.on_start = on_start
+        self.status: int | None = None
+        self.streaming = False
+        self.completed = False
+
+    @property
+    def started(self) -> bool:
+        return self.status is not None
+
+    async def _start(self, status: int, content_type: bytes, extra: list[tuple[bytes, bytes]]):
+        headers = [(b"content-type", content_type), *extra]
+        if self._request_id:
+            headers.append((b"x-request-id", self._request_id.encode("latin-1")))
+        self.status = status
+        if self.on_start is not None:
+            self.on_start(status)
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def json(self, status: int, body: Any) -> None:
+        data = orjson.dumps(body)
+        await self._start(status, JSON, [(b"content-length", str(len(data)).encode())])
+        self.completed = True  # before the send: hypercorn reports the stream closed inside it
+        await self._send({"type": "http.response.body", "body": data, "more_body": False})
+
+    async def empty(self, status: int = 200) -> None:
+        await self._start(status, b"text/plain; charset=utf-8", [(b"content-length", b"0")])
+        self.completed = True
+        await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def error(self, status: int, message: str) -> None:
+        """A JSON error answer, or an in-band SSE error frame if a stream already started."""
+        if self.streaming:
+            await self.event(error_body(message, status))
+            await self.done()
+        else:
+            await self.json(status, error_body(message, status))
+
+    async def start_stream(self) -> None:
+        if not self.started:
+            self.streaming = True
+            await self._start(200, SSE, [(b"cache-control", b"no-cache")])
+
+    async def event(self, obj: Any) -> None:
+        await self.start_stream()
+        data = b"data: " + orjson.dumps(obj) + b"\n\n"
+        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def done(self) -> None:
+        await self.start_stream()
+        self.completed = True
+        await self._send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})

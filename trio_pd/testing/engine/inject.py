@@ -1,0 +1,49 @@
+"""Firing a terminal fault on a request (the timing is decided by the role flows)."""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from trio_pd.testing.engine.faults import Fault
+from trio_pd.testing.engine.responses import error_body
+from trio_pd.testing.engine.state import Call
+
+log = logging.getLogger("trio_pd.testing.engine")
+
+
+async def fire(call: Call, fault: Fault) -> None:
+    call.emit("fault", spec=fault.spec, kind=fault.kind, status=fault.status)
+    message = f"simulated {call.engine.role} fault {fault.spec!r}"
+    stream = call.workload.stream
+    if fault.kind == "status":
+        assert fault.status is not None
+        if call.resp.started:  # a stream already answered 200: the status can only go in-band
+            await call.resp.error(fault.status, message)
+        else:
+            await call.resp.json(fault.status, error_body(message, fault.status))
+    elif (
+        fault.kind == "sse_error"
+    ):  # an error inside a 200 answer, with its code (500 unless given)
+        code = fault.status or 500
+        if stream:
+            await call.resp.event(error_body(message, code))
+            await call.resp.done()
+        else:
+            await call.resp.json(200, error_body(message, code))
+    elif fault.kind == "abort":  # finish_reason abort; a given code becomes its status_code
+        if stream:
+            await call.resp.event(call.shaper.abort_event(message, fault.status))
+            await call.resp.done()
+        else:
+            await call.resp.json(200, call.shaper.full(abort=message, abort_code=fault.status))
+    elif fault.kind == "close":
+        call.ended = "closed"
+        if not await call.engine.connections.drop(call.client):
+            log.warning("%s: close fault: connection %s not found", call.rid, call.client)
+    elif fault.kind == "hang":
+        call.ended = "hang"
+        await trio.sleep_forever()  # until the client goes away (work_scope is cancelled)
+    else:  # pragma: no cover - slow/refuse never reach here
+        raise AssertionError(fault.kind)
