@@ -1,97 +1,215 @@
 """Abort on cancel: free an engine's slot at once when the router gives up on a leg.
 
-Closing a leg's connection frees the engine's slot only at the engine's next disconnect poll
-(about 4 s in SGLang). SGLang's `POST /abort_request {"rid": ...}` frees it at once, so when a
-leg is cancelled after its request went out (prefill failed, decode failed first, client gone,
-deadline, stall, shutdown, a timeout), the router asks the engine to abort it.
+Closing a leg's connection frees the engine's slot only when the engine notices: at once for a
+stream, at its next disconnect poll (within 4 s) for a non-stream request, and never for a decode
+still waiting for a KV cache its prefill will not send. SGLang's `POST /abort_request
+{"rid": ...}` frees it at once (docs/protocol.md §10), so when a leg is cancelled after its request
+went out (prefill failed, decode failed first, client gone, deadline, stall, shutdown, a timeout)
+the router asks the engine to abort it.
 
 This is work that outlives the request on purpose: the client's answer never waits for it. The
-request hands the job to this long-lived service (a bounded channel in, one consumer task, in
-the app-lifespan nursery) and goes on. Each abort is sent at once and once more `REPEAT_SECS`
-later: an abort that reaches the engine before it registered the rid is dropped yet answered
-200 (AIBrix's finding). Each POST is bounded by `TIMEOUT_SECS`; at most `CONCURRENCY` run at
-once; a full queue drops the job. Failures are logged and counted
-(`trio_pd_aborts_total{role,result}`), never surfaced to clients.
+request hands the job to this long-lived service and goes on. How the service is built, and why:
+
+- **One POST per rid.** The engine takes one string rid per call, and its tokenizer manager
+  drops an abort for a rid it does not hold, so a batch's common prefix cannot stand for its
+  items: an abandoned batch leg costs one POST per item (bounded by `--max-batch-size`).
+- **Each POST twice**, the second `REPEAT_SECS` after the first: an abort that reaches the
+  engine before it registered the rid is dropped yet answered 200 (AIBrix's finding).
+- **A delay queue, not a sleeping sender.** Every POST not yet due (a repeat; a first POST held
+  back by `AbortJob.delay`, see below) waits in a heap keyed by its due time; `SENDERS` tasks
+  send the due ones. Nothing holds a sender while it waits, so the service sends at the rate
+  failures happen (a sender holding its slot through the repeat's sleep capped it at ~32 POSTs
+  a second per role).
+- **The hot path's HTTP/1.1 pool**, not the control plane's httpx2 client: a POST costs tens of
+  microseconds of router CPU instead of about a millisecond, which is what lets a storm of
+  failing requests be aborted as fast as it fails. Each POST is bounded by `TIMEOUT_SECS`.
+- **Coalesced and bounded.** A (worker, rid) already pending is not queued twice; at most
+  `MAX_PENDING` POSTs wait, beyond which a job is dropped and counted
+  (`trio_pd_aborts_total{role,result="dropped"}`), never blocking the request that gave it.
+- **Flushed at shutdown.** `flush()` sends every first POST still pending before the process
+  exits (repeats are dropped), bounded by `FLUSH_SECS`, so the requests the end of a drain cut
+  are freed in their engines too.
+- **Never fatal.** A failing POST is logged and counted; nothing a job carries can raise out of
+  the service (the lifespan supervises it anyway, `edge/services.py`).
+
+`AbortJob.delay` is the latch hazard's answer (docs/protocol.md §10): an abort that lands after
+the engine registered a rid but before the request reached its scheduler is lost *and* latches,
+suppressing every later abort of that rid, the engine's own disconnect abort included. That
+window only exists where the engine awaits between the two (its async dynamic batch tokenizer,
+multimodal inputs); the dispatcher sets a delay for those legs only.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 
 import attrs
-import httpx2
+import orjson
 import trio
 
 from trio_pd.observe.metrics import RouterMetrics
+from trio_pd.upstream.pool import UpstreamError, UpstreamPool
 
 log = logging.getLogger("trio_pd.aborts")
-QUEUE_SIZE = 4096
-CONCURRENCY = 64
+SENDERS = 32  # POSTs in flight at once, at most
+MAX_PENDING = 65_536  # POSTs waiting (due or not), at most
 TIMEOUT_SECS = 2.0
 REPEAT_SECS = 2.0
+FLUSH_SECS = 5.0
+ABORT_PATH = "/abort_request"
+JSON = (b"content-type", b"application/json")
 
 
 @attrs.frozen
 class AbortJob:
+    """Abort the rids of one abandoned leg on one worker."""
+
     role: str
     url: str  # the worker's base URL
     rids: tuple[str, ...]
-    headers: tuple[tuple[bytes, bytes], ...] = ()  # the worker's authorization
+    headers: tuple[tuple[bytes, bytes], ...] = ()  # the worker's (admin) authorization
+    delay: float = 0.0  # hold the first POST back this long (the latch hazard)
+
+
+@attrs.frozen
+class _Post:
+    job: AbortJob
+    rid: str
+    repeat: bool  # the second POST of this rid
 
 
 class AbortService:
-    def __init__(self, metrics: RouterMetrics, repeat_secs: float = REPEAT_SECS) -> None:
+    """The long-lived abort sender of one router process (see the module docstring)."""
+
+    def __init__(
+        self,
+        metrics: RouterMetrics,
+        repeat_secs: float = REPEAT_SECS,
+        *,
+        max_pending: int = MAX_PENDING,
+    ) -> None:
         self.metrics = metrics
         self.repeat_secs = repeat_secs
-        self._send, self._receive = trio.open_memory_channel[AbortJob](QUEUE_SIZE)
-        self._client: httpx2.AsyncClient | None = None
+        self.max_pending = max_pending
+        self._heap: list[tuple[float, int, _Post]] = []
+        self._order = itertools.count()
+        self._pending: set[tuple[str, str]] = set()  # (url, rid) queued or being sent
+        self._changed = trio.Event()
+        self._pool: UpstreamPool | None = None
+        self._flushing = False
+        self._in_flight = 0
+
+    @property
+    def pending(self) -> int:
+        """POSTs waiting or being sent (the `trio_pd_aborts_pending` gauge)."""
+        return len(self._heap) + self._in_flight
 
     def request(self, job: AbortJob) -> None:
-        """Queue an abort; never blocks (callable from a cancelled task's cleanup)."""
-        try:
-            self._send.send_nowait(job)
-        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
-            self.metrics.aborts.labels(job.role, "dropped").inc()
-            log.warning("abort queue full: not aborting %s on %s", job.rids, job.url)
-
-    async def run(self, client: httpx2.AsyncClient, *, task_status: trio.TaskStatus[None]) -> None:
-        """The consumer: each job gets its own short task (two POSTs), at most CONCURRENCY."""
-        self._client = client
-        limiter = trio.CapacityLimiter(CONCURRENCY)
-        async with trio.open_nursery() as nursery:
-            task_status.started()
-            async for job in self._receive:
-                await limiter.acquire_on_behalf_of(job)
-                nursery.start_soon(self._abort_twice, job, limiter)
-
-    async def _abort_twice(self, job: AbortJob, limiter: trio.CapacityLimiter) -> None:
-        try:
-            await self._post_all(job)
-            await trio.sleep(self.repeat_secs)
-            await self._post_all(job)
-        finally:
-            limiter.release_on_behalf_of(job)
-
-    async def _post_all(self, job: AbortJob) -> None:
+        """Queue the job's POSTs; never blocks and never raises (callable from a cancelled
+        task's cleanup)."""
+        due = trio.current_time() + job.delay
+        queued = 0
         for rid in job.rids:
-            await self._post(job, rid)
+            key = (job.url, rid)
+            if key in self._pending:
+                self.metrics.aborts.labels(job.role, "coalesced").inc()
+                continue
+            if len(self._heap) >= self.max_pending:
+                self.metrics.aborts.labels(job.role, "dropped").inc()
+                log.warning("abort queue full: not aborting %s on %s", rid, job.url)
+                continue
+            self._pending.add(key)
+            heapq.heappush(self._heap, (due, next(self._order), _Post(job, rid, repeat=False)))
+            queued += 1
+        if queued:
+            self._wake()
 
-    async def _post(self, job: AbortJob, rid: str) -> None:
-        assert self._client is not None
+    async def run(
+        self, pool: UpstreamPool, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """The dispatcher and its senders; runs until cancelled (the lifespan's end, after
+        `flush`)."""
+        self._pool = pool
+        send, receive = trio.open_memory_channel[_Post](SENDERS)
+        async with trio.open_nursery() as nursery, send:
+            for _ in range(SENDERS):
+                nursery.start_soon(self._sender, receive.clone())
+            receive.close()
+            task_status.started()
+            while True:
+                now = trio.current_time()
+                while self._heap and (self._heap[0][0] <= now or self._flushing):
+                    _, _, post = heapq.heappop(self._heap)
+                    if self._flushing and post.repeat:
+                        self._pending.discard((post.job.url, post.rid))
+                        continue
+                    self._in_flight += 1
+                    await send.send(post)
+                changed = self._changed
+                wake_at = self._heap[0][0] if self._heap else trio.current_time() + 3600
+                with trio.move_on_at(wake_at):
+                    await changed.wait()
+
+    async def flush(self, limit_secs: float = FLUSH_SECS) -> None:
+        """Send every first POST still pending now (repeats dropped), within `limit_secs`.
+
+        Called by the lifespan at shutdown, after the drain cut what still ran, while `run` is
+        still running: it returns once `run` has sent everything (or the limit passed)."""
+        self._flushing = True
+        self._wake()
+        with trio.move_on_after(limit_secs):
+            while self._heap or self._in_flight:  # noqa: ASYNC110 - shutdown only, bounded
+                await trio.sleep(0.01)
+        left = len(self._heap) + self._in_flight
+        if left:
+            log.warning("shutdown: %d aborts not sent within %gs", left, limit_secs)
+
+    def _wake(self) -> None:
+        changed, self._changed = self._changed, trio.Event()
+        changed.set()
+
+    async def _sender(self, receive: trio.MemoryReceiveChannel[_Post]) -> None:
+        async with receive:
+            async for post in receive:
+                try:
+                    await self._post(post)
+                except Exception:  # a bug here must not end the service
+                    log.exception("abort of %s on %s raised", post.rid, post.job.url)
+                finally:
+                    self._in_flight -= 1
+                    self._after(post)
+
+    def _after(self, post: _Post) -> None:
+        """Schedule the repeat of a first POST, or retire the rid after its repeat."""
+        key = (post.job.url, post.rid)
+        if post.repeat or self._flushing:
+            self._pending.discard(key)
+            return
+        due = trio.current_time() + self.repeat_secs
+        heapq.heappush(self._heap, (due, next(self._order), _Post(post.job, post.rid, True)))
+        self._wake()
+
+    async def _post(self, post: _Post) -> None:
+        assert self._pool is not None
+        job = post.job
+        body = orjson.dumps({"rid": post.rid})
+        headers = [JSON, *job.headers]
         with trio.move_on_after(TIMEOUT_SECS):
             try:
-                response = await self._client.post(
-                    job.url + "/abort_request", json={"rid": rid}, headers=list(job.headers)
-                )
-            except httpx2.HTTPError as exc:
-                self._failed(job, rid, f"{type(exc).__name__}: {exc}")
+                async with self._pool.post(job.url, ABORT_PATH, headers, body) as response:
+                    await response.read(limit=4096)
+                    status = response.status
+            except UpstreamError as exc:
+                self._failed(job, post.rid, f"{exc.kind}: {exc}")
                 return
-            if 200 <= response.status_code < 300:
+            if 200 <= status < 300:
                 self.metrics.aborts.labels(job.role, "sent").inc()
             else:
-                self._failed(job, rid, f"status {response.status_code}")
+                self._failed(job, post.rid, f"status {status}")
             return
-        self._failed(job, rid, f"timed out after {TIMEOUT_SECS:g}s")
+        self._failed(job, post.rid, f"timed out after {TIMEOUT_SECS:g}s")
 
     def _failed(self, job: AbortJob, rid: str, why: str) -> None:
         self.metrics.aborts.labels(job.role, "failed").inc()
