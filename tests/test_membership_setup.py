@@ -1,5 +1,5 @@
 """Which store and sources a router runs (`membership/setup.py`), and a source whose first run
-crashes not holding startup (`background.supervised`)."""
+crashes not holding startup (`ServiceGuard.supervised`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from trio_pd.config import EtcdConfig, KubernetesConfig, RouterConfig
-from trio_pd.edge.services import supervised
+from trio_pd.edge.supervision import ServiceGuard
 from trio_pd.fleet.registry import Fleet
 from trio_pd.membership.etcd import EtcdMembership
 from trio_pd.membership.kubernetes import KubernetesDiscovery
@@ -76,7 +76,8 @@ async def test_a_first_run_that_crashes_before_started_releases_startup() -> Non
     metrics = RouterMetrics(multiprocess_dir="")
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
-            await nursery.start(supervised, "membership_test", source, metrics)
+            guard = ServiceGuard(metrics, on_fatal=lambda why: None)
+            await nursery.start(guard.supervised, "membership_test", source)
             while len(runs) < 2:  # restarted after the backoff, without a task status
                 await trio.sleep(0.01)
             nursery.cancel_scope.cancel()

@@ -53,6 +53,7 @@ class Drain:
     grace_secs: float
     draining: bool = False
     expired: bool = False
+    exit_status: int = 0  # 1 once the process gave up on itself (`fail`)
     _requests: set[RequestCancel] = attrs.field(factory=set)
     _stop: trio.Event = attrs.field(factory=trio.Event)  # hypercorn's shutdown trigger
     _first: trio.Event = attrs.field(factory=trio.Event)
@@ -99,14 +100,23 @@ class Drain:
         of `--workers N` gone) starts the drain and sets `stop`, hypercorn's shutdown trigger;
         the grace period or a second trigger ends it. Runs until cancelled."""
         self._stop = stop
+        if self._first.is_set():  # failed before this ran: stop at once
+            stop.set()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._watch_signals, signums)
+            if signums:
+                nursery.start_soon(self._watch_signals, signums)
             if parent_sentinel is not None:
                 nursery.start_soon(self._watch_parent, parent_sentinel)
             await self._first.wait()
             with trio.move_on_after(self.grace_secs):
                 await self._second.wait()
             self.expire()
+
+    def fail(self, why: str) -> None:
+        """The process cannot go on (its services died, `edge/supervision.py`): drain as on a
+        signal and exit non-zero, so that its orchestrator restarts it."""
+        self.exit_status = 1
+        self.trigger(why)
 
     def trigger(self, why: str) -> None:
         if not self._first.is_set():

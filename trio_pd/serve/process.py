@@ -12,6 +12,7 @@ import gc
 import logging
 import multiprocessing
 import signal
+import sys
 from functools import partial
 from typing import Any
 
@@ -59,8 +60,9 @@ async def serve(
         sock.listen(hc.backlog)
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        if signals or parent_sentinel is not None:
-            nursery.start_soon(app.drain.run, stop, signals, parent_sentinel)
+        # Always: besides the signals, the drain is how a process that gave up on itself
+        # (`edge/supervision.py`) stops.
+        nursery.start_soon(app.drain.run, stop, signals, parent_sentinel)
         if metrics_sockets is not None:  # until the router is done: it outlives the drain
             render = app.metrics.render
             await nursery.start(serve_metrics, render, metrics_sockets, trio.sleep_forever)
@@ -92,12 +94,15 @@ async def _serve_main(
     ready: Any = None,
     *,
     metrics_sockets: Sockets | None = None,
-) -> None:
+) -> int:
+    """Serve one router process until it drained; its exit status (1: it gave up on itself)."""
+    router = Router(config)
     async with trio.open_nursery() as nursery:
         urls = await nursery.start(
             partial(
                 serve,
                 config,
+                router=router,
                 sockets=sockets,
                 metrics_sockets=metrics_sockets,
                 signals=signals,
@@ -109,6 +114,7 @@ async def _serve_main(
         if ready is not None:
             ready.set()  # the parent may forward SIGTERM now: the drain handles it
     log.info("trio-pd stopped")
+    return router.drain.exit_status
 
 
 def worker_main(config: RouterConfig, sockets: Sockets, index: int, ready: Any) -> None:
@@ -122,4 +128,6 @@ def worker_main(config: RouterConfig, sockets: Sockets, index: int, ready: Any) 
     configure_logging(config.log_level, json_lines=config.log_json, log_dir=config.log_dir)
     parent = multiprocessing.parent_process()
     sentinel = parent.sentinel if parent is not None else None
-    trio.run(partial(_serve_main, config, sockets, (signal.SIGTERM,), sentinel, ready))
+    status = trio.run(partial(_serve_main, config, sockets, (signal.SIGTERM,), sentinel, ready))
+    if status:
+        sys.exit(status)  # the supervisor restarts a process that gave up on itself

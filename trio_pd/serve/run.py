@@ -27,8 +27,7 @@ def run(config: RouterConfig) -> int:
             metrics_sockets = None
             if config.prometheus_port is not None:
                 metrics_sockets = bind_metrics(config.prometheus_host, config.prometheus_port)
-            trio.run(partial(_serve_main, config, metrics_sockets=metrics_sockets))
-            return 0
+            return trio.run(partial(_serve_main, config, metrics_sockets=metrics_sockets))
         from trio_pd.serve.supervisor import Supervisor
 
         return Supervisor(config).run()
