@@ -17,7 +17,7 @@ import trio
 from tests.conftest import start_cluster
 from tests.router.fleet_tools import FAST_HEALTH, LOOSE, free_port
 from tests.router.helpers import generate_body, settle
-from trio_pd.control.fanout import parse_load
+from trio_pd.control.engine_info import EngineInfoError, parse_legacy_load
 from trio_pd.spec import WorkerSpec
 from trio_pd.testing.engine.app import EngineApp
 
@@ -212,11 +212,14 @@ async def test_get_loads_reports_engine_load_and_feeds_the_fleet(
     await cluster.client.aclose()
 
 
-def test_parse_load_sums_data_parallel_ranks_and_rejects_garbage() -> None:
-    one = b'{"num_reqs": 3, "num_waiting_reqs": 1, "num_tokens": 70}'
-    assert parse_load(one) == {"num_reqs": 3, "num_waiting_reqs": 1, "num_tokens": 70}
-    ranks = b'[{"num_reqs": 2, "num_tokens": 5, "dp_rank": 0}, {"num_reqs": 4, "dp_rank": 1}]'
-    assert parse_load(ranks) == {"num_reqs": 6, "num_waiting_reqs": 0, "num_tokens": 5}
+def test_parse_legacy_load_sums_data_parallel_ranks_and_rejects_garbage() -> None:
+    one = parse_legacy_load(b'{"num_reqs": 3, "num_waiting_reqs": 1, "num_tokens": 70}')
+    assert (one.requests, one.waiting, one.used_tokens) == (3, 1, 70)
+    ranks = parse_legacy_load(
+        b'[{"num_reqs": 2, "num_tokens": 5, "dp_rank": 0}, {"num_reqs": 4, "dp_rank": 1}]'
+    )
+    assert (ranks.requests, ranks.waiting, ranks.used_tokens) == (6, 0, 5)
+    assert [r.dp_rank for r in ranks.ranks] == [0, 1]
     for bad in (b"nope", b"[]", b"[1]", b"{}", b'{"num_reqs": "3"}', b'{"num_reqs": true}'):
-        with pytest.raises(ValueError):
-            parse_load(bad)
+        with pytest.raises(EngineInfoError):
+            parse_legacy_load(bad)

@@ -12,8 +12,10 @@ import httpx2
 from trio_pd.asgi import Receive, Scope
 from trio_pd.config import RouterConfig
 from trio_pd.fleet.registry import Fleet
+from trio_pd.fleet.worker import Worker
 from trio_pd.membership.source import MembershipStore
 from trio_pd.respond import Responder
+from trio_pd.upstream.headers import generation_key, worker_authorization
 from trio_pd.upstream.urls import Network
 
 
@@ -31,6 +33,10 @@ class ControlContext:
     store: MembershipStore  # where POST/DELETE /workers write
     url_allow: tuple[Network, ...] = ()
     client: httpx2.AsyncClient | None = None
+
+    def authorization(self, worker: Worker) -> list[tuple[bytes, bytes]]:
+        """The authorization a call to `worker` carries (its key, else `--api-key`)."""
+        return worker_authorization(generation_key(worker.spec, self.config.api_key), None)
 
     @property
     def http(self) -> httpx2.AsyncClient:

@@ -11,7 +11,9 @@
 - `POST /flush_cache`, `GET /get_loads`: every registered worker (healthy or not) concurrently,
   in one nursery. The call itself answers 200; each worker's entry says whether it worked and
   carries its error if not, so one dead worker does not hide the others' results. `/get_loads`
-  also feeds each answer to `worker.report_load(num_reqs)`.
+  asks each engine's `/v1/loads` (`/get_load` on engines before SGLang 0.5.23,
+  `engine_info.py`), shows the old figures (`num_reqs`, `num_waiting_reqs`, `num_tokens`) and
+  every DP rank's, and feeds each answer to `worker.report_load`.
 
 Every upstream call uses the router's pooled client under a trio timeout of
 `config.health.timeout_secs`, and carries the request id and the client's forwarded headers.
@@ -29,10 +31,11 @@ import trio
 
 from trio_pd.asgi import Receive, Scope, json_reply
 from trio_pd.control.context import ControlContext
+from trio_pd.control.engine_info import EngineAnswerError, EngineInfoError, fetch_load
 from trio_pd.errors import RouterError, no_worker
 from trio_pd.fleet.worker import ROLES, Worker
 from trio_pd.respond import Reply, Responder
-from trio_pd.upstream.headers import forwarded_headers, worker_authorization
+from trio_pd.upstream.headers import forwarded_headers, generation_key, worker_authorization
 
 log = logging.getLogger("trio_pd.fanout")
 
@@ -71,7 +74,10 @@ async def call_worker(
     """One request to one worker under the health timeout; failures become `Call.error`."""
     client = ctx.http
     timeout = ctx.config.health.timeout_secs
-    headers = [*headers, *worker_authorization(worker.spec.api_key or ctx.config.api_key, None)]
+    headers = [
+        *headers,
+        *worker_authorization(generation_key(worker.spec, ctx.config.api_key), None),
+    ]
     with trio.move_on_after(timeout):
         try:
             async with client.stream(method, worker.url + path, headers=headers) as response:
@@ -219,51 +225,43 @@ async def handle_flush_cache(
 async def handle_get_loads(
     ctx: ControlContext, scope: Scope, receive: Receive, responder: Responder
 ) -> None:
+    """Every worker's load as its engine reports it (`/v1/loads`, `/get_load` on engines before
+    SGLang 0.5.23), concurrently; each answer also feeds `worker.report_load`."""
     workers = ctx.fleet.workers()
     headers = upstream_headers(scope, responder)
-    calls = await fan_out(ctx, workers, "GET", "/get_load", headers)
-    items = []
-    for worker, call in zip(workers, calls, strict=True):
-        item = entry(worker, call)
-        if call.ok:
+    items: list[dict[str, Any]] = [{} for _ in workers]
+
+    async def one(index: int, worker: Worker) -> None:
+        item: dict[str, Any] = {"id": worker.id, "url": worker.url, "worker_type": worker.role}
+        leg = [
+            *headers,
+            *worker_authorization(generation_key(worker.spec, ctx.config.api_key), None),
+        ]
+        timeout = ctx.config.health.timeout_secs
+        error = f"timed out after {timeout}s"
+        with trio.move_on_after(timeout):
             try:
-                numbers = parse_load(call.body)
-            except ValueError as exc:
-                item.update(ok=False, error=f"unreadable /get_load answer: {exc}")
+                load = await fetch_load(ctx.http, worker.url, leg, worker.legacy_load)
+            except EngineAnswerError as exc:
+                error, item["status"] = str(exc), exc.status
+            except EngineInfoError as exc:
+                error = f"unreadable load answer: {exc}"
+            except httpx2.HTTPError as exc:
+                error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             else:
-                item.update(numbers)
-                item["load"] = numbers["num_reqs"]
+                item.update(ok=True, status=200, load=load.requests, **load.to_json())
                 if not worker.removed:
-                    worker.report_load(numbers["num_reqs"])
-        if not item["ok"]:
-            item["load"] = None
-        items.append(item)
+                    worker.report_load(load)
+                items[index] = item
+                return
+        item.update(ok=False, load=None, error=error)
+        item.setdefault("status", None)
+        items[index] = item
+
+    async with trio.open_nursery() as nursery:
+        for index, worker in enumerate(workers):
+            nursery.start_soon(one, index, worker)
     await json_reply(responder, 200, summary(items))
-
-
-LOAD_FIELDS = ("num_reqs", "num_waiting_reqs", "num_tokens")
-
-
-def parse_load(body: bytes) -> dict[str, int]:
-    """An engine's /get_load answer: one object, or (data-parallel SGLang) a list of them,
-    summed. `num_reqs` is required; the other fields default to 0."""
-    try:
-        parsed = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise ValueError(f"not JSON ({exc})") from None
-    parts = parsed if isinstance(parsed, list) else [parsed]
-    if not parts:
-        raise ValueError("empty list")
-    totals = dict.fromkeys(LOAD_FIELDS, 0)
-    for part in parts:
-        if not isinstance(part, dict):
-            raise ValueError("not a JSON object")
-        for field in LOAD_FIELDS:
-            value = part.get(field, None if field == "num_reqs" else 0)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{field} is not an integer: {value!r}")
-            totals[field] += value
-    return totals
 
 
 def summary(items: list[dict[str, Any]]) -> dict[str, Any]:

@@ -18,7 +18,13 @@ Rules (SMG's thresholds, with one exception for new workers):
   no health checker and `check_health_async` reports healthy, `server.rs`, `core/worker.rs`);
 - `failure_threshold` consecutive failures take it down; a probe that raises or outlives
   `timeout_secs` is a failure;
-- a removed worker's checker is cancelled and never flips it again.
+- a removed worker's checker is cancelled and never flips it again;
+- every failure says why (`ProbeFailed`, or the exception or timeout), kept on the worker
+  (`health_error`, shown by `GET /workers` and in the 503 of a request that found no worker),
+  handed to `on_failure` (the router counts it: `trio_pd_health_check_failures_total`) and
+  logged: at WARNING when a worker goes down or, while it has never passed, when the reason
+  changes and at most every `REPEAT_LOG_SECS` while it stays the same; so a worker that never
+  comes up (a TLS misconfiguration, a wrong port) says why within its first second.
 """
 
 from __future__ import annotations
@@ -34,33 +40,76 @@ from trio_pd.fleet.worker import Worker
 
 log = logging.getLogger(__name__)
 
-Probe = Callable[[Worker], Awaitable[bool]]
+Probe = Callable[[Worker], Awaitable[bool | None]]  # False, or raising: a failure
+OnFailure = Callable[[Worker, str, str], None]  # (worker, kind, reason)
 JOIN_PROBE_SECS = 1.0
+REPEAT_LOG_SECS = 60.0
 
 
-async def probe_once(worker: Worker, config: HealthConfig, probe: Probe) -> bool:
-    """One probe under `timeout_secs`; exceptions and timeouts are failures."""
+class ProbeFailed(Exception):
+    """A probe's failure with its kind (status, connect, tls, timeout, answer, error) and why."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+        self.reason = reason
+
+
+async def probe_once(worker: Worker, config: HealthConfig, probe: Probe) -> ProbeFailed | None:
+    """One probe under `timeout_secs`: None if it passed, else why it failed."""
     with trio.move_on_after(config.timeout_secs):
         try:
-            return bool(await probe(worker))
+            ok = await probe(worker)
+        except ProbeFailed as failed:
+            return failed
         except Exception as exc:
-            log.debug("health probe of %s (%s) raised %r", worker.id, worker.url, exc)
-            return False
-    log.debug("health probe of %s (%s) timed out", worker.id, worker.url)
-    return False
+            return ProbeFailed("error", f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc))
+        return None if ok is not False else ProbeFailed("error", "the probe reported a failure")
+    return ProbeFailed("timeout", f"no answer within {config.timeout_secs:g}s")
 
 
-async def check_worker(worker: Worker, config: HealthConfig, probe: Probe) -> None:
+class FailureLog:
+    """When a worker's failing checks are worth a WARNING line (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self.logged_at = -float("inf")
+
+    def due(self, reason: str) -> bool:
+        now = trio.current_time()
+        if reason != self.reason or now - self.logged_at >= REPEAT_LOG_SECS:
+            self.reason, self.logged_at = reason, now
+            return True
+        return False
+
+
+async def check_worker(
+    worker: Worker, config: HealthConfig, probe: Probe, on_failure: OnFailure | None = None
+) -> None:
     """Probe one worker until it is removed, given up at start-up, or (`periodic=False`)
     has passed once."""
     ever_passed = False
     passes = failures = 0
     give_up_at = trio.current_time() + config.startup_timeout_secs
+    failure_log = FailureLog()
     while not worker.removed:
         started = trio.current_time()
-        ok = await probe_once(worker, config, probe)
+        failed = await probe_once(worker, config, probe)
         if worker.removed:
             return
+        ok = failed is None
+        worker.health_error = None if failed is None else f"{failed.kind}: {failed.reason}"
+        if failed is not None:
+            if on_failure is not None:
+                on_failure(worker, failed.kind, failed.reason)
+            if not ever_passed and failure_log.due(failed.reason):
+                log.warning(
+                    "worker %s (%s) has not passed its health check yet: %s",
+                    worker.id, worker.url, worker.health_error,
+                )  # fmt: skip
+            elif ever_passed:
+                log.info("worker %s (%s) failed a health check: %s", worker.id, worker.url,
+                         worker.health_error)  # fmt: skip
         if ok:
             passes += 1
             failures = 0
@@ -75,8 +124,9 @@ async def check_worker(worker: Worker, config: HealthConfig, probe: Probe) -> No
             worker.startup_timed_out = True
             log.error(
                 "worker %s (%s) did not pass a health check within %gs of being added "
-                "(--worker-startup-timeout-secs): giving up on it; remove and add it to retry",
-                worker.id, worker.url, config.startup_timeout_secs,
+                "(--worker-startup-timeout-secs): giving up on it; remove and add it to retry. "
+                "The last check: %s",
+                worker.id, worker.url, config.startup_timeout_secs, worker.health_error,
             )  # fmt: skip
             return
         else:
@@ -85,23 +135,26 @@ async def check_worker(worker: Worker, config: HealthConfig, probe: Probe) -> No
             if worker.healthy and failures >= config.failure_threshold:
                 worker.healthy = False
                 log.warning(
-                    "worker %s (%s) is unhealthy after %d failed checks",
+                    "worker %s (%s) is unhealthy after %d failed checks; the last: %s",
                     worker.id,
                     worker.url,
                     failures,
+                    worker.health_error,
                 )
         period = config.interval_secs if ever_passed else min(config.interval_secs, JOIN_PROBE_SECS)
         await trio.sleep_until(started + period)
 
 
-async def run_health_checks(fleet: Fleet, config: HealthConfig, probe: Probe) -> None:
+async def run_health_checks(
+    fleet: Fleet, config: HealthConfig, probe: Probe, on_failure: OnFailure | None = None
+) -> None:
     """Run forever: one checker per registered worker, started and cancelled as membership
     changes (`fleet.version`)."""
     scopes: dict[Worker, trio.CancelScope] = {}
 
     async def supervised(worker: Worker, scope: trio.CancelScope) -> None:
         with scope:
-            await check_worker(worker, config, probe)
+            await check_worker(worker, config, probe, on_failure)
 
     async with trio.open_nursery() as nursery:
         version = -1

@@ -7,7 +7,9 @@ power_of_two policies (nothing happens while no policy is power_of_two). Its sta
 a fixed backoff of its own (1 s, 2 s, ... 5 s), which the flag does not touch.
 
 Here the workers of each role whose policy is power_of_two are polled the same way, the healthy
-ones (only they can be chosen), and each answer goes to `Worker.report_load`: `Worker.load()`
+ones (only they can be chosen), at SGLang 0.5.23's `GET /v1/loads` (its `/get_load` is gone; an
+older engine's is asked when `/v1/loads` answers 404: `control/engine_info.py`), and each
+answer goes to `Worker.report_load`: `Worker.load()`
 then counts the engine's figure while it is fresh, so requests sent by other routers weigh too.
 Roles with another policy are not polled, as in SMG. An engine figure that reaches a worker
 anyway (`GET /get_loads` reports every worker's) counts in `Worker.load()` while fresh, for any
@@ -24,13 +26,14 @@ import trio
 
 from trio_pd.config import PolicyConfig
 from trio_pd.fleet.registry import Fleet
+from trio_pd.fleet.reports import EngineLoad
 from trio_pd.fleet.worker import ROLES, Worker
 from trio_pd.spec import Role
 
 log = logging.getLogger(__name__)
 
-FetchLoad = Callable[[Worker], Awaitable[int | None]]
-FETCH_TIMEOUT_SECS = 5.0  # SMG's REQUEST_TIMEOUT for /get_load
+FetchLoad = Callable[[Worker], Awaitable[EngineLoad | int | None]]
+FETCH_TIMEOUT_SECS = 5.0  # SMG's REQUEST_TIMEOUT for a load poll
 
 
 def polled_roles(policy: PolicyConfig) -> tuple[Role, ...]:

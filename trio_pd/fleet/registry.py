@@ -272,4 +272,6 @@ class Fleet:
         timed_out = sum(1 for w in registered if w.startup_timed_out)
         if timed_out:
             detail += f" ({timed_out} never came up: --worker-startup-timeout-secs)"
+        # Why they failed is in the log, the metrics and GET /workers, not in a client's answer:
+        # a health error names internal addresses.
         return NoWorkerAvailable(role, "all_unhealthy", f"no available {role} worker: {detail}")

@@ -10,6 +10,7 @@ import attrs
 import trio
 
 from trio_pd.fleet.breaker import CircuitBreaker
+from trio_pd.fleet.reports import EngineLoad, ServerInfo
 from trio_pd.spec import Role, WorkerSpec
 
 ROLES: tuple[Role, Role] = ("prefill", "decode")
@@ -45,9 +46,13 @@ class Worker:
     startup_timed_out: bool = False  # no pass within --worker-startup-timeout-secs: given up
     removed: bool = False
     in_flight: int = 0
-    dp_size: int = 1  # DP attention ranks behind the URL (learned from /get_server_info)
+    dp_size: int = 1  # DP ranks behind the URL: dp_size x attn_dp_size of its /server_info
     served_model: str | None = None  # learned from /v1/models when the spec names none
+    server_info: ServerInfo = attrs.Factory(ServerInfo)  # what its /server_info said last
     info_at: float | None = None  # when dp_size / served_model were last learned
+    engine_load: EngineLoad | None = None  # its last /v1/loads (or /get_load) answer
+    legacy_load: bool = False  # it answered /v1/loads 404: an engine before 0.5.23
+    health_error: str | None = None  # why its last health check failed (None: it passed)
     rank_in_flight: list[int] = attrs.Factory(lambda: [0])  # legs per DP rank (--dp-aware)
     rank_turn: int = 0  # where the next tie between ranks starts
     reported_load: int | None = None
@@ -74,12 +79,20 @@ class Worker:
         """The model it serves: its spec's `model_id`, else what it reported."""
         return self.spec.model_id or self.served_model
 
-    def learn(self, dp_size: int | None, served_model: str | None) -> bool:
+    @property
+    def abort_latch_hazard(self) -> bool:
+        """Its engine awaits between registering a rid and scheduling it (docs/protocol.md
+        §10): a leg's first abort then waits a little (`pd/dispatch.abort_hook`)."""
+        return self.server_info.abort_latch_hazard
+
+    def learn(self, info: ServerInfo | None, served_model: str | None) -> bool:
         """Record what the worker reported about itself (health checks refresh it); True when
-        the model it serves changed."""
-        if dp_size is not None and dp_size >= 1 and dp_size != self.dp_size:
-            self.dp_size = dp_size
-            self.rank_in_flight = [0] * dp_size
+        the model it serves changed. None: it did not say (what was known stays)."""
+        if info is not None:
+            self.server_info = info
+            if info.dp_width != self.dp_size:
+                self.dp_size = info.dp_width
+                self.rank_in_flight = [0] * info.dp_width
         changed = bool(served_model) and served_model != self.served_model
         if served_model:
             self.served_model = served_model
@@ -100,8 +113,12 @@ class Worker:
                 return rank
         return 0  # unreachable: some rank holds the minimum
 
-    def report_load(self, load: int) -> None:
-        """Record the engine's own load figure (e.g. from its /get_load), stamped now."""
+    def report_load(self, load: int | EngineLoad) -> None:
+        """Record the engine's own load (its /v1/loads, or a bare count), stamped now."""
+        if isinstance(load, EngineLoad):
+            self.engine_load = load
+            self.legacy_load = load.endpoint == "/get_load"
+            load = load.requests
         self.reported_load = load
         self.reported_at = trio.current_time()
 
@@ -119,13 +136,28 @@ class Worker:
     def available(self) -> bool:
         return self.healthy and not self.removed and self.breaker.allows_request()
 
+    @property
+    def status(self) -> str:
+        """SMG's worker lifecycle names: pending (never passed a check), ready, not_ready
+        (passed once, failing now), failed (given up at start-up)."""
+        if self.startup_timed_out:
+            return "failed"
+        if self.healthy:
+            return "ready"
+        return "not_ready" if self.info_at is not None else "pending"
+
     def to_json(self) -> dict[str, object]:
+        """SMG 1.13's `WorkerInfo` fields (`id`, `url`, `worker_type`, `is_healthy`, `status`,
+        `load`, `model_id`, `bootstrap_port`, `dp_size`, `engine_load`), and trio_pd's own."""
         return {
             "id": self.id,
             "url": self.url,
             "worker_type": self.role,
             "bootstrap_port": self.bootstrap_port,
-            "healthy": self.healthy,
+            "is_healthy": self.healthy,
+            "status": self.status,
+            "http2": False,
+            **({"health_error": self.health_error} if self.health_error else {}),
             **({"startup_timed_out": True} if self.startup_timed_out else {}),
             "circuit_breaker": self.breaker.state,
             "load": self.load(),
@@ -133,6 +165,7 @@ class Worker:
             "source": self.source,
             **({"model_id": self.model} if self.model else {}),
             **({"dp_size": self.dp_size} if self.dp_size > 1 else {}),
+            **({"engine_load": self.engine_load.to_json()} if self.engine_load else {}),
             **({"meta": self.meta} if self.meta else {}),
         }
 

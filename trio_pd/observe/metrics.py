@@ -121,7 +121,7 @@ class RouterMetrics:
         self.aborts = Counter(
             "trio_pd_aborts",
             "POST /abort_request sent to engines for cancelled legs, by role and result (sent, "
-            "failed, dropped: the abort queue was full).",
+            "failed, coalesced: already pending, dropped: the abort queue was full).",
             ["role", "result"],
             registry=r,
         )
@@ -140,6 +140,13 @@ class RouterMetrics:
             "trio_pd_background_restarts",
             "Long-lived tasks restarted after an unexpected exception, by task.",
             ["task"],
+            registry=r,
+        )
+        self.health_check_failures = Counter(
+            "trio_pd_health_check_failures",
+            "Failed health checks of workers, by worker id, role and kind (status, connect, "
+            "tls, timeout, error); the reason is logged and shown by GET /workers.",
+            ["worker", "role", "kind"],
             registry=r,
         )
         self.membership_errors = Counter(

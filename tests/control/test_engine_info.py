@@ -1,0 +1,80 @@
+"""Reading what an engine says about itself (issue 18, findings 2 and 3): SGLang 0.5.23's
+`/v1/loads` and `/server_info` in their real shapes (`entrypoints/v1_loads.py`,
+`managers/load_snapshot.py`, `runtime_context.num_dp_ranks_of`), and the older engines'
+`/get_load` the router falls back to."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from trio_pd.control.engine_info import (
+    EngineInfoError,
+    parse_legacy_load,
+    parse_server_info,
+    parse_v1_loads,
+)
+
+
+def v1_loads(*ranks: dict) -> bytes:
+    return orjson.dumps({
+        "timestamp": "2026-12-01T00:00:00+00:00", "version": "0.5.23", "accelerator": None,
+        "num_accelerators": 1, "loads": list(ranks),
+    })  # fmt: skip
+
+
+def test_a_pd_decode_tells_kv_waiting_from_queued() -> None:
+    load = parse_v1_loads(v1_loads(
+        {"dp_rank": 0, "num_running_reqs": 3, "num_waiting_reqs": 5, "num_used_tokens": 900,
+         "token_usage": 0.4, "max_running_requests": 32,
+         "disaggregation": {"mode": "decode", "decode_prealloc_queue_reqs": 2,
+                            "decode_transfer_queue_reqs": 2, "decode_retracted_queue_reqs": 0}},
+        {"dp_rank": 1, "num_running_reqs": 1, "num_waiting_reqs": 0},
+    ))  # fmt: skip
+    assert load.endpoint == "/v1/loads"
+    assert load.requests == 9 and load.waiting == 5 and load.used_tokens == 900
+    first, second = load.ranks
+    assert (first.waiting_for_kv, first.queued) == (4, 1)  # 4 wait for KV, 1 for compute
+    assert (first.token_usage, first.max_running) == (0.4, 32)
+    assert (second.dp_rank, second.requests, second.queued) == (1, 1, 0)
+    shown = load.to_json()
+    assert shown["num_reqs"] == 9 and len(shown["dp_loads"]) == 2
+
+
+def test_a_prefill_has_no_kv_waiting() -> None:
+    load = parse_v1_loads(v1_loads({
+        "dp_rank": 0, "num_running_reqs": 1, "num_waiting_reqs": 2,
+        "disaggregation": {"mode": "prefill", "prefill_bootstrap_queue_reqs": 3},
+    }))  # fmt: skip
+    assert load.ranks[0].waiting_for_kv == 0 and load.ranks[0].queued == 2
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"nope", b"{}", b'{"loads": []}', b'{"loads": [1]}',
+     b'{"loads": [{"num_running_reqs": "3"}]}', b'{"loads": [{"num_waiting_reqs": true}]}'],
+)  # fmt: skip
+def test_unreadable_loads_are_refused(body: bytes) -> None:
+    with pytest.raises(EngineInfoError):
+        parse_v1_loads(body)
+
+
+def test_the_legacy_get_load_of_older_engines() -> None:
+    load = parse_legacy_load(b'[{"num_reqs": 4, "num_waiting_reqs": 1, "dp_rank": 0}]')
+    assert load.endpoint == "/get_load" and load.requests == 4 and load.ranks[0].running == 3
+
+
+def test_dp_width_is_dp_size_times_attn_dp_size() -> None:
+    """`--dp-size 4 --enable-dp-attention` resolves to dp_size=1, attn_dp_size=4 in 0.5.23."""
+    assert parse_server_info(b'{"dp_size": 1, "attn_dp_size": 4}').dp_width == 4
+    assert parse_server_info(b'{"dp_size": 2, "attn_dp_size": 1}').dp_width == 2
+    assert parse_server_info(b'{"dp_size": 2}').dp_width == 2  # an older engine
+    info = parse_server_info(orjson.dumps({
+        "dp_size": 1, "attn_dp_size": 1, "disaggregation_transfer_backend": "mooncake",
+        "max_running_requests": 32, "enable_dynamic_batch_tokenizer": True, "version": "0.5.23",
+    }))  # fmt: skip
+    assert info.transfer_backend == "mooncake" and info.max_running_requests == 32
+    assert info.abort_latch_hazard is True and info.version == "0.5.23"
+    for bad in (b"[]", b'{"dp_size": 0}', b'{"dp_size": 2048}', b'{"attn_dp_size": "2"}'):
+        with pytest.raises(EngineInfoError):
+            parse_server_info(bad)

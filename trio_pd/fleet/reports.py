@@ -1,0 +1,72 @@
+"""What engines report about themselves, as the fleet keeps it: loads per DP rank and the server
+info the router acts on. Pure values; `control/engine_info.py` fetches and parses them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+
+@attrs.frozen
+class RankLoad:
+    """One DP rank's load. `waiting` is the engine's `num_waiting_reqs`; `waiting_for_kv` the
+    part of it a PD decode holds for KV caches still to arrive (0 elsewhere, or unknown)."""
+
+    dp_rank: int = 0
+    running: int = 0
+    waiting: int = 0
+    waiting_for_kv: int = 0
+    used_tokens: int = 0
+    token_usage: float = 0.0
+    max_running: int = 0
+
+    @property
+    def requests(self) -> int:
+        """Requests the rank holds: what `num_reqs` of the old `/get_load` counted."""
+        return self.running + self.waiting
+
+    @property
+    def queued(self) -> int:
+        """Requests queued for compute, not for a KV transfer."""
+        return max(0, self.waiting - self.waiting_for_kv)
+
+
+@attrs.frozen
+class EngineLoad:
+    ranks: tuple[RankLoad, ...]
+    endpoint: str  # which endpoint answered: "/v1/loads", or "/get_load" on older engines
+
+    @property
+    def requests(self) -> int:
+        return sum(rank.requests for rank in self.ranks)
+
+    @property
+    def waiting(self) -> int:
+        return sum(rank.waiting for rank in self.ranks)
+
+    @property
+    def used_tokens(self) -> int:
+        return sum(rank.used_tokens for rank in self.ranks)
+
+    def to_json(self) -> dict[str, Any]:
+        """`GET /get_loads`'s figures for one worker: the old `/get_load` names, summed over
+        ranks, and every rank's own."""
+        return {
+            "num_reqs": self.requests,
+            "num_waiting_reqs": self.waiting,
+            "num_tokens": self.used_tokens,
+            "load_endpoint": self.endpoint,
+            "dp_loads": [attrs.asdict(rank) for rank in self.ranks],
+        }
+
+
+@attrs.frozen
+class ServerInfo:
+    dp_width: int = 1
+    transfer_backend: str | None = None  # `disaggregation_transfer_backend`
+    max_running_requests: int | None = None  # per DP rank
+    # The async dynamic batch tokenizer awaits between registering a rid and scheduling it: the
+    # window in which an abort is lost and latches (docs/protocol.md §10).
+    abort_latch_hazard: bool = False
+    version: str | None = None
