@@ -19,7 +19,9 @@ class WorkerSpec:
     """One upstream engine: its base URL and, for prefill, the bootstrap port (None = no port).
 
     ``model_id`` names the model it serves (None: the router's only model); ``api_key`` is sent
-    to this worker as `Authorization: Bearer` instead of the router-wide `--api-key`.
+    to this worker as `Authorization: Bearer` instead of the router-wide `--api-key`;
+    ``admin_api_key`` is sent on its `/abort_request` instead of `--worker-admin-api-key` (an
+    engine started with `--admin-api-key` takes only that key there, docs/protocol.md §10).
     """
 
     url: str = attrs.field(converter=lambda u: u.rstrip("/"))
@@ -27,6 +29,7 @@ class WorkerSpec:
     bootstrap_port: int | None = None
     model_id: str | None = None
     api_key: str | None = attrs.field(default=None, repr=False)
+    admin_api_key: str | None = attrs.field(default=None, repr=False)
 
 
 @attrs.frozen

@@ -5,6 +5,8 @@ was freed by the abort."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import trio
 
@@ -12,6 +14,8 @@ from tests.conftest import Cluster, start_cluster
 from tests.router.fleet_tools import LOOSE
 from tests.router.helpers import generate_body, read_sse, settle
 from trio_pd.config import RetryConfig
+
+RID = re.compile(r"trio-pd-[0-9a-f]{32}")
 
 SLOW_POLL = {"disconnect_poll_secs": 30.0}
 
@@ -46,7 +50,7 @@ async def test_a_failed_prefill_frees_the_decode_slot_at_once(
     assert abort["matched"] is True
     started = cluster.decode.events.find("request_start", rid=rid)[0]
     assert abort["sglang_rid"] == started["sglang_rid"]  # the router's own rid for the attempt
-    assert started["sglang_rid"].startswith(rid)
+    assert RID.fullmatch(started["sglang_rid"])
     await settle(lambda: cluster.router.metrics.aborts.labels("decode", "sent")._value.get() >= 1)
     await cluster.client.aclose()
 
@@ -114,11 +118,15 @@ async def test_no_abort_on_cancel_leaves_it_to_the_disconnect_poll(nursery: trio
     assert freed["reason"] == "aborted_disconnect"
     assert not cluster.decode.events.find("abort_request")
     started = cluster.decode.events.find("request_start", rid=rid)[0]
-    assert started["sglang_rid"] is None  # no router rid either: the body is the client's
+    assert RID.fullmatch(started["sglang_rid"])  # the router's own rid, aborts or not
     await cluster.client.aclose()
 
 
-async def test_a_client_rid_is_kept_and_retries_get_their_own(nursery: trio.Nursery) -> None:
+async def test_engine_rids_are_the_routers_own_and_fresh_per_attempt(
+    nursery: trio.Nursery,
+) -> None:
+    """A client's `rid` never reaches an engine (it stays in the access log): each attempt has
+    a rid of its own, which no other live rid extends (the engine aborts by prefix)."""
     cluster = await abort_cluster(
         nursery,
         n_prefill=2,
@@ -135,8 +143,10 @@ async def test_a_client_rid_is_kept_and_retries_get_their_own(nursery: trio.Nurs
         for engine in cluster.prefills
         for e in engine.events.find("request_start", rid="with-rid")
     ]
-    assert sorted(seen) == ["my-rid", "my-rid-retry1"]
+    assert len(seen) == 2  # provoked: a retry happened
+    assert all(RID.fullmatch(r) for r in seen) and len(set(seen)) == 2
+    assert not seen[0].startswith(seen[1]) and not seen[1].startswith(seen[0])
     decode_seen = [e["sglang_rid"] for e in cluster.decode.events.find("request_start")]
-    assert sorted(decode_seen) == ["my-rid", "my-rid-retry1"]
-    assert not cluster.decode.events.find("request_end", rid="with-rid", status=400)
+    assert sorted(decode_seen) == sorted(seen)  # each attempt's legs share its rid
+    assert "my-rid" not in str(cluster.decode.events.find("request_start"))
     await cluster.client.aclose()

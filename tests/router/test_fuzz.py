@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from typing import Any
 
@@ -51,6 +52,7 @@ GENERATE, COMPLETIONS, CHAT = "/generate", "/v1/completions", "/v1/chat/completi
 PATHS = (GENERATE, COMPLETIONS, CHAT)
 BOOTSTRAP = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 ROUTER_FIELDS = (*BOOTSTRAP, "rid")  # the router owns these on the legs (rid: for aborts)
+ENGINE_RID = re.compile(r"trio-pd-[0-9a-f]{32}")
 MAX_BATCH = 64  # the fuzzed router's --max-batch-size: batches just over it are drawn too
 EXAMPLES = 300
 MIN_COMPARED = 80  # bodies whose leg bytes were compared with the client's, at least
@@ -402,11 +404,25 @@ def batch_size(path: str, body: dict[str, Any]) -> int | None:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             return len(prompt)
+    return None
+
+
+def samples_of(path: str, body: dict[str, Any]) -> int:
+    """How many samples of its prompt a request asks (`n`; `sampling_params.n` on /generate):
+    each is its own PD request, the body less `n` (pd/samples.py)."""
+    if path == GENERATE:
+        params = body.get("sampling_params")
+        n = params.get("n") if isinstance(params, dict) else None
     else:
         n = body.get("n")
-        if isinstance(n, int) and not isinstance(n, bool) and n > 1:
-            return n
-    return None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+
+def without_n(path: str, body: dict[str, Any]) -> dict[str, Any]:
+    if path == GENERATE:
+        params = {k: v for k, v in body["sampling_params"].items() if k != "n"}
+        return {**body, "sampling_params": params}
+    return {k: v for k, v in body.items() if k != "n"}
 
 
 def same(a: Any, b: Any) -> bool:
@@ -459,7 +475,6 @@ class Checker:
             "prefill": cluster.prefill.events.find("request_start", rid=rid),
             "decode": cluster.decode.events.find("request_start", rid=rid),
         }
-        assert all(len(s) <= 1 for s in starts.values()), f"retries are off: {what}"
         try:
             client = strict_parse(case.raw)
             if not isinstance(client, dict):
@@ -476,16 +491,31 @@ class Checker:
             self.assert_refused(response, starts, what)
             return
         batch = batch_size(case.path, client)
+        samples = samples_of(case.path, client)
+        # Retries are off: one attempt per sample at most.
+        assert all(len(s) <= samples for s in starts.values()), f"retries are off: {what}"
         if batch is not None and batch > MAX_BATCH:
             self.stats["refused: batch over the limit"] += 1
             self.assert_refused(response, starts, what)
             assert str(batch) in response.json()["error"]["message"], what
             return
+        if samples > MAX_BATCH:
+            self.stats["refused: n over the limit"] += 1
+            self.assert_refused(response, starts, what)
+            assert str(samples) in response.json()["error"]["message"], what
+            return
+        if samples > 1 and batch is not None:
+            self.stats["refused: n > 1 with a batch"] += 1
+            self.assert_refused(response, starts, what)
+            return
+        if samples > 1:
+            self.stats["forwarded as samples"] += 1
+            client = without_n(case.path, client)
         # A valid body the router must have passed on (it may still have been cut short: an
         # engine refusing it, or prefill failing before decode read its request).
         assert starts["prefill"] or starts["decode"], f"the router answered itself: {what}"
         raws = {role: s[0]["raw"] for role, s in starts.items() if s and "raw" in s[0]}
-        if len(raws) == 2:
+        if len(raws) == 2 and samples == 1:
             assert raws["prefill"] == raws["decode"], f"the legs got different bodies: {what}"
         if not raws:
             self.stats["forwarded, refused by the engines"] += 1
@@ -495,26 +525,22 @@ class Checker:
             return
         self.stats["forwarded, compared"] += 1
         leg_raw = next(iter(raws.values())).encode("utf-8", "surrogateescape")
-        self.assert_leg_body(case, client, batch, leg_raw, what)
+        self.assert_leg_body(case, client, batch, leg_raw, what, samples)
 
     def assert_rid(self, client_rid: Any, batch: int | None, rid: Any, what: str) -> None:
-        """The client's own rid is kept (a string on a batch names its items `<rid>_<i>`, as
-        SGLang does); without a usable one the router makes its own, one per item."""
-        if isinstance(client_rid, str) and client_rid:
-            self.stats["rid: the client's"] += 1
-            expected = client_rid if batch is None else [f"{client_rid}_{i}" for i in range(batch)]
-            assert same(rid, expected), what
-        elif (
-            isinstance(client_rid, list)
-            and client_rid
-            and all(isinstance(r, str) for r in client_rid)
-        ):
-            self.stats["rid: the client's list"] += 1
-            assert same(rid, client_rid), what
-        elif batch is None:
-            assert isinstance(rid, str) and rid, what
+        """The engines' rid is always the router's own (a client's, string or list, never
+        reaches them: another client could collide with it or have it aborted): one fixed-length
+        `trio-pd-<hex>` per attempt, or one `<base>-<i>` per batch item, none a prefix of
+        another (the engine aborts by prefix)."""
+        if client_rid is not None:
+            self.stats["rid: the client's, replaced"] += 1
+            assert not same(rid, client_rid), what
+        if batch is None:
+            assert isinstance(rid, str) and ENGINE_RID.fullmatch(rid), what
         else:
             assert isinstance(rid, list) and len(set(rid)) == len(rid) == batch, what
+            assert all(ENGINE_RID.fullmatch(r.rpartition("-")[0]) for r in rid), what
+            assert not any(a != b and b.startswith(a) for a in rid for b in rid), what
 
     def assert_refused(
         self, response: httpx2.Response, starts: dict[str, list[Any]], what: str
@@ -526,7 +552,13 @@ class Checker:
         assert not starts["decode"], f"a refused body reached decode: {what}"
 
     def assert_leg_body(
-        self, case: Case, client: dict[str, Any], batch: int | None, leg_raw: bytes, what: str
+        self,
+        case: Case,
+        client: dict[str, Any],
+        batch: int | None,
+        leg_raw: bytes,
+        what: str,
+        samples: int = 1,
     ) -> None:
         leg = strict_parse(leg_raw)
         assert isinstance(leg, dict), what
@@ -544,14 +576,14 @@ class Checker:
             assert same(host, "127.0.0.1"), what
             assert same(port, prefill.bootstrap_port), what
             assert type(room) is int, what
-            assert 0 <= room <= MAX_ROOM, what
+            assert 1 <= room <= MAX_ROOM, what  # room 0 is the decode's "not yet" sentinel
         else:
             self.stats["forwarded, compared, batch"] += 1
             assert same(host, ["127.0.0.1"] * batch), what
             assert same(port, [prefill.bootstrap_port] * batch), what
-            assert all(type(r) is int and 0 <= r <= MAX_ROOM for r in room), what
+            assert all(type(r) is int and 1 <= r <= MAX_ROOM for r in room), what
             assert len(set(room)) == len(room) == batch, what
-        if not any(k in client for k in ROUTER_FIELDS):
+        if samples == 1 and not any(k in client for k in ROUTER_FIELDS):
             # The client's own bytes, up to its closing brace, are the start of the legs' body.
             end = case.raw.rstrip().rindex(b"}")
             assert leg_raw.startswith(case.raw[:end]), f"the body was re-serialized: {what}"

@@ -209,6 +209,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "router; also read from $TRIO_PD_API_KEY",
     )
     p.add_argument(
+        "--worker-admin-api-key",
+        default=None,
+        help="sent on the workers' POST /abort_request (engines started with --admin-api-key "
+        "take only that key there); default: the worker's --api-key. Also read from "
+        "$TRIO_PD_WORKER_ADMIN_API_KEY; a worker's own admin_api_key (admin API, membership "
+        "file) wins",
+    )
+    p.add_argument(
         "--control-plane-api-keys",
         nargs="*",
         default=[],
@@ -643,6 +651,12 @@ def edge_checks(args: argparse.Namespace, error: Callable[[str], None]) -> tuple
         )
     if args.api_key and not usable_key(args.api_key):
         error("--api-key must be visible ASCII (it is sent in an Authorization header)")
+    admin = args.worker_admin_api_key or os.environ.get("TRIO_PD_WORKER_ADMIN_API_KEY")
+    if admin and not usable_key(admin):
+        error(
+            "--worker-admin-api-key ($TRIO_PD_WORKER_ADMIN_API_KEY) must be visible ASCII (it is "
+            "sent in an Authorization header)"
+        )
     for name in args.request_id_headers or ():
         if not HEADER_NAME.fullmatch(name):
             error(f"--request-id-headers: {name!r} is not an HTTP header name")
@@ -707,6 +721,9 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         ),
         cors_allowed_origins=origins,
         api_key=args.api_key or os.environ.get("TRIO_PD_API_KEY") or None,
+        worker_admin_api_key=(
+            args.worker_admin_api_key or os.environ.get("TRIO_PD_WORKER_ADMIN_API_KEY") or None
+        ),
         control_plane_api_keys=control_keys(error, args.control_plane_api_keys),
         control_plane_audit_enabled=args.control_plane_audit_enabled,
         data_plane_api_keys=tuple(

@@ -126,6 +126,8 @@ class RouterConfig:
     request_id_headers: tuple[str, ...] | None = None  # None: request_ids.DEFAULT_HEADERS
     cors_allowed_origins: tuple[str, ...] = ()  # empty: any origin (SMG's meaning)
     api_key: str | None = attrs.field(default=None, repr=False)  # sent TO workers (SMG's meaning)
+    # Sent on the workers' /abort_request (engines with --admin-api-key take only it there).
+    worker_admin_api_key: str | None = attrs.field(default=None, repr=False)
     control_plane_api_keys: tuple[ControlKey, ...] = ()
     control_plane_audit_enabled: bool = False
     data_plane_api_keys: tuple[str, ...] = attrs.field(default=(), repr=False)

@@ -831,10 +831,11 @@ class EtcdMembership:
         etcd, so unique across replicas and never reused); on this replica's lease when one
         is configured. DuplicateWorker if a worker with this URL and role exists; UnstorableSpec
         for a spec with an api_key. EtcdError when etcd cannot be written."""
-        if spec.api_key:
+        if spec.api_key or spec.admin_api_key:
             raise UnstorableSpec(
-                "a per-worker api_key is not stored in etcd (anyone reading etcd would see it); "
-                "register the worker without one, the router-wide --api-key applies"
+                "a per-worker api_key or admin_api_key is not stored in etcd (anyone reading "
+                "etcd would see it); register the worker without one, the router-wide "
+                "--api-key / --worker-admin-api-key apply"
             )
         if spec.role not in ROLES:
             raise ValueError(f"role must be prefill or decode: {spec.role!r}")

@@ -12,7 +12,8 @@ The file:
     {"version": 1,
      "serial": {"prefill": 2, "decode": 1},        # numbers handed out so far (never reused)
      "workers": [{"id": "prefill-1", "url": "http://...", "worker_type": "prefill",
-                  "bootstrap_port": 8998, "model_id": null, "api_key": null}, ...]}
+                  "bootstrap_port": 8998, "model_id": null, "api_key": null,
+                  "admin_api_key": null}, ...]}
 Worker ids of a hand-written file may be anything unique; missing ids are derived from the URL.
 """
 
@@ -47,6 +48,7 @@ def spec_json(worker_id: str, spec: WorkerSpec) -> dict[str, Any]:
         "bootstrap_port": spec.bootstrap_port,
         "model_id": spec.model_id,
         "api_key": spec.api_key,
+        "admin_api_key": spec.admin_api_key,
     }
 
 
@@ -63,7 +65,9 @@ def parse_workers(data: Any) -> list[WorkerRecord]:
         if role not in ("prefill", "decode") or not isinstance(url, str):
             raise ValueError(f"a worker needs a url and a worker_type prefill|decode: {item!r}")
         port = item.get("bootstrap_port")
-        spec = WorkerSpec(url, role, port, item.get("model_id"), item.get("api_key"))
+        spec = WorkerSpec(
+            url, role, port, item.get("model_id"), item.get("api_key"), item.get("admin_api_key")
+        )
         worker_id = item.get("id") or f"{role}-{spec.url}"
         records.append(WorkerRecord(str(worker_id), spec, SOURCE))
     ids = [r.id for r in records]

@@ -21,6 +21,9 @@ class RequestCancel:
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     cause: str = "cancelled"
     at: float = 0.0
+    # A sample of an n > 1 request (`pd/samples.py`) runs in a scope of its own inside the
+    # request's: when the request is cancelled, that is why its legs ended.
+    parent: RequestCancel | None = None
 
     def cancel(self, cause: str) -> None:
         if not self.scope.cancel_called:
@@ -29,4 +32,6 @@ class RequestCancel:
             self.scope.cancel(reason=cause)
 
     def why(self) -> tuple[str, float]:
+        if self.parent is not None and self.parent.scope.cancel_called:
+            return self.parent.why()
         return self.cause, self.at if self.scope.cancel_called else trio.current_time()

@@ -12,12 +12,15 @@ client sent reaches the workers exactly as sent.
 from __future__ import annotations
 
 import random
+import secrets
 from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
 
-MAX_ROOM = 2**63 - 1
+MAX_ROOM = 2**63 - 1  # rooms are drawn from [1, MAX_ROOM]: 0 is the decode's "not yet" sentinel
+RID_PREFIX = "trio-pd-"
+RID_LENGTH = len(RID_PREFIX) + 32  # a fixed length: no attempt's rid is a prefix of another's
 
 
 def bootstrap_host(url: str) -> str:
@@ -43,9 +46,30 @@ def rooms_for(
 
 
 def _room(rng: random.Random, dp_size: int, rank: int) -> int:
+    """A room in [1, MAX_ROOM] (SGLang's decode reads room 0 as "metadata not yet written",
+    `disaggregation/utils.py`), `room % dp_size == rank` when aligned."""
     if dp_size <= 1:
-        return rng.randint(0, MAX_ROOM)
-    return rng.randrange(MAX_ROOM // dp_size) * dp_size + rank
+        return rng.randint(1, MAX_ROOM)
+    # Multiples of dp_size plus rank; for rank 0 the lowest multiple is skipped (room 0).
+    low = 1 if rank == 0 else 0
+    return rng.randrange(low, MAX_ROOM // dp_size) * dp_size + rank
+
+
+def attempt_rids(batch: int | None) -> str | list[str]:
+    """The SGLang `rid` of one attempt's legs: the router's own, fresh for every attempt.
+
+    The engine matches an abort by prefix (`req.rid.startswith(abort.rid)`,
+    `managers/scheduler.py`), so no live rid may be a prefix of another: a single request gets
+    `trio-pd-<32 random hex>`, a fixed length no other rid of that form can extend; a batch
+    gets one rid per item, `<base>-<i>` with the index zero-padded to one width, so no item
+    extends another and no item can extend another request's rid (its base is random). The
+    client's own `rid` never reaches an engine: another client could otherwise collide with
+    it or have the router abort it (docs/protocol.md §10)."""
+    base = RID_PREFIX + secrets.token_hex(16)
+    if batch is None:
+        return base
+    width = len(str(max(batch - 1, 0)))
+    return [f"{base}-{i:0{width}d}" for i in range(batch)]
 
 
 def bootstrap_fields(

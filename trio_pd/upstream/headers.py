@@ -7,6 +7,7 @@ hop-by-hop headers and those the router sets itself).
 
 from __future__ import annotations
 
+from trio_pd.spec import WorkerSpec
 from trio_pd.upstream.http11 import Response
 
 # X-SMG-Routing-Key too: SGLang's router (SMG) forwards it to the workers as well.
@@ -82,6 +83,19 @@ def usable_key(key: str | None) -> bool:
     """Whether a worker key can go into `worker_authorization`'s header as it is (visible
     ASCII: a CR/LF would inject headers of its own). Keys are checked where they come in."""
     return key is None or all(0x21 <= ord(c) <= 0x7E for c in key)
+
+
+def generation_key(spec: WorkerSpec, router_key: str | None) -> str | None:
+    """The key a worker's generation, info and health routes get: its own, else `--api-key`."""
+    return spec.api_key or router_key
+
+
+def admin_key(spec: WorkerSpec, router_admin_key: str | None, router_key: str | None) -> str | None:
+    """The key a worker's `/abort_request` gets: its admin key, else `--worker-admin-api-key`,
+    else its generation key. SGLang guards that route ADMIN_OPTIONAL (`utils/auth.py`): open
+    without keys, the API key with only `--api-key`, and only the admin key once the engine has
+    `--admin-api-key`."""
+    return spec.admin_api_key or router_admin_key or generation_key(spec, router_key)
 
 
 def worker_authorization(
