@@ -22,7 +22,7 @@ from trio_pd.edge.routing_key import routing_key
 from trio_pd.errors import RouterError
 from trio_pd.pd import payload
 from trio_pd.pd.cancel import RequestCancel
-from trio_pd.pd.dispatch import DispatchContext, PDRequest, dispatch
+from trio_pd.pd.dispatch import DispatchContext, PDRequest, dispatch_request
 from trio_pd.pd.injection import DP_KEYS
 from trio_pd.pd.relay import error_frame
 from trio_pd.respond import Responder
@@ -85,7 +85,7 @@ async def handle_generation(
                 nursery.start_soon(watch_disconnect, receive, rsp, cancel)
                 try:
                     async with gen.admission.slot():
-                        await dispatch(gen.dispatch, request, rsp, cancel)
+                        await dispatch_request(gen.dispatch, request, rsp, cancel)
                 except RouterError as error:  # 429 from admission, 413 with the router's fields
                     if not rsp.started:
                         await rsp.error(error)
@@ -103,11 +103,10 @@ async def handle_generation(
             trace.end(rsp, cancel, None)
 
 
-def owned_keys(config: RouterConfig, aborts: bool) -> frozenset[str]:
-    """The body keys the router writes itself (a client's own are removed first)."""
-    owned = set(payload.BOOTSTRAP_KEYS)
-    if aborts:
-        owned.add("rid")
+def owned_keys(config: RouterConfig) -> frozenset[str]:
+    """The body keys the router writes itself (a client's own are removed first). `rid` always:
+    the engines' rids are the router's, whatever a client sends (`pd/injection.attempt_rids`)."""
+    owned = {*payload.BOOTSTRAP_KEYS, "rid"}
     if config.dp_aware:
         owned |= DP_KEYS
     return frozenset(owned)

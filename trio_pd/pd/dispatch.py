@@ -29,16 +29,26 @@ from trio_pd.observe.metrics import RouterMetrics
 from trio_pd.pd.aborts import AbortJob, AbortService
 from trio_pd.pd.attempt import Attempt, Leg
 from trio_pd.pd.cancel import RequestCancel
-from trio_pd.pd.injection import bootstrap_fields, bootstrap_host, dp_fields, rooms_for, splice
+from trio_pd.pd.injection import (
+    attempt_rids,
+    bootstrap_fields,
+    bootstrap_host,
+    dp_fields,
+    rooms_for,
+    splice,
+)
 from trio_pd.pd.outcome import FailureHistory, LegFailure, record_outcome
 from trio_pd.pd.payload import Inspected
 from trio_pd.pd.relay import error_frame
+from trio_pd.pd.samples import dispatch_samples
 from trio_pd.pd.trace import RequestTrace
 from trio_pd.respond import Responder
-from trio_pd.upstream.headers import worker_authorization
+from trio_pd.upstream.headers import admin_key, generation_key, worker_authorization
 from trio_pd.upstream.pool import UpstreamPool
 
 log = logging.getLogger("trio_pd.dispatch")
+# How long the first abort of a leg waits where the latch hazard applies (see `abort_hook`).
+LATCH_DELAY_SECS = 1.0
 
 
 @attrs.frozen
@@ -64,6 +74,25 @@ class DispatchContext:
     rng: random.Random
     metrics: RouterMetrics
     aborts: AbortService | None = None  # None: --no-abort-on-cancel
+
+
+async def dispatch_request(
+    ctx: DispatchContext, request: PDRequest, responder: Responder, cancel: RequestCancel
+) -> None:
+    """Answer a client request: one PD request, or one per sample when it asks `n > 1`
+    (`samples.py`: PD engines cannot sample n > 1 themselves)."""
+    rid = request.inspected.rid
+    if rid is not None:  # logged, never sent: the engines' rids are the router's own
+        responder.route_info["client_rid"] = str(rid)[:200]
+    count = request.inspected.samples
+    if count <= 1:
+        await dispatch(ctx, request, responder, cancel)
+        return
+
+    async def one(index: int, sub: Responder, sub_cancel: RequestCancel) -> None:
+        await dispatch(ctx, request, sub, sub_cancel)
+
+    await dispatch_samples(request.path, count, request.inspected.stream, responder, cancel, one)
 
 
 async def dispatch(
@@ -180,11 +209,9 @@ def new_attempt(
         rooms_for(inspected.batch, ctx.rng, *ranks.room_alignment),
         inspected.batch,
     )
-    rids: tuple[str, ...] = ()
-    if ctx.aborts is not None:
-        rid = attempt_rid(inspected.rid, request.request_id, inspected.batch, number, ctx.rng)
-        fields["rid"] = rid
-        rids = (rid,) if isinstance(rid, str) else tuple(rid)
+    rid = attempt_rids(inspected.batch)
+    fields["rid"] = rid
+    rids = (rid,) if isinstance(rid, str) else tuple(rid)
     prefill_body = splice(inspected.body, inspected.empty, {**fields, **ranks.prefill_fields})
     decode_body = (
         splice(inspected.body, inspected.empty, {**fields, **ranks.decode_fields})
@@ -205,7 +232,9 @@ def new_attempt(
             body,
             leg_headers_for(ctx, request, worker),
             partial(ctx.fleet.track, worker, hold, request.routing_key),
-            abort_hook(ctx, worker, rids),
+            abort_hook(
+                ctx, worker, rids, request.request_id.encode("latin-1"), inspected.multimodal
+            ),
         )
 
     return Attempt(
@@ -296,38 +325,31 @@ def resolve_model(ctx: DispatchContext, requested: str | None) -> str | None:
     return model
 
 
-def attempt_rid(
-    client_rid: Any, request_id: str, batch: int | None, number: int, rng: random.Random
-) -> str | list[str]:
-    """The SGLang `rid` of one attempt, which names it for `/abort_request`.
-
-    The client's own rid is kept on the first attempt; a retry appends `-retry<k>`, because the
-    engine may still hold the failed attempt's rid and refuses one it holds. Without a client
-    rid: the request id plus a random suffix (clients may reuse request ids). Batches get one
-    rid per item (a string rid names the items `<rid>_<i>`, as SGLang does)."""
-    suffix = f"-retry{number - 1}" if number > 1 else ""
-    if isinstance(client_rid, str) and client_rid:
-        if batch is None:
-            return client_rid + suffix
-        return [f"{client_rid}_{i}{suffix}" for i in range(batch)]
-    if isinstance(client_rid, list) and client_rid and all(isinstance(r, str) for r in client_rid):
-        return [r + suffix for r in client_rid]
-    base = f"{request_id}-{rng.getrandbits(32):08x}"
-    return base if batch is None else [f"{base}-{i}" for i in range(batch)]
-
-
 def abort_hook(
-    ctx: DispatchContext, worker: Worker, rids: tuple[str, ...]
+    ctx: DispatchContext,
+    worker: Worker,
+    rids: tuple[str, ...],
+    request_id: bytes,
+    multimodal: bool = False,
 ) -> Callable[[Leg], None] | None:
-    """What an abandoned leg does: queue `/abort_request` for its rids on its worker."""
+    """What an abandoned leg does: queue `/abort_request` for its rids on its worker.
+
+    The first abort is held back `LATCH_DELAY_SECS` where the engine can be caught between
+    registering the rid and scheduling it (its async dynamic batch tokenizer, or a multimodal
+    request): an abort landing there is lost and latches, suppressing every later abort of the
+    rid, the engine's own disconnect abort included (docs/protocol.md §10). Elsewhere that
+    path does not yield, and the abort goes at once."""
     aborts = ctx.aborts
     if aborts is None or not rids:
         return None
 
+    config = ctx.config
+    key = admin_key(worker.spec, config.worker_admin_api_key, config.api_key)
+    headers = (*worker_authorization(key, None), (b"x-request-id", request_id))
+    delay = LATCH_DELAY_SECS if worker.abort_latch_hazard or multimodal else 0.0
+
     def abandon(leg: Leg) -> None:
-        key = worker.spec.api_key or ctx.config.api_key
-        headers = tuple(worker_authorization(key, None))
-        aborts.request(AbortJob(leg.role, worker.url, rids, headers))
+        aborts.request(AbortJob(leg.role, worker.url, rids, headers, delay))
 
     return abandon
 
@@ -335,7 +357,7 @@ def abort_hook(
 def leg_headers_for(
     ctx: DispatchContext, request: PDRequest, worker: Worker
 ) -> list[tuple[bytes, bytes]]:
-    key = worker.spec.api_key or ctx.config.api_key
+    key = generation_key(worker.spec, ctx.config.api_key)
     if not key and not request.authorization:
         return request.headers
     return [*request.headers, *worker_authorization(key, request.authorization)]

@@ -47,6 +47,8 @@ class Inspected:
     length: int  # characters of the routing text before the cap (bucket policy); 0: no text
     model: str | None
     rid: Any  # the client's own `rid` (str, list or None); the router owns the key on the legs
+    multimodal: bool = False  # images, audio or video: the engine's abort latch window is real
+    samples: int = 1  # n > 1: each sample is its own PD request (`pd/samples.py`); body has no n
 
 
 @attrs.frozen
@@ -68,16 +70,28 @@ def inspect_body(
     try:
         payload = json_body.parse_object(raw)
         batch = batch_size(path, payload, max_batch)
+        samples = sample_count(path, payload, max_batch)
+        if samples > 1 and batch is not None:
+            raise bad_request(
+                f"n > 1 with a batch of {batch} prompts is not supported on PD engines: send "
+                "one prompt per request (each of its n samples is its own PD request)"
+            )
     except RouterError as error:
         return Refused(error.status, error.message, error.error_type)
     present = owned_keys.intersection(payload)
-    if present:
-        raw = json_body.dump({k: v for k, v in payload.items() if k not in present})
+    if present or samples > 1:
+        kept = {k: v for k, v in payload.items() if k not in present}
+        if samples > 1:
+            kept = without_n(path, kept)
+        raw = json_body.dump(kept)
+        empty = not kept
+    else:
+        empty = not payload
     model = payload.get("model")
     text, length = prompt_text(path, payload)
     return Inspected(
         body=raw,
-        empty=len(payload) == len(present),
+        empty=empty,
         stream=payload.get("stream") is True,
         logprobs=wants_logprobs(path, payload),
         batch=batch,
@@ -85,16 +99,20 @@ def inspect_body(
         length=length,
         model=model if isinstance(model, str) else None,
         rid=payload.get("rid"),
+        multimodal=is_multimodal(path, payload),
+        samples=samples,
     )
 
 
 def batch_size(path: str, payload: dict[str, Any], limit: int) -> int | None:
-    """Sequences a request carries (None: a single one, scalar bootstrap fields); a batch over
-    `limit` is refused with 400 before the router spends anything on it."""
+    """Prompts a request carries (None: a single one, scalar bootstrap fields); a batch over
+    `limit` is refused with 400 before the router spends anything on it. The engine's batch
+    size is the number of prompts; `n` samples each of them (`sample_count`)."""
     size = _batch_size(path, payload)
     if size is not None and size > limit:
-        what = "n" if path == CHAT else "the batch size"
-        raise bad_request(f"{what} is {size}, more than this router's --max-batch-size {limit}")
+        raise bad_request(
+            f"the batch size is {size}, more than this router's --max-batch-size {limit}"
+        )
     return size
 
 
@@ -112,11 +130,36 @@ def _batch_size(path: str, payload: dict[str, Any]) -> int | None:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             return len(prompt)
         return None
-    if path == CHAT:
-        n = payload.get("n")
-        if isinstance(n, int) and not isinstance(n, bool) and n > 1:
-            return n
     return None
+
+
+def sample_count(path: str, payload: dict[str, Any], limit: int) -> int:
+    """How many samples the client asks of each prompt: `n` on the OpenAI routes,
+    `sampling_params.n` on `/generate` (SGLang's `parallel_sample_num`). 1 unless it is an
+    integer above 1; over `limit` (`--max-batch-size`) it is refused with 400.
+
+    PD engines cannot sample n > 1 themselves (one room, one rid: the prefill answers n
+    choices and the decode waits forever, docs/protocol.md §2), so the router runs each sample
+    as its own PD request (`pd/samples.py`)."""
+    if path == GENERATE:
+        params = payload.get("sampling_params")
+        n = params.get("n") if isinstance(params, dict) else None
+    else:
+        n = payload.get("n")
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 1:
+        return 1
+    if n > limit:
+        raise bad_request(f"n is {n}, more than this router's --max-batch-size {limit}")
+    return n
+
+
+def without_n(path: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """The body one sample of an n > 1 request carries: the client's, without `n`."""
+    if path == GENERATE:
+        params = dict(payload["sampling_params"])
+        del params["n"]
+        return {**payload, "sampling_params": params}
+    return {k: v for k, v in payload.items() if k != "n"}
 
 
 def prompt_text(path: str, payload: dict[str, Any]) -> tuple[str | None, int]:
@@ -159,6 +202,29 @@ def _conversation(messages: list[Any]) -> tuple[str | None, int]:
                 if index < ROUTING_MESSAGE_LIMIT and number < ROUTING_MESSAGE_LIMIT:
                     kept.append(text)
     return "\n".join(kept) or None, chars + parts - 1 if parts else 0
+
+
+MULTIMODAL_KEYS = ("image_data", "video_data", "audio_data")
+
+
+def is_multimodal(path: str, payload: dict[str, Any]) -> bool:
+    """Whether the engine processes media before scheduling this request (`/generate`'s
+    `image_data`/`video_data`/`audio_data`, a chat content part that is not text): its
+    tokenizer manager then awaits between registering the rid and scheduling it, the window in
+    which an abort is lost and latches (docs/protocol.md §10, `pd/dispatch.abort_hook`)."""
+    if path == GENERATE:
+        return any(payload.get(key) not in (None, [], "") for key in MULTIMODAL_KEYS)
+    if path == CHAT:
+        messages = payload.get("messages")
+        if not isinstance(messages, list):
+            return False
+        for message in messages[:ROUTING_MESSAGE_LIMIT]:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list) and any(
+                isinstance(part, dict) and part.get("type", "text") != "text" for part in content
+            ):
+                return True
+    return False
 
 
 def wants_logprobs(path: str, payload: dict[str, Any]) -> bool:

@@ -80,6 +80,14 @@ def inband_failure(obj: Any) -> InbandError | None:
         if isinstance(finish, dict) and finish.get("type") == "abort":
             message = str(finish.get("message") or "request aborted")
             return InbandError(message, status_code(finish.get("status_code")))
+    # OpenAI routes have no top-level meta_info: a graceful abort shows only as a choice's
+    # `finish_reason: "abort"` (a coded one is an `error` event or an HTTP status instead,
+    # `entrypoints/openai/serving_chat.py`): no code, so it is the worker's failure.
+    choices = obj.get("choices")
+    if isinstance(choices, list):
+        for choice in choices:
+            if isinstance(choice, dict) and choice.get("finish_reason") == "abort":
+                return InbandError("the engine aborted the request (finish_reason abort)")
     return None
 
 
