@@ -103,7 +103,7 @@ async def cluster_of(
 
 async def wait_until_ready(client: httpx2.AsyncClient) -> None:
     with trio.fail_after(10):
-        while (await client.get("/health")).status_code != 200:
+        while (await client.get("/readiness")).status_code != 200:
             await trio.sleep(0.02)
 
 

@@ -77,7 +77,7 @@ async def test_serve_command_routes_and_stops_on_sigint(
             with trio.fail_after(30):
                 while True:
                     try:
-                        if (await client.get("/health")).status_code == 200:
+                        if (await client.get("/readiness")).status_code == 200:
                             break
                     except httpx2.TransportError:
                         pass

@@ -98,7 +98,7 @@ async def served_through(clients: Sequence[httpx2.AsyncClient], engine: EngineHa
 
 
 async def etcd_state(client: httpx2.AsyncClient) -> tuple[int, Any]:
-    response = await client.get("/health")
+    response = await client.get("/readiness")
     return response.status_code, response.json().get("membership", {}).get("etcd")
 
 
@@ -138,7 +138,7 @@ async def replicas_agree(
 
         # Added through A: on every process of B within a second, then serving B's requests.
         added = await a.post("/workers", json={"url": second.url, "worker_type": "decode"})
-        assert added.status_code == 201, added.text
+        assert added.status_code == 202, added.text
         new_id = added.json()["id"]
         assert (new_id, added.json()["source"]) == ("etcd-decode-1", "etcd")
         await eventually(lambda: all_have(b_all, new_id, True), PROPAGATION_SECS, "B sees it")
@@ -151,7 +151,7 @@ async def replicas_agree(
         assert listed[new_id]["source"] == "etcd" and listed["decode-1"]["source"] == "static"
 
         # Removed through B: gone from A within a second, and no request reaches it any more.
-        assert (await b_all[1].delete(f"/workers/{new_id}")).status_code == 200
+        assert (await b_all[1].delete(f"/workers/{new_id}")).status_code == 202
         await eventually(lambda: all_have(clients, new_id, False), PROPAGATION_SECS, "gone")
         before = served(second)
         await route(clients, rounds=3)
@@ -159,7 +159,7 @@ async def replicas_agree(
 
         # Another one through B, serving A's requests; then etcd stops.
         added = await b_all[0].post("/workers", json={"url": third.url, "worker_type": "decode"})
-        assert added.status_code == 201, added.text
+        assert added.status_code == 202, added.text
         kept_id = added.json()["id"]
         assert kept_id == "etcd-decode-2"  # ids are etcd's: never reused
         await eventually(lambda: all_have(clients, kept_id, True), PROPAGATION_SECS, "A sees it")
@@ -182,10 +182,10 @@ async def replicas_agree(
         # etcd back: watching resumes, and a change made after the restart arrives everywhere.
         await trio.to_thread.run_sync(etcd_server.start)
         await eventually(lambda: all_see_etcd("up"), OUTAGE_SECS, "etcd seen back", every=0.1)
-        assert (await a.delete(f"/workers/{kept_id}")).status_code == 200
+        assert (await a.delete(f"/workers/{kept_id}")).status_code == 202
         await eventually(lambda: all_have(clients, kept_id, False), PROPAGATION_SECS, "gone")
         again = await b_all[1].post("/workers", json={"url": second.url, "worker_type": "decode"})
-        assert again.status_code == 201
+        assert again.status_code == 202
         await eventually(
             lambda: all_have(clients, again.json()["id"], True), PROPAGATION_SECS, "re-added"
         )
@@ -208,11 +208,11 @@ async def test_a_killed_replicas_leased_workers_expire_from_the_others(
         httpx2.AsyncClient(base_url=replica_b.url, timeout=10) as b,
     ):
         on_lease = await a.post("/workers", json={"url": leased.url, "worker_type": "decode"})
-        assert on_lease.status_code == 201, on_lease.text
+        assert on_lease.status_code == 202, on_lease.text
         leased_id = on_lease.json()["id"]
         assert "lease" in on_lease.json()["meta"]  # hung on A's lease
         kept = await b.post("/workers", json={"url": durable.url, "worker_type": "decode"})
-        assert kept.status_code == 201 and "lease" not in kept.json().get("meta", {})
+        assert kept.status_code == 202 and "lease" not in kept.json().get("meta", {})
         kept_id = kept.json()["id"]
         await eventually(lambda: all_have([b], leased_id, True), PROPAGATION_SECS, "B sees")
         await eventually(lambda: served_through([b], leased), SERVE_SECS, "B routes to it")

@@ -26,8 +26,12 @@ OUTAGE_SECS = 15.0  # noticing an outage or a restart (the watch's retry backoff
 
 
 async def health(client: httpx2.AsyncClient) -> tuple[int, dict[str, Any]]:
-    response = await client.get("/health")
-    return response.status_code, response.json()
+    """Readiness: its status, and what it says of membership (the worker counts aside)."""
+    response = await client.get("/readiness")
+    body = response.json()
+    return response.status_code, {
+        k: body[k] for k in ("status", "degraded", "membership") if k in body
+    }
 
 
 async def wait_health(client: httpx2.AsyncClient, etcd_state: str, timeout: float) -> dict:
@@ -67,10 +71,10 @@ async def test_admin_api_writes_through_etcd_and_maps_its_answers(
     assert isinstance(cluster.router.store, EtcdMembership)
     assert cluster.router.sources == (cluster.router.store,)
     code, body = await health(client)
-    assert (code, body) == (200, {"status": "ok", "membership": {"etcd": "up"}})
+    assert (code, body) == (200, {"status": "ready", "membership": {"etcd": "up"}})
 
     added = await client.post("/workers", json={"url": extra.url, "worker_type": "decode"})
-    assert added.status_code == 201, added.text
+    assert added.status_code == 202, added.text
     worker = added.json()
     assert worker["id"] == "etcd-decode-1"
     assert worker["source"] == "etcd"
@@ -102,7 +106,12 @@ async def test_admin_api_writes_through_etcd_and_maps_its_answers(
     await trio.to_thread.run_sync(etcd_server.stop)
     assert not etcd_server.running
     down = await wait_health(client, "down", OUTAGE_SECS)
-    assert down == {"code": 200, "status": "degraded", "membership": {"etcd": "down"}}
+    assert down == {
+        "code": 200,
+        "status": "ready",
+        "degraded": True,
+        "membership": {"etcd": "down"},
+    }
     ids = [w["id"] for w in (await client.get("/workers")).json()["workers"]]
     assert ids == ["prefill-1", "decode-1", "etcd-decode-1"]
     body = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
@@ -125,9 +134,9 @@ async def test_admin_api_writes_through_etcd_and_maps_its_answers(
     # Back: watching resumes, the store takes writes again.
     await trio.to_thread.run_sync(etcd_server.start)
     up = await wait_health(client, "up", OUTAGE_SECS)
-    assert up == {"code": 200, "status": "ok", "membership": {"etcd": "up"}}
+    assert up == {"code": 200, "status": "ready", "membership": {"etcd": "up"}}
     removed = await client.delete("/workers/etcd-decode-1")
-    assert removed.status_code == 200 and removed.json()["removed"] is True
+    assert removed.status_code == 202 and removed.json()["removed"] is True
     ids = [w["id"] for w in (await client.get("/workers")).json()["workers"]]
     assert ids == ["prefill-1", "decode-1"]
     await cluster.client.aclose()
@@ -141,7 +150,10 @@ async def test_unreachable_etcd_at_startup_does_not_hold_the_router(nursery: tri
     with trio.fail_after(10):
         cluster = await cluster_of(nursery, [prefill], [decode], etcd=config)
     code, body = await health(cluster.client)
-    assert (code, body) == (200, {"status": "degraded", "membership": {"etcd": "down"}})
+    assert (code, body) == (
+        200,
+        {"status": "ready", "degraded": True, "membership": {"etcd": "down"}},
+    )
     body = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
     assert (await cluster.client.post("/generate", json=body)).status_code == 200
     await cluster.client.aclose()

@@ -46,8 +46,12 @@ def metric(text: str, name: str, **labels: str) -> float | None:
 
 
 async def membership_state(client: httpx2.AsyncClient) -> tuple[int, dict]:
-    response = await client.get("/health")
-    return response.status_code, response.json()
+    """Readiness: its status, and what it says of membership (the worker counts aside)."""
+    response = await client.get("/readiness")
+    body = response.json()
+    return response.status_code, {
+        k: body[k] for k in ("status", "degraded", "membership") if k in body
+    }
 
 
 async def test_discovered_static_and_admin_workers_side_by_side(
@@ -90,7 +94,7 @@ async def test_discovered_static_and_admin_workers_side_by_side(
     assert found["decode-d0"]["url"] == pod_decode.url
     assert found["prefill-p0"]["bootstrap_port"] == prefill.bootstrap_port
     assert await membership_state(client) == (
-        200, {"status": "ok", "membership": {"kubernetes": "up"}}
+        200, {"status": "ready", "membership": {"kubernetes": "up"}}
     )  # fmt: skip
 
     # A pod's worker belongs to Kubernetes: the admin API cannot remove it, nor register its URL.
@@ -99,7 +103,7 @@ async def test_discovered_static_and_admin_workers_side_by_side(
     taken = await client.post("/workers", json={"url": pod_decode.url, "worker_type": "decode"})
     assert taken.status_code == 409 and "decode-d0" in taken.json()["error"]["message"]
     added = await client.post("/workers", json={"url": admin_decode.url, "worker_type": "decode"})
-    assert added.status_code == 201 and added.json()["source"] == "admin"
+    assert added.status_code == 202 and added.json()["source"] == "admin"
     admin_id = added.json()["id"]
 
     text = (await client.get("/metrics")).text
@@ -116,7 +120,7 @@ async def test_discovered_static_and_admin_workers_side_by_side(
 
     await eventually(lambda: kubernetes_is("down"), OUTAGE_SECS, "API server seen down")
     code, body = await membership_state(client)
-    assert (code, body["status"]) == (200, "degraded")
+    assert (code, body["status"], body["degraded"]) == (200, "ready", True)
     assert set(await workers(client)) == {"decode-1", "prefill-p0", "decode-d0", admin_id}
     await eventually(lambda: served_through(client, pod_decode), 5.0, "the pod's worker serves")
     text = (await client.get("/metrics")).text

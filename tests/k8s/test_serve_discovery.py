@@ -183,7 +183,7 @@ async def lifecycles(
     # A force delete: DELETED with no warning; no decode is left, so the router is not ready.
     fake.force_delete_pod(other_name)
     await eventually(lambda: markers.lacks(f"decode-{other_name}"), PROPAGATION_SECS, "forced")
-    assert (await client.get("/health")).status_code == 503
+    assert (await client.get("/readiness")).status_code == 503
 
     # A new pod (new name, new uid) on the freed IP and port joins, and serves.
     ready_engine_pod(fake, "d3", other)

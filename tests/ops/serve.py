@@ -51,7 +51,7 @@ class ServeProcess:
                     if self.process.returncode is not None:
                         raise AssertionError(f"serve exited early:\n{self.log()}")
                     try:
-                        if (await probe.get("/health")).status_code == 200:
+                        if (await probe.get("/readiness")).status_code == 200:
                             return
                     except httpx2.TransportError:
                         pass

@@ -150,7 +150,7 @@ async def test_readiness_turns_503_and_new_requests_get_503_while_draining(
     assert (await cluster.client.get("/readiness")).status_code == 200
     cluster.router.drain.begin()
     ready = await cluster.client.get("/readiness")
-    assert ready.status_code == 503 and ready.json()["status"] == "draining"
+    assert ready.status_code == 503 and ready.json()["reason"] == "draining"
     assert (await cluster.client.get("/liveness")).status_code == 200
     response = await cluster.client.post("/generate", json=generate_body())
     assert response.status_code == 503

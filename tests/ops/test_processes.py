@@ -36,7 +36,7 @@ async def test_two_processes_are_one_router(nursery: trio.Nursery, tmp_path: Pat
 
         # A membership change through one process is seen by the other within a second.
         added = await a.post("/workers", json={"url": extra.url, "worker_type": "decode"})
-        assert added.status_code == 201
+        assert added.status_code == 202
         new_id = added.json()["id"]
         with trio.fail_after(1.0):
             while new_id not in [w["id"] for w in (await b.get("/workers")).json()["workers"]]:
@@ -44,7 +44,7 @@ async def test_two_processes_are_one_router(nursery: trio.Nursery, tmp_path: Pat
         ids_a = [w["id"] for w in (await a.get("/workers")).json()["workers"]]
         ids_b = [w["id"] for w in (await b.get("/workers")).json()["workers"]]
         assert ids_a == ids_b == ["prefill-1", "decode-1", new_id]
-        assert (await b.delete("/workers/decode-1")).status_code == 200
+        assert (await b.delete("/workers/decode-1")).status_code == 202
         with trio.fail_after(1.0):
             while "decode-1" in [w["id"] for w in (await a.get("/workers")).json()["workers"]]:
                 await trio.sleep(0.05)

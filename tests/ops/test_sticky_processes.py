@@ -34,7 +34,7 @@ async def test_a_key_lands_on_one_pair_through_either_process(
                 if pid in clients:
                     await client.aclose()
                     continue
-                while (await client.get("/health")).status_code != 200:
+                while (await client.get("/readiness")).status_code != 200:
                     await trio.sleep(0.1)
                 clients[pid] = client
         pairs: dict[str, set[tuple[int, int]]] = {}

@@ -78,7 +78,7 @@ async def test_the_router_serves_unready_and_a_late_engine_joins(
             refused = await client.post("/generate", json=generate_body())
             assert refused.status_code == 503
             worker = await decode_worker(client)
-            assert worker["healthy"] is False and "startup_timed_out" not in worker
+            assert worker["is_healthy"] is False and "startup_timed_out" not in worker
 
             decode = await start_stoppable(nursery, "decode", port=decode_port)
             await eventually(
@@ -129,9 +129,9 @@ async def test_a_worker_not_up_within_the_timeout_is_given_up(
             assert (await client.get("/readiness")).status_code == 503
 
             # Removing and adding it again retries, as re-registering does in SMG.
-            assert (await client.delete("/workers/decode-1")).status_code == 200
+            assert (await client.delete("/workers/decode-1")).status_code == 202
             added = await client.post("/workers", json={"url": decode_url, "worker_type": "decode"})
-            assert added.status_code == 201
+            assert added.status_code == 202
             await eventually(lambda: ready_now(client), LOOSE, "the re-added decode joins")
             assert decode.handle.events.find("info_request", path="/health")
             assert (await client.post("/generate", json=generate_body())).status_code == 200

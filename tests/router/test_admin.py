@@ -33,7 +33,7 @@ async def test_add_list_get_delete(nursery: trio.Nursery) -> None:
         ("prefill-1", cluster.prefill.url),
         ("decode-1", cluster.decode.url),
     ]
-    assert all(w["healthy"] for w in listed["workers"])
+    assert all(w["is_healthy"] for w in listed["workers"])
 
     extra = await start_stoppable(nursery, "prefill")
     spec = {
@@ -42,13 +42,13 @@ async def test_add_list_get_delete(nursery: trio.Nursery) -> None:
         "bootstrap_port": extra.handle.bootstrap_port,
     }
     added = await client.post("/workers", json=spec)
-    assert added.status_code == 201
+    assert added.status_code == 202
     worker = added.json()
     assert worker["id"] == "prefill-2"
     assert added.headers["location"] == "/workers/prefill-2"
     assert (worker["url"], worker["worker_type"]) == (extra.handle.url, "prefill")
     assert worker["bootstrap_port"] == extra.handle.bootstrap_port
-    assert worker["healthy"] is False  # until the health checker's first pass
+    assert worker["is_healthy"] is False  # until the health checker's first pass
     assert [w.id for w in cluster.router.fleet.workers("prefill")] == ["prefill-1", "prefill-2"]
 
     duplicate = await client.post("/workers", json={**spec, "url": extra.handle.url + "/"})
@@ -58,10 +58,10 @@ async def test_add_list_get_delete(nursery: trio.Nursery) -> None:
     assert got.status_code == 200
     assert got.json()["url"] == extra.handle.url
     await settle(lambda: cluster.router.fleet.get("prefill-2").healthy, LOOSE)
-    assert (await client.get("/workers/prefill-2")).json()["healthy"] is True
+    assert (await client.get("/workers/prefill-2")).json()["is_healthy"] is True
 
     deleted = await client.delete("/workers/prefill-2")
-    assert deleted.status_code == 200
+    assert deleted.status_code == 202
     assert deleted.json()["removed"] is True
     assert [w.id for w in cluster.router.fleet.workers()] == ["prefill-1", "decode-1"]
     assert_envelope(await client.get("/workers/prefill-2"), 404)
@@ -71,7 +71,7 @@ async def test_add_list_get_delete(nursery: trio.Nursery) -> None:
 
     # Ids are never reused: a worker added again gets a new one.
     again = await client.post("/workers", json=spec)
-    assert again.status_code == 201
+    assert again.status_code == 202
     assert again.json()["id"] == "prefill-3"
     await client.aclose()
 
@@ -116,7 +116,7 @@ async def test_added_worker_takes_traffic_only_after_its_first_health_pass(
     added = await cluster.client.post(
         "/workers", json={"url": url, "worker_type": "prefill", "bootstrap_port": bootstrap_port}
     )
-    assert added.status_code == 201
+    assert added.status_code == 202
     worker = cluster.router.fleet.get(added.json()["id"])
 
     # Nothing listens there yet: the worker never passes, and every request goes to prefill-1.
@@ -182,7 +182,7 @@ async def test_remove_worker_under_load(nursery: trio.Nursery, role: str) -> Non
         working = "first_token" if stream else "room_registered"
         await settle(lambda: len(engines[1].events.find(working)) == 3, LOOSE)
         removed = await cluster.client.delete(f"/workers/{victim.id}")
-        assert removed.status_code == 200
+        assert removed.status_code == 202
         assert victim.in_flight == 3  # still running: removal does not cancel anything
         after = []
         for i in range(4):

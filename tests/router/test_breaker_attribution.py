@@ -152,7 +152,7 @@ async def test_prefill_burst_opens_only_the_prefill_breaker_and_panic_routes(
         rid = response.headers["x-request-id"]
         assert cluster.prefill.events.find("request_start", rid=rid)
     assert cluster.router.fleet.panics["prefill"] == 2
-    assert (await cluster.client.get("/health")).status_code == 200
+    assert (await cluster.client.get("/readiness")).status_code == 200
     assert prefill.breaker.state == "open"  # still reported as it is
     await cluster.client.aclose()
 

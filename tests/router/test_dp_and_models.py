@@ -188,7 +188,7 @@ async def test_model_ids_from_flags_and_the_admin_api(nursery: trio.Nursery) -> 
     added = await cluster.client.post(
         "/workers", json={"url": other.url, "worker_type": "decode", "model_id": "zeta"}
     )
-    assert added.status_code == 201 and added.json()["model_id"] == "zeta"  # configured wins
+    assert added.status_code == 202 and added.json()["model_id"] == "zeta"  # configured wins
     await settle(lambda: cluster.router.fleet.get(added.json()["id"]).info_at is not None, LOOSE)
     assert cluster.router.fleet.get(added.json()["id"]).model == "zeta"
     await cluster.client.aclose()

@@ -1,5 +1,7 @@
 """Active health checks over real sockets: an engine that stops answering flips unhealthy after
-the thresholds, /health says why, traffic avoids it, and it comes back when it answers again.
+the thresholds, /readiness says why, traffic avoids it, and it comes back when it answers
+again; /health stays SMG's liveness throughout; a worker failing its checks says why (log,
+metric, GET /workers).
 
 Real time: interval 0.2 s, loose upper bounds (seconds). The checker's exact timing is tested
 under MockClock in tests/fleet.
@@ -30,18 +32,20 @@ async def test_dead_prefill_flips_health_and_recovers(nursery: trio.Nursery) -> 
     decode = await start_stoppable(nursery, "decode")
     cluster = await cluster_of(nursery, [prefill], [decode])
     worker = cluster.router.fleet.workers("prefill")[0]
-    assert (await cluster.client.get("/health")).status_code == 200
+    assert (await cluster.client.get("/readiness")).status_code == 200
 
     stopped_at = trio.current_time()
     prefill.stop()
     await settle(lambda: not worker.healthy, LOOSE)
     # Three consecutive failures 0.2 s apart: never before two intervals have passed.
     assert trio.current_time() - stopped_at >= 2 * HEALTH.interval_secs
-    for path in ("/health", "/readiness"):
-        response = await cluster.client.get(path)
-        assert response.status_code == 503
-        assert "no available prefill worker" in response.json()["error"]["message"]
-    assert (await cluster.client.get("/liveness")).status_code == 200
+    response = await cluster.client.get("/readiness")
+    assert response.status_code == 503
+    assert response.json()["status"] == "not ready"
+    assert "no available prefill worker" in response.json()["error"]["message"]
+    # SMG's /health is liveness (its Helm chart's liveness probe): the process is fine.
+    for path in ("/health", "/liveness"):
+        assert (await cluster.client.get(path)).status_code == 200
     response = await cluster.client.post("/generate", json=generate_body())
     assert response.status_code == 503
     assert "unhealthy" in response.json()["error"]["message"]
@@ -56,7 +60,7 @@ async def test_dead_prefill_flips_health_and_recovers(nursery: trio.Nursery) -> 
     await settle(lambda: worker.healthy, LOOSE)
     # Once it had passed before, two consecutive passes are needed to come back.
     assert trio.current_time() - back_at >= HEALTH.interval_secs * 0.5
-    assert (await cluster.client.get("/health")).status_code == 200
+    assert (await cluster.client.get("/readiness")).status_code == 200
     response = await cluster.client.post("/generate", json=generate_body())
     assert response.status_code == 200
     assert revived.handle.events.find("kv_sent", rid=response.headers["x-request-id"])
@@ -70,7 +74,7 @@ async def test_traffic_avoids_an_unhealthy_prefill(nursery: trio.Nursery) -> Non
     dying = cluster.router.fleet.workers("prefill")[0]
     prefills[0].stop()
     await settle(lambda: not dying.healthy, LOOSE)
-    assert (await cluster.client.get("/health")).status_code == 200  # one prefill is enough
+    assert (await cluster.client.get("/readiness")).status_code == 200  # one prefill is enough
     for i in range(4):
         rid = f"survivor-{i}"
         response = await cluster.client.post(
@@ -79,7 +83,7 @@ async def test_traffic_avoids_an_unhealthy_prefill(nursery: trio.Nursery) -> Non
         assert response.status_code == 200
         assert who_started(cluster.prefills, rid) == [1]
     listed = (await cluster.client.get("/workers")).json()["workers"]
-    assert [w["healthy"] for w in listed] == [False, True, True]
+    assert [w["is_healthy"] for w in listed] == [False, True, True]
     # The breaker is not the health checker's business: nothing was recorded against it.
     assert dying.breaker.total_failures == 0
     await cluster.client.aclose()
@@ -91,9 +95,10 @@ async def test_dead_decode_makes_health_503(nursery: trio.Nursery) -> None:
     cluster = await cluster_of(nursery, [prefill], [decode])
     decode.stop()
     await settle(lambda: not cluster.router.fleet.workers("decode")[0].healthy, LOOSE)
-    response = await cluster.client.get("/health")
+    response = await cluster.client.get("/readiness")
     assert response.status_code == 503
     assert "no available decode worker" in response.json()["error"]["message"]
+    assert (await cluster.client.get("/health")).status_code == 200
     response = await cluster.client.post("/generate", json=generate_body())
     assert response.status_code == 503
     assert not prefill.handle.events.find("request_start", rid=response.headers["x-request-id"])

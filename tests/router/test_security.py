@@ -67,17 +67,17 @@ async def test_control_plane_keys_by_role(
 
     caplog.set_level(logging.INFO, logger="trio_pd.audit")
     added = await client.post("/workers", json=spec, headers=admin)
-    assert added.status_code == 201
+    assert added.status_code == 202
     worker_id = added.json()["id"]
-    assert (await client.delete(f"/workers/{worker_id}", headers=admin)).status_code == 200
+    assert (await client.delete(f"/workers/{worker_id}", headers=admin)).status_code == 202
 
     def audit_lines() -> list[str]:
         return [r.getMessage() for r in caplog.records if r.name == "trio_pd.audit"]
 
     await settle(lambda: len(audit_lines()) == 2)  # written once the answer went out
     audit = audit_lines()
-    assert "key_id=k1 name=ops role=admin POST /workers -> 201 added " + worker_id in audit[0]
-    assert f"DELETE /workers/{worker_id} -> 200 removed {worker_id}" in audit[1]
+    assert "key_id=k1 name=ops role=admin POST /workers -> 202 added " + worker_id in audit[0]
+    assert f"DELETE /workers/{worker_id} -> 202 removed {worker_id}" in audit[1]
     assert not any("secret" in line for line in audit)  # keys never reach the log
     await client.aclose()
 
@@ -165,7 +165,7 @@ async def test_api_key_guards_the_control_plane_without_control_keys(
     assert [w.id for w in cluster.router.fleet.workers()] == ["prefill-1", "decode-1"]
     key = {"authorization": f"Bearer {WORKER_KEY}"}
     added = await cluster.client.post("/workers", json=body, headers=key)
-    assert added.status_code == 201
+    assert added.status_code == 202
     listed = await cluster.client.get("/workers", headers=key)
     assert added.json()["id"] in {w["id"] for w in listed.json()["workers"]}
     await cluster.client.aclose()
@@ -190,7 +190,7 @@ async def test_a_per_worker_key_overrides_the_router_key(nursery: trio.Nursery) 
     added = await cluster.client.post(
         "/workers", json={"url": special.url, "worker_type": "decode", "api_key": "its-own"}
     )
-    assert added.status_code == 201 and "api_key" not in added.json()
+    assert added.status_code == 202 and "api_key" not in added.json()
     await cluster.client.delete("/workers/decode-1")
     with trio.fail_after(5):
         while not cluster.router.fleet.get(added.json()["id"]).healthy:
@@ -246,7 +246,7 @@ async def test_the_router_itself_is_refused_and_allow_lists_work(nursery: trio.N
     allowed = await cluster.client.post(
         "/workers", json={"url": f"http://169.254.10.10:{port}", "worker_type": "decode"}
     )
-    assert allowed.status_code == 201
+    assert allowed.status_code == 202
     await cluster.client.aclose()
 
 

@@ -9,9 +9,12 @@ cannot hold (a per-worker api_key in etcd); 503 when the store cannot be written
 file unreachable): nothing was changed, or, for a write that broke after it was sent, the watch
 shows whether it landed.
 A worker added at runtime starts unhealthy and takes traffic after the health checker's first
-pass (the checker follows fleet membership). A removed worker is never selected again; requests
-already running on it finish. URLs that cannot be a worker (link-local, cloud metadata, this
-router itself) are refused before anything is stored (`urls.py`).
+pass (the checker follows fleet membership). The answers have SMG 1.13's shape (`POST` and
+`DELETE` answer 202 with `status`, `worker_id`, `location`; a worker shows `is_healthy` and
+`status`; the listing has `stats`), with trio_pd's own fields beside them. A removed worker is
+never selected again; requests already running on it finish. URLs that cannot be a worker
+(link-local, cloud metadata, this router itself) are refused before anything is stored
+(`urls.py`).
 """
 
 from __future__ import annotations
@@ -39,17 +42,19 @@ WORKER_TYPES = ("prefill", "decode")
 
 
 def parse_worker_spec(body: dict[str, Any]) -> WorkerSpec:
-    """The `POST /workers` body: url, worker_type, bootstrap_port, model_id, api_key."""
+    """The `POST /workers` body: url, worker_type, bootstrap_port, model_id, api_key,
+    admin_api_key (the key its `/abort_request` takes, for an engine with `--admin-api-key`)."""
     spec = _parse_worker_spec(body)
-    for field in ("model_id", "api_key"):
+    for field in ("model_id", "api_key", "admin_api_key"):
         value = body.get(field)
         if value is not None and (not isinstance(value, str) or not value):
             raise bad_request(f"{field} must be a non-empty string or null")
-    if not usable_key(body.get("api_key")):
-        # It goes into a header on every leg: a CR/LF would inject headers of its own.
-        raise bad_request("api_key must be visible ASCII (no spaces or control characters)")
+    for field in ("api_key", "admin_api_key"):
+        if not usable_key(body.get(field)):
+            # It goes into a header on every leg: a CR/LF would inject headers of its own.
+            raise bad_request(f"{field} must be visible ASCII (no spaces or control characters)")
     return WorkerSpec(spec.url, spec.role, spec.bootstrap_port, body.get("model_id"),
-                      body.get("api_key"))  # fmt: skip
+                      body.get("api_key"), body.get("admin_api_key"))  # fmt: skip
 
 
 def _parse_worker_spec(body: dict[str, Any]) -> WorkerSpec:
@@ -97,8 +102,14 @@ async def add_worker(ctx: ControlContext, scope: Scope, receive: Receive, rsp: R
         shown = {"id": record.id, "url": spec.url, "worker_type": spec.role,
                  "bootstrap_port": spec.bootstrap_port, "source": record.source}  # fmt: skip
     rsp.audit = f"added {record.id} {spec.role} {spec.url}"
-    headers = [*JSON_HEADERS, (b"location", f"{WORKERS_PATH}/{record.id}".encode())]
-    await rsp.reply(Reply(201, headers, orjson.dumps(shown)))
+    location = f"{WORKERS_PATH}/{record.id}"
+    # SMG 1.13's answer (202: the worker takes traffic once its first health check passes),
+    # and the worker as it stands now.
+    body = {"status": "accepted", "worker_id": record.id, "url": spec.url, "location": location,
+            "message": "worker added; it takes traffic once its first health check passes",
+            **shown}  # fmt: skip
+    headers = [*JSON_HEADERS, (b"location", location.encode())]
+    await rsp.reply(Reply(202, headers, orjson.dumps(body)))
 
 
 def conflict(message: str) -> RouterError:
@@ -110,8 +121,12 @@ def unavailable(exc: Exception) -> RouterError:
 
 
 async def list_workers(ctx: ControlContext, scope: Scope, receive: Receive, rsp: Responder) -> None:
+    """SMG 1.13's listing: `workers`, `total`, `stats` (counts by type)."""
     workers = ctx.fleet.to_json()
-    await json_reply(rsp, 200, {"workers": workers, "total": len(workers)})
+    stats = {f"{role}_count": sum(1 for w in workers if w["worker_type"] == role)
+             for role in ("prefill", "decode")}  # fmt: skip
+    body = {"workers": workers, "total": len(workers), "stats": {**stats, "regular_count": 0}}
+    await json_reply(rsp, 200, body)
 
 
 def worker_id_of(ctx: ControlContext, scope: Scope) -> str:
@@ -143,4 +158,6 @@ async def delete_worker(
     except (StoreUnavailable, EtcdError) as exc:
         raise unavailable(exc) from None
     rsp.audit = f"removed {worker.id} {worker.role} {worker.url}"
-    await json_reply(rsp, 200, {**worker.to_json(), "removed": True})
+    body = {"status": "accepted", "worker_id": worker.id, "message": "worker removed",
+            **worker.to_json(), "removed": True}  # fmt: skip
+    await json_reply(rsp, 202, body)  # SMG 1.13's status

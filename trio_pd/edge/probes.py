@@ -6,47 +6,65 @@ import os
 
 from trio_pd.asgi import Receive, Scope, json_reply
 from trio_pd.edge.drain import Drain
+from trio_pd.edge.supervision import ServiceGuard
 from trio_pd.fleet.registry import Fleet
 from trio_pd.observe.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from trio_pd.observe.metrics import RouterMetrics
 from trio_pd.respond import Reply, Responder
 
 
-async def handle_liveness(scope: Scope, receive: Receive, rsp: Responder) -> None:
-    """Alive, and which process answered (with `--workers N` each process has its own)."""
+async def handle_liveness(
+    guard: ServiceGuard, scope: Scope, receive: Receive, rsp: Responder
+) -> None:
+    """`/liveness` and `/health`: the process is alive, and which process answered (with
+    `--workers N` each has its own). As SMG's `/health`: 200 while the process runs, through a
+    drain too (Kubernetes must not kill a draining router), whatever its workers do; 503 only
+    once the process gave up on itself (its services died, `edge/supervision.py`) and is on
+    its way out, so an orchestrator restarts it even if the exit were slow."""
+    if guard.failed is not None:
+        error = {"message": guard.failed, "type": "service_unavailable", "code": 503}
+        await json_reply(rsp, 503, {"status": "failed", "error": error, "pid": os.getpid()})
+        return
     await json_reply(rsp, 200, {"status": "alive", "pid": os.getpid()})
 
 
-async def handle_health(
+async def handle_readiness(
     fleet: Fleet, drain: Drain, scope: Scope, receive: Receive, rsp: Responder
 ) -> None:
-    """200 only when a prefill and a decode can take traffic (breakers aside: see
-    `Fleet.select`'s panic routing) and the process is not draining.
+    """`/readiness`: 200 only when a prefill and a decode can take traffic (breakers aside:
+    see `Fleet.select`'s panic routing) and the process is not draining. SMG 1.13's body
+    (`status` ready / not ready, `healthy_workers`, `total_workers`, `reason`), with the error
+    envelope on a 503.
 
     A membership source that cannot be read (etcd or the Kubernetes API server down) does not
-    make the router unready: the replica keeps routing to the last membership it knew, which is
-    what the issue asks, and an etcd outage reaches every replica at once, so a 503 here would
-    take the whole Service out of its endpoints because of a control-plane blip while every
-    worker still serves. The answer says so instead: `"status": "degraded"` and `"membership":
-    {"etcd": "down"}` (the details are in the log and `trio_pd_membership_source_up`).
+    make the router unready: the replica keeps routing to the last membership it knew, and an
+    etcd outage reaches every replica at once, so a 503 here would take the whole Service out of
+    its endpoints because of a control-plane blip while every worker still serves. The answer
+    says so instead: `"membership": {"etcd": "down"}` and `"degraded": true` (the details are in
+    the log and `trio_pd_membership_source_up`).
     """
     if drain.draining:
         error = {"message": "shutting down", "type": "service_unavailable", "code": 503}
-        await json_reply(rsp, 503, {"status": "draining", "error": error})
+        body = {"status": "not ready", "reason": "draining", "error": error}
+        await json_reply(rsp, 503, body)
         return
     membership = {name: "up" if ok else "down" for name, (ok, _) in fleet.sources.items()}
-    extra = {"membership": membership} if membership else {}
+    extra: dict[str, object] = {"membership": membership} if membership else {}
+    workers = fleet.workers()
+    counts = {
+        "healthy_workers": sum(1 for w in workers if w.healthy and not w.removed),
+        "total_workers": len(workers),
+    }
     missing = [role for role in ("prefill", "decode") if not fleet.routable(role)]
     if missing:
-        error = {
-            "message": f"no available {' or '.join(missing)} worker",
-            "type": "service_unavailable",
-            "code": 503,
-        }
-        await json_reply(rsp, 503, {"status": "unavailable", "error": error, **extra})
+        message = f"no available {' or '.join(missing)} worker"
+        error = {"message": message, "type": "service_unavailable", "code": 503}
+        body = {"status": "not ready", "reason": "insufficient healthy workers", **counts}
+        await json_reply(rsp, 503, {**body, "error": error, **extra})
     else:
-        status = "degraded" if "down" in membership.values() else "ok"
-        await json_reply(rsp, 200, {"status": status, **extra})
+        if "down" in membership.values():
+            extra["degraded"] = True
+        await json_reply(rsp, 200, {"status": "ready", **counts, **extra})
 
 
 async def handle_metrics(

@@ -29,6 +29,7 @@ from trio_pd.edge.generation import GenerationContext, owned_keys
 from trio_pd.edge.request_ids import RequestIds
 from trio_pd.edge.routes import Route, route_table
 from trio_pd.edge.services import ServiceContext, run_background
+from trio_pd.edge.supervision import ServiceGuard
 from trio_pd.errors import RouterError, internal_error, method_not_allowed, not_found
 from trio_pd.fleet.registry import Fleet
 from trio_pd.membership.setup import Membership, membership_for
@@ -68,6 +69,7 @@ class Router:
     aborts: AbortService | None = attrs.field()
     access: Access = attrs.field()
     drain: Drain = attrs.field()
+    guard: ServiceGuard = attrs.field()  # crash-only supervision of the lifespan's services
     membership: Membership = attrs.field()  # the admin API's store and the sources
     control: ControlContext = attrs.field()
     generation: GenerationContext = attrs.field()
@@ -127,6 +129,10 @@ class Router:
     def _default_drain(self) -> Drain:
         return Drain(self.config.shutdown_grace_period_secs)
 
+    @guard.default
+    def _default_guard(self) -> ServiceGuard:
+        return ServiceGuard(self.metrics, on_fatal=self.drain.fail)
+
     @membership.default
     def _default_membership(self) -> Membership:
         return membership_for(self.config, self.fleet, self.metrics)
@@ -141,7 +147,7 @@ class Router:
         dispatch_context = DispatchContext(
             self.pool, self.fleet, self.config, self.rng, self.metrics, self.aborts
         )
-        owned = owned_keys(self.config, self.aborts is not None)
+        owned = owned_keys(self.config)
         return GenerationContext(
             self.config,
             self.admission,
@@ -154,7 +160,9 @@ class Router:
 
     @routes.default
     def _default_routes(self) -> dict[str, dict[str, Route]]:
-        return route_table(self.control, self.generation, self.fleet, self.drain, self.metrics)
+        return route_table(
+            self.control, self.generation, self.fleet, self.drain, self.metrics, self.guard
+        )
 
     @request_ids.default
     def _default_request_ids(self) -> RequestIds:
@@ -182,7 +190,7 @@ class Router:
         """The narrow context of the lifespan's services (once the control client is open)."""
         return ServiceContext(
             self.config, self.fleet, self.metrics, self.pool, self.control.http, self.aborts,
-            self.sources,
+            self.sources, self.guard,
         )  # fmt: skip
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -204,10 +212,15 @@ class Router:
             async with trio_parallel.open_worker_context() as parsers:
                 self.generation.parsers = parsers
                 async with trio.open_nursery() as nursery:
-                    await nursery.start(run_background, self.services())
+                    # Supervised as a whole too: an exception escaping the services' own
+                    # nursery restarts them, and repeated ones end the process (crash-only).
+                    services = partial(run_background, self.services())
+                    await nursery.start(self.guard.supervised, "services", services)
                     await send({"type": "lifespan.startup.complete"})
                     message = await receive()
                     assert message["type"] == "lifespan.shutdown"
+                    if self.aborts is not None:  # what the drain cut is freed in its engines
+                        await self.aborts.flush()
                     nursery.cancel_scope.cancel(reason="lifespan shutdown")
         finally:
             self.generation.parsers = None

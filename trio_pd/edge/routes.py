@@ -20,7 +20,8 @@ from trio_pd.control.fanout import (
 from trio_pd.edge.auth import AccessClass
 from trio_pd.edge.drain import Drain
 from trio_pd.edge.generation import GENERATION_PATHS, GenerationContext, handle_generation
-from trio_pd.edge.probes import handle_health, handle_liveness, handle_metrics
+from trio_pd.edge.probes import handle_liveness, handle_metrics, handle_readiness
+from trio_pd.edge.supervision import ServiceGuard
 from trio_pd.fleet.registry import Fleet
 from trio_pd.observe.metrics import RouterMetrics
 
@@ -39,6 +40,7 @@ def route_table(
     fleet: Fleet,
     drain: Drain,
     metrics: RouterMetrics,
+    guard: ServiceGuard,
 ) -> dict[str, dict[str, Route]]:
     """Every route, each handler bound to the narrow context it needs."""
 
@@ -46,7 +48,8 @@ def route_table(
         return Route(partial(handler, control), access)
 
     generation = Route(partial(handle_generation, generation_context), "data")
-    health = Route(partial(handle_health, fleet, drain), "open")
+    readiness = Route(partial(handle_readiness, fleet, drain), "open")
+    liveness = Route(partial(handle_liveness, guard), "open")
     return {
         "/workers": {"GET": ctl(list_workers, "read"), "POST": ctl(add_worker, "write")},
         "/workers/{id}": {"GET": ctl(get_worker, "read"), "DELETE": ctl(delete_worker, "write")},
@@ -57,8 +60,9 @@ def route_table(
         "/get_server_info": {"GET": ctl(proxy_from_prefill, "read")},
         "/v1/models": {"GET": ctl(handle_models, "data")},
         **{path: {"POST": generation} for path in GENERATION_PATHS},
-        "/health": {"GET": health},
-        "/readiness": {"GET": health},
-        "/liveness": {"GET": Route(handle_liveness, "open")},
+        # SMG's meanings: /health is liveness (its Helm chart probes it so), /readiness readiness.
+        "/health": {"GET": liveness},
+        "/readiness": {"GET": readiness},
+        "/liveness": {"GET": liveness},
         "/metrics": {"GET": Route(partial(handle_metrics, metrics), "open")},
     }
