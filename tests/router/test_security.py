@@ -237,16 +237,22 @@ async def test_worker_urls_that_cannot_be_workers_are_refused(cluster, url: str)
 
 
 async def test_the_router_itself_is_refused_and_allow_lists_work(nursery: trio.Nursery) -> None:
-    cluster = await start_cluster(nursery, worker_url_allow=("169.254.0.0/16",))
+    """`--worker-url-allow` lets a refused range in (0.0.0.0 here: a connect to it stays on
+    this machine), in its embedded spellings too; nothing lets the router itself in."""
+    cluster = await start_cluster(nursery, worker_url_allow=("0.0.0.0/32",))
     own = cluster.url
-    for url in (own, own.replace("127.0.0.1", "localhost")):
+    router_port = own.rsplit(":", 1)[1]
+    for url in (own, own.replace("127.0.0.1", "localhost"), f"http://0.0.0.0:{router_port}"):
         response = await cluster.client.post("/workers", json={"url": url, "worker_type": "decode"})
         assert "this router itself" in envelope(response, 400)["message"]
     port = await free_port()
-    allowed = await cluster.client.post(
-        "/workers", json={"url": f"http://169.254.10.10:{port}", "worker_type": "decode"}
+    for url in (f"http://0.0.0.0:{port}", f"http://[::ffff:0.0.0.0]:{port}"):
+        allowed = await cluster.client.post("/workers", json={"url": url, "worker_type": "decode"})
+        assert allowed.status_code == 201, allowed.text
+    refused = await cluster.client.post(
+        "/workers", json={"url": f"http://0.0.0.1:{port}", "worker_type": "decode"}
     )
-    assert allowed.status_code == 201
+    assert "--worker-url-allow" in envelope(refused, 400)["message"]  # outside the range
     await cluster.client.aclose()
 
 

@@ -79,7 +79,7 @@ def check_url(url: object) -> str:
 async def add_worker(ctx: ControlContext, scope: Scope, receive: Receive, rsp: Responder) -> None:
     body = await read_json_object(scope, receive, ADMIN_BODY_LIMIT)
     spec = parse_worker_spec(body)
-    await check_destination(spec.url, ctx.url_allow, [tuple(scope["server"])])
+    await check_destination(spec.url, ctx.destinations, [tuple(scope["server"])])
     for known in ctx.fleet.workers(spec.role):  # any source's: a store sees only its own
         if known.url == spec.url:
             raise conflict(f"{spec.role} worker {spec.url} is already registered as {known.id}")

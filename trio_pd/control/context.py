@@ -14,7 +14,7 @@ from trio_pd.config import RouterConfig
 from trio_pd.fleet.registry import Fleet
 from trio_pd.membership.source import MembershipStore
 from trio_pd.respond import Responder
-from trio_pd.upstream.urls import Network
+from trio_pd.upstream.destinations import Destinations
 
 
 @attrs.define(eq=False)
@@ -29,7 +29,7 @@ class ControlContext:
     fleet: Fleet
     rng: random.Random
     store: MembershipStore  # where POST/DELETE /workers write
-    url_allow: tuple[Network, ...] = ()
+    destinations: Destinations = attrs.Factory(Destinations)  # where a worker may point
     client: httpx2.AsyncClient | None = None
 
     @property

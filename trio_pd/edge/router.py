@@ -40,9 +40,9 @@ from trio_pd.pd.dispatch import DispatchContext
 from trio_pd.pd.relay import error_frame
 from trio_pd.respond import Responder
 from trio_pd.upstream.client import make_client
+from trio_pd.upstream.destinations import Destinations, parse_allow
 from trio_pd.upstream.pool import UpstreamPool
 from trio_pd.upstream.tls import worker_ssl_context
-from trio_pd.upstream.urls import parse_allow
 
 if TYPE_CHECKING:
     from trio_pd.edge.tracing import Tracing
@@ -63,6 +63,7 @@ class Router:
     fleet: Fleet = attrs.field()
     rng: random.Random = attrs.field(factory=random.Random)
     ssl_context: ssl.SSLContext = attrs.field()
+    destinations: Destinations = attrs.field()  # where a worker connection may go
     pool: UpstreamPool = attrs.field()  # the data plane's two legs
     admission: Admission = attrs.field()
     aborts: AbortService | None = attrs.field()
@@ -94,9 +95,22 @@ class Router:
     def _default_ssl_context(self) -> ssl.SSLContext:
         return worker_ssl_context(self.config)
 
+    @destinations.default
+    def _default_destinations(self) -> Destinations:
+        """The operator's allowed ranges and the listeners the config names; `serve` adds
+        the sockets it binds (port 0 included), and every other listener adds its own."""
+        refused = self.metrics.destinations_refused
+        destinations = Destinations(
+            parse_allow(self.config.worker_url_allow),
+            on_refused=lambda client, kind: refused.labels(client, kind).inc(),
+        )
+        for host, port in own_listeners(self.config):
+            destinations.add_own(host, port)
+        return destinations
+
     @pool.default
     def _default_pool(self) -> UpstreamPool:
-        return UpstreamPool(ssl_context=self.ssl_context)
+        return UpstreamPool(ssl_context=self.ssl_context, destinations=self.destinations)
 
     @admission.default
     def _default_admission(self) -> Admission:
@@ -133,8 +147,7 @@ class Router:
 
     @control.default
     def _default_control(self) -> ControlContext:
-        allow = parse_allow(self.config.worker_url_allow)
-        return ControlContext(self.config, self.fleet, self.rng, self.store, allow)
+        return ControlContext(self.config, self.fleet, self.rng, self.store, self.destinations)
 
     @generation.default
     def _default_generation(self) -> GenerationContext:
@@ -196,7 +209,7 @@ class Router:
     async def lifespan(self, receive: Receive, send: Send) -> None:
         message = await receive()
         assert message["type"] == "lifespan.startup"
-        self.control.client = make_client(self.ssl_context)
+        self.control.client = make_client(self.ssl_context, self.destinations)
         startup_warnings(self.access)
         self.metrics.attach(self.fleet, self.pool, lambda: self.admission.waiting)
         self.generation.tracing = start_tracing(self.config)
@@ -283,6 +296,16 @@ class Router:
         if route is None:
             raise method_not_allowed(method, path, (*methods, "OPTIONS"))  # preflights too
         return route
+
+
+def own_listeners(config: RouterConfig) -> list[tuple[str, int]]:
+    """The listening addresses of this router its config names (a port 0 is added when bound):
+    the data plane, the metrics listener, and those another process of it serves."""
+    found = [(config.host, config.port)] if config.port else []
+    if config.prometheus_port:
+        found.append((config.prometheus_host, config.prometheus_port))
+    found.extend(config.other_listeners)
+    return found
 
 
 def start_tracing(config: RouterConfig) -> Tracing | None:

@@ -29,6 +29,8 @@ from collections.abc import Sequence
 import httptools
 import trio
 
+from trio_pd.upstream.destinations import DestinationRefused, Destinations
+
 RECEIVE_SIZE = 65536
 # A body up to this size goes out in the same `send_all` as the head; a bigger one separately,
 # so a large body is not copied just to save one system call.
@@ -80,13 +82,20 @@ async def connect(
     server_hostname: str | None = None,
     connect_timeout: float,
     keepalive_expiry: float,
+    destinations: Destinations | None = None,
 ) -> Connection:
     """Open a TCP connection (and complete the TLS handshake when `ssl_context` is given), both
-    within `connect_timeout` seconds; TCP_NODELAY is on."""
+    within `connect_timeout` seconds; TCP_NODELAY is on.
+
+    With `destinations` the host is resolved and checked there and the connection made to the
+    checked addresses themselves, in order; a refused one is a TransportError saying why."""
     where = f"{host}:{port}"
     try:
         with trio.fail_after(connect_timeout):
-            stream = await trio.open_tcp_stream(host, port)
+            if destinations is None:
+                stream = await trio.open_tcp_stream(host, port)
+            else:
+                stream = await _open_checked(host, port, destinations)
             try:
                 stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
                 if ssl_context is None:
@@ -108,6 +117,8 @@ async def connect(
         raise TransportError(
             "timeout", f"connecting to {where} timed out after {connect_timeout:g} s"
         ) from None
+    except DestinationRefused as exc:
+        raise TransportError("transport", str(exc)) from exc
     except trio.BrokenResourceError as exc:  # the TLS handshake failed (verification, reset...)
         raise TransportError(
             "transport", f"TLS handshake with {where} failed: {_describe(exc)}"
@@ -117,6 +128,33 @@ async def connect(
             "transport", f"cannot connect to {where}: {_connect_reason(exc)}"
         ) from exc
     return Connection(tls, stream.socket, tls, keepalive_expiry)
+
+
+async def _open_checked(host: str, port: int, destinations: Destinations) -> trio.SocketStream:
+    """A TCP stream to the first of `host`'s checked addresses that accepts (each tried in
+    getaddrinfo's order), checked again once connected (`Destinations.check_connected`)."""
+    errors: list[OSError] = []
+    for address in await destinations.resolve(host, port, "legs"):
+        try:
+            stream = await trio.open_tcp_stream(address, port)
+        except OSError as exc:
+            errors.append(exc)
+            continue
+        try:
+            destinations.check_connected(stream.socket, "legs")
+        except BaseException:
+            stream.socket.close()
+            raise
+        return stream
+    if len(errors) == 1:
+        raise errors[0]
+    causes: list[Exception] = []
+    for error in errors:  # trio's own error groups each address's attempts as its cause
+        inner = error.__cause__
+        causes.extend(inner.exceptions if isinstance(inner, BaseExceptionGroup) else [error])
+    failed = OSError(f"no address of {host} accepted the connection")
+    failed.__cause__ = ExceptionGroup("connect attempts", causes) if causes else None
+    raise failed
 
 
 class _PlainStream:
