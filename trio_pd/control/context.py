@@ -15,6 +15,7 @@ from trio_pd.fleet.registry import Fleet
 from trio_pd.membership.source import MembershipStore
 from trio_pd.respond import Responder
 from trio_pd.upstream.destinations import Destinations
+from trio_pd.upstream.headers import RouterKeys
 
 
 @attrs.define(eq=False)
@@ -31,6 +32,11 @@ class ControlContext:
     store: MembershipStore  # where POST/DELETE /workers write
     destinations: Destinations = attrs.Factory(Destinations)  # where a worker may point
     client: httpx2.AsyncClient | None = None
+    router_keys: RouterKeys = attrs.field(init=False)  # never forwarded to a worker
+
+    @router_keys.default
+    def _router_keys(self) -> RouterKeys:
+        return RouterKeys.of(self.config)
 
     @property
     def http(self) -> httpx2.AsyncClient:

@@ -53,11 +53,14 @@ class Call:
         return self.status is not None and 200 <= self.status < 300
 
 
-def upstream_headers(scope: Scope, responder: Responder) -> list[tuple[bytes, bytes]]:
-    """The request id and tracing headers; never the caller's authorization, which on these
-    routes is a control-plane key (each worker gets its own key in `call_worker`)."""
+def upstream_headers(
+    ctx: ControlContext, scope: Scope, responder: Responder
+) -> list[tuple[bytes, bytes]]:
+    """The request id and tracing headers (less any carrying one of the router's keys); never
+    the caller's authorization, which on these routes is a control-plane key (each worker gets
+    its own key in `call_worker`)."""
     headers = [(b"x-request-id", responder.request_id)]
-    headers.extend(forwarded_headers(scope["headers"]))
+    headers.extend(forwarded_headers(scope["headers"], ctx.router_keys))
     return headers
 
 
@@ -147,7 +150,7 @@ async def proxy_from_prefill(
     if not candidates:
         raise no_worker("no available prefill worker to answer " + scope["path"])
     ctx.rng.shuffle(candidates)
-    headers = upstream_headers(scope, responder)
+    headers = upstream_headers(ctx, scope, responder)
     failures = []
     for worker in candidates:
         call = await call_worker(ctx, worker, "GET", scope["path"], headers)
@@ -187,7 +190,7 @@ async def handle_health_generate(
         if not candidates:
             raise no_worker(f"no available {role} worker for /health_generate")
         pair.append(ctx.rng.choice(candidates))
-    headers = upstream_headers(scope, responder)
+    headers = upstream_headers(ctx, scope, responder)
     calls = await fan_out(ctx, pair, "GET", "/health_generate", headers)
     ok = all(c.ok for c in calls)
     body: dict[str, Any] = {"status": "ok" if ok else "unhealthy"}
@@ -210,7 +213,7 @@ async def handle_flush_cache(
     ctx: ControlContext, scope: Scope, receive: Receive, responder: Responder
 ) -> None:
     workers = ctx.fleet.workers()
-    headers = upstream_headers(scope, responder)
+    headers = upstream_headers(ctx, scope, responder)
     calls = await fan_out(ctx, workers, "POST", "/flush_cache", headers)
     items = [entry(w, c) for w, c in zip(workers, calls, strict=True)]
     await json_reply(responder, 200, summary(items))
@@ -220,7 +223,7 @@ async def handle_get_loads(
     ctx: ControlContext, scope: Scope, receive: Receive, responder: Responder
 ) -> None:
     workers = ctx.fleet.workers()
-    headers = upstream_headers(scope, responder)
+    headers = upstream_headers(ctx, scope, responder)
     calls = await fan_out(ctx, workers, "GET", "/get_load", headers)
     items = []
     for worker, call in zip(workers, calls, strict=True):

@@ -41,6 +41,7 @@ from trio_pd.pd.relay import error_frame
 from trio_pd.respond import Responder
 from trio_pd.upstream.client import make_client
 from trio_pd.upstream.destinations import Destinations, parse_allow
+from trio_pd.upstream.headers import RouterKeys
 from trio_pd.upstream.pool import UpstreamPool
 from trio_pd.upstream.tls import worker_ssl_context
 
@@ -163,6 +164,7 @@ class Router:
             owned,
             self.config.policy.uses_routing_key,
             client_key_is_ours=bool(self.access.client_keys),
+            router_keys=RouterKeys.of(self.config),
         )
 
     @routes.default
@@ -238,7 +240,10 @@ class Router:
     async def handle_http(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = scope["headers"]
         path = scope["path"]
-        request_id = self.request_ids.incoming(headers) or self.request_ids.new(path)
+        request_id = self.request_ids.incoming(headers)
+        if request_id is not None and self.generation.router_keys.carried_by(request_id):
+            request_id = None  # a key of the router's would go to the workers and the logs
+        request_id = request_id or self.request_ids.new(path)
         current_request_id.set(request_id.decode("latin-1"))
         # The request id is echoed as its exact bytes; the CORS headers go on every answer.
         responder = Responder(send, request_id, self.cors.response_headers(headers))
