@@ -288,3 +288,20 @@ async def test_a_connection_to_a_wildcard_listener_of_the_router_is_refused_once
     other.check_connected(client, "legs")  # another port: a worker like any other
     client.close()
     listener.close()
+
+
+def test_the_parents_metrics_listener_is_the_router_in_every_process(tmp_path: Any) -> None:
+    """`--workers N`: the children do not bind the metrics port, the parent does; each child's
+    rule still knows it (and its own data-plane port, from the config)."""
+    from trio_pd.config import RouterConfig
+    from trio_pd.edge.router import Router
+    from trio_pd.serve.supervisor import per_process
+
+    config = RouterConfig(host="0.0.0.0", port=30123, prometheus_port=29123)
+    child = per_process(config, 2, tmp_path)
+    assert child.prometheus_port is None
+    destinations = Router(child).destinations
+    for port in (29123, 30123):
+        refused = destinations.refusal(ipaddress.ip_address("127.0.0.1"), port)
+        assert refused is not None and refused.kind == "router_itself", port
+    assert destinations.refusal(ipaddress.ip_address("127.0.0.1"), 29124) is None

@@ -260,10 +260,9 @@ class Destinations:
             if len(self._warned) > 1024:
                 self._warned.clear()
             self._warned.add(key)
-            log.warning(
-                "refused to connect to worker host %s port %s: %s (--worker-url-allow can "
-                "allow a range)", host, port, refused,
-            )  # fmt: skip
+            hint = "" if refused.kind == "router_itself" else " (--worker-url-allow can allow it)"
+            log.warning("refused to connect to worker host %s port %s: %s%s", host, port,
+                        refused, hint)  # fmt: skip
         return DestinationRefused(
             refused.kind, f"refused to connect to {host} port {port}: {refused}"
         )
