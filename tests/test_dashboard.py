@@ -5,7 +5,9 @@ variables' queries) is tokenized; its metric names and the labels it filters or 
 checked against the `/metrics` text of a real router that served the traffic making the series
 appear: a plain request, a stream, a prefill failure, a client disconnect, admission queueing.
 A family that has not been touched yet (no sample) still prints `# TYPE`, which is accepted for
-the families listed in TYPE_ONLY; one misspelled letter anywhere is reported.
+the families listed in TYPE_ONLY; their labels are checked against the label names the router
+declares for them (`declared_labels`), so a panel filtering or grouping such a family by a
+label it does not have fails as well. One misspelled letter anywhere is reported.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +23,13 @@ import attrs
 import httpx2
 import pytest
 import trio
+from prometheus_client.metrics import MetricWrapperBase
 
 from tests.conftest import start_cluster, start_engine
 from tests.ops.serve import start_serve
 from tests.router.helpers import generate_body
+from trio_pd.edge.router import Router
+from trio_pd.observe.metrics import FleetCollector
 
 DASHBOARD_PATH = Path(__file__).resolve().parent.parent / "docs" / "grafana" / "trio-pd.json"
 ROWS = ["Traffic", "Failures and containment", "Fleet", "Admission", "Operations"]
@@ -42,7 +47,6 @@ MULTIPROCESS_ONLY = {"trio_pd_process_restarts_total"}
 # only an unexpected crash (background restarts) or a membership source (--membership-file or
 # --workers N) would. Their `# TYPE` line is enough.
 TYPE_ONLY = {
-    "trio_pd_aborts_total",  # aborts are off in the tests' routers (conftest)
     "trio_pd_panic_selections_total",  # only when every breaker of a role is open
     "trio_pd_membership_errors_total",
     "trio_pd_background_restarts_total",
@@ -225,14 +229,15 @@ class Exposition:
                 labels.update(LABEL.findall(match.group(2) or ""))
         return cls(types, samples)
 
-    def type_only(self, name: str) -> bool:
-        """`name` is a series of a family that has a `# TYPE` line but no sample yet."""
+    def type_only(self, name: str) -> str | None:
+        """The family (its name without a counter's `_total`) when `name` is a series of a
+        family that has a `# TYPE` line but no sample yet, else None."""
         for family, kind in self.types.items():
             base = family.removesuffix("_total") if kind == "counter" else family
             names = [base + suffix for suffix in SUFFIXES.get(kind, ("",))]
             if name in names and not any(n in self.samples for n in names):
-                return True
-        return False
+                return base
+        return None
 
 
 @attrs.define
@@ -243,29 +248,59 @@ class Report:
     bad_labels: list[str] = attrs.Factory(list)
 
 
-def check(queries: list[tuple[str, str]], text: str, skip: frozenset[str] = frozenset()) -> Report:
-    """Which metric names of `queries` the exposition `text` has, and labels it lacks."""
+def check(
+    queries: list[tuple[str, str]],
+    text: str,
+    skip: frozenset[str] = frozenset(),
+    declared: Mapping[str, set[str]] | None = None,
+) -> Report:
+    """Which metric names of `queries` the exposition `text` has, and labels it lacks.
+
+    A family with no sample yet is checked against `declared` (family -> label names, as the
+    router declares them): its labels must be there as well."""
     exposition = Exposition.parse(text)
+    declared = declared or {}
     report = Report()
     for where, expr in queries:
         query = parse_promql(expr)
         known_labels = set(TARGET_LABELS)
+        unknown = False  # a name whose labels nobody knows: grouping cannot be checked
         for name in sorted(query.metrics - PROMETHEUS_SERIES - skip):
+            family = None
             if name in exposition.samples:
                 report.with_samples.add(name)
                 have = exposition.samples[name]
-                known_labels |= have
-                for label in sorted(query.selector_labels[name] - have - TARGET_LABELS):
-                    report.bad_labels.append(f"{where}: {name} has no label {label!r}")
-            elif exposition.type_only(name):
+            elif (family := exposition.type_only(name)) is not None:
                 report.type_only.add(name)
+                if family not in declared:
+                    report.bad_labels.append(f"{where}: no declared labels for {family}")
+                    unknown = True
+                    continue
+                have = declared[family] | ({"le"} if name.endswith("_bucket") else set())
             else:
                 report.missing.setdefault(name, where)
-        checkable = query.metrics & report.with_samples
-        if checkable and not query.metrics & report.type_only:
+                unknown = True
+                continue
+            known_labels |= have
+            for label in sorted(query.selector_labels[name] - have - TARGET_LABELS):
+                report.bad_labels.append(f"{where}: {name} has no label {label!r}")
+        if not unknown and query.metrics - PROMETHEUS_SERIES - skip:
             for label in sorted(query.grouping_labels - known_labels):
                 report.bad_labels.append(f"{where}: no metric of it has label {label!r}")
     return report
+
+
+def declared_labels(router: Router) -> dict[str, set[str]]:
+    """Family name (a counter's without `_total`) -> the label names the router declares for
+    it, sampled or not: prometheus-client keeps them on each metric (`_labelnames`, there since
+    its first releases), the scrape-time gauges on each family they yield."""
+    found: dict[str, set[str]] = {}
+    for value in vars(router.metrics).values():
+        if isinstance(value, MetricWrapperBase):
+            found[value._name] = set(value._labelnames)
+    for family in FleetCollector(router.fleet, router.pool, lambda: 0).collect():
+        found[family.name] = set(family._labelnames)
+    return found
 
 
 # -- offline tests: the parser, and that the checker can fail ----------------------------------
@@ -309,17 +344,30 @@ def test_a_misspelled_name_or_label_is_reported() -> None:
         ("d", "rate(trio_pd_requests[5m])"),  # the family's name: not a series of a counter
         ("e", "rate(trio_pd_aborts[5m])"),
         ("f", 'sum by (kind) (rate(trio_pd_requests_total{paht="/generate"}[5m]))'),
+        # families with no sample yet: their declared labels are checked too
+        ("g", 'sum by (role, result) (rate(trio_pd_aborts_total{result="sent"}[5m]))'),
+        ("h", 'sum by (rol) (rate(trio_pd_aborts_total{reslt="sent"}[5m]))'),
+        ("i", "sum by (le, role) (rate(trio_pd_leg_teardown_seconds_bucket[5m]))"),
     ]
-    report = check(queries, text)
+    declared = {"trio_pd_aborts": {"role", "result"}, "trio_pd_leg_teardown_seconds": {"role"}}
+    report = check(queries, text, declared=declared)
     assert report.with_samples == {"trio_pd_requests_total"}
-    assert report.type_only == {"trio_pd_aborts_total", "trio_pd_leg_teardown_seconds_count"}
+    assert report.type_only == {
+        "trio_pd_aborts_total", "trio_pd_leg_teardown_seconds_count",
+        "trio_pd_leg_teardown_seconds_bucket",
+    }  # fmt: skip
     assert report.missing == {
         "trio_pd_request_total": "c", "trio_pd_requests": "d", "trio_pd_aborts": "e",
     }  # fmt: skip
     assert report.bad_labels == [
         "f: trio_pd_requests_total has no label 'paht'",
         "f: no metric of it has label 'kind'",
+        "h: trio_pd_aborts_total has no label 'reslt'",
+        "h: no metric of it has label 'rol'",
     ]
+    # Without the declared labels a family with no sample cannot pass unchecked.
+    undeclared = check(queries[6:7], text).bad_labels
+    assert undeclared == ["g: no declared labels for trio_pd_aborts"]
 
 
 def test_the_dashboard_is_well_formed() -> None:
@@ -394,8 +442,10 @@ async def test_every_dashboard_metric_is_exported(nursery: trio.Nursery) -> None
         queue_size=1,
         queue_timeout_secs=10.0,
         decode={"inter_token_ms": 10.0},
+        abort_on_cancel=True,  # as in production: the aborts panel has its series
     )
     await drive_every_series(cluster.client, cluster.decode.events)
+    declared = declared_labels(cluster.router)
     with trio.fail_after(10):  # the 499 is counted once the router's request task ends
         while 'status="499"' not in (text := (await cluster.client.get("/metrics")).text):
             await trio.sleep(0.05)
@@ -404,10 +454,22 @@ async def test_every_dashboard_metric_is_exported(nursery: trio.Nursery) -> None
     queries = dashboard_queries(load_dashboard())
     used = set().union(*(parse_promql(expr).metrics for _, expr in queries))
     assert all(name.startswith("trio_pd_") for name in used - PROMETHEUS_SERIES), used
-    report = check(queries, text, skip=frozenset(MULTIPROCESS_ONLY))
+    report = check(queries, text, skip=frozenset(MULTIPROCESS_ONLY), declared=declared)
     assert report.missing == {}
     assert report.bad_labels == []
+    assert report.type_only, "the exceptions below are still needed"
     assert report.type_only <= TYPE_ONLY, report.type_only - TYPE_ONLY
+    assert "trio_pd_aborts_total" in report.with_samples
+
+    # The labels of a family with no sample are checked: a wrong one in the real dashboard's
+    # query of each such family is reported.
+    for name in sorted(report.type_only):
+        where, expr = next((w, e) for w, e in queries if name in parse_promql(e).metrics)
+        wrong = expr.replace("sum by (", "sum by (nosuch, ").replace("min by (", "min by (nosuch, ")
+        assert wrong != expr, expr
+        assert check([(where, wrong)], text, declared=declared).bad_labels == [
+            f"{where}: no metric of it has label 'nosuch'"
+        ], name
     assert used >= MULTIPROCESS_ONLY  # the exceptions are still queried, so still needed
 
     # The same check fails for a misspelled name in the real dashboard and the real text.

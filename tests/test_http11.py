@@ -24,7 +24,14 @@ import trustme
 
 from tests.engine.helpers import new_room, pd_body
 from trio_pd.testing.engine import EngineConfig, EngineHandle, serve_engine
-from trio_pd.upstream.http11 import Connection, Response, TransportError, connect
+from trio_pd.upstream.http11 import (
+    MAX_HEAD_BYTES,
+    MAX_RESPONSE_HEADERS,
+    Connection,
+    Response,
+    TransportError,
+    connect,
+)
 
 # -- the scripted server ------------------------------------------------------------------------
 
@@ -889,3 +896,48 @@ async def test_engine_pd_streams_over_reused_connections(pd_pair):
     assert decode.total_connections == 1 and prefill.total_connections == 1
     await decode_conn.aclose()
     await decode.wait_open_connections(0)
+
+
+# -- bounds on a response head ------------------------------------------------------------------
+
+
+def head_with(lines: list[bytes]) -> bytes:
+    """A 200 head of exactly these header lines plus Content-Length (one more line)."""
+    return b"HTTP/1.1 200 OK\r\n" + b"".join(line + b"\r\n" for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("lines", "failure"),
+    [
+        ([b"x-%d: v" % i for i in range(MAX_RESPONSE_HEADERS - 1)], None),  # 100 with the length
+        ([b"x-%d: v" % i for i in range(MAX_RESPONSE_HEADERS)], "more than 100 headers"),
+        ([b"x-big: " + b"b" * (MAX_HEAD_BYTES - 60)], None),  # just under, in one read or two
+        ([b"x-big: " + b"b" * MAX_HEAD_BYTES], "head larger than 65536 bytes"),
+        # A 1xx head's headers do not count against the final head's.
+        ([b"x-%d: v" % i for i in range(60)], None),
+    ],
+)
+async def test_a_response_head_is_bounded_in_count_and_size(nursery, lines, failure):
+    interim = b"HTTP/1.1 100 Continue\r\n" + b"".join(b"y-%d: v\r\n" % i for i in range(60))
+    server = await start_server(
+        nursery, answer_once(interim + b"\r\n", length_answer(b"{}", head_with(lines)))
+    )
+    connection = await open_to(server)
+    if failure is None:
+        response = await post(connection)
+        assert len(response.headers) == len(lines) + 1
+        assert await response.read() == b"{}"
+        return
+    with pytest.raises(TransportError, match=failure):
+        await post(connection)
+    assert not connection.is_reusable()
+
+
+async def test_trailers_are_bounded_like_a_head(nursery):
+    trailers = b"".join(b"t-%d: v\r\n" % i for i in range(MAX_RESPONSE_HEADERS + 1))
+    body = b"5\r\nhello\r\n0\r\n" + trailers + b"\r\n"
+    server = await start_server(nursery, answer_once(CHUNKED_HEAD, body))
+    connection = await open_to(server)
+    response = await post(connection)
+    with pytest.raises(TransportError, match="more than 100 headers"):
+        await response.read()

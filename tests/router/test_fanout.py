@@ -29,12 +29,12 @@ def seen(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[tuple[Any, str], floa
     delays: dict[tuple[Any, str], float] = {}
     original = EngineApp.info
 
-    async def info(self: EngineApp, path: str, method: str, send: Any) -> None:
+    async def info(self: EngineApp, path: str, method: str, send: Any, *rest: Any) -> None:
         self.engine.events.emit("info_arrived", path=path, method=method)
         delay = delays.get((self.engine, path), 0.0)
         if delay:
             await trio.sleep(delay)
-        await original(self, path, method, send)
+        await original(self, path, method, send, *rest)
 
     monkeypatch.setattr(EngineApp, "info", info)
     yield delays

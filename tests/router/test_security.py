@@ -237,16 +237,22 @@ async def test_worker_urls_that_cannot_be_workers_are_refused(cluster, url: str)
 
 
 async def test_the_router_itself_is_refused_and_allow_lists_work(nursery: trio.Nursery) -> None:
-    cluster = await start_cluster(nursery, worker_url_allow=("169.254.0.0/16",))
+    """`--worker-url-allow` lets a refused range in (0.0.0.0 here: a connect to it stays on
+    this machine), in its embedded spellings too; nothing lets the router itself in."""
+    cluster = await start_cluster(nursery, worker_url_allow=("0.0.0.0/32",))
     own = cluster.url
-    for url in (own, own.replace("127.0.0.1", "localhost")):
+    router_port = own.rsplit(":", 1)[1]
+    for url in (own, own.replace("127.0.0.1", "localhost"), f"http://0.0.0.0:{router_port}"):
         response = await cluster.client.post("/workers", json={"url": url, "worker_type": "decode"})
         assert "this router itself" in envelope(response, 400)["message"]
     port = await free_port()
-    allowed = await cluster.client.post(
-        "/workers", json={"url": f"http://169.254.10.10:{port}", "worker_type": "decode"}
+    for url in (f"http://0.0.0.0:{port}", f"http://[::ffff:0.0.0.0]:{port}"):
+        allowed = await cluster.client.post("/workers", json={"url": url, "worker_type": "decode"})
+        assert allowed.status_code == 202, allowed.text
+    refused = await cluster.client.post(
+        "/workers", json={"url": f"http://0.0.0.1:{port}", "worker_type": "decode"}
     )
-    assert allowed.status_code == 202
+    assert "--worker-url-allow" in envelope(refused, 400)["message"]  # outside the range
     await cluster.client.aclose()
 
 
@@ -266,4 +272,67 @@ async def test_a_worker_key_that_would_inject_headers_is_refused(nursery: trio.N
     assert (await cluster.client.post("/workers", json=body)).status_code in (200, 201, 202)
     with pytest.raises(SystemExit):
         router_config(build_parser().parse_args(["serve", "--api-key", "a\nb"]))
+    await cluster.client.aclose()
+
+
+SECRETS = ("admin:secret", "user-secret", "dp-secret")
+
+
+def secrets_seen(engine: Any) -> list[tuple[str, str, str]]:
+    """(event, header, value) of every header an engine saw that carries one of SECRETS."""
+    found = []
+    for event in engine.events.find("request_start") + engine.events.find("info_request"):
+        for name, value in event["headers"].items():
+            if any(secret in value for secret in SECRETS):
+                found.append((event.get("path", ""), name, value))
+    return found
+
+
+async def test_the_routers_own_keys_never_reach_a_worker(nursery: trio.Nursery) -> None:
+    """Control-plane keys (and data-plane keys) are the router's: sent by a client on any
+    route, in the Authorization header or in a forwarded one, no worker sees them, on the
+    generation legs, in fan-out or in probes. A client's own token still passes through to
+    workers (SGLang's meaning, with no --api-key)."""
+    cluster = await start_cluster(nursery, health=FAST_HEALTH, control_plane_api_keys=(ADMIN, USER))
+    client = cluster.client
+    passed = await client.post(
+        "/generate", json=generate_body(), headers={"authorization": "Bearer client-token"}
+    )
+    assert passed.status_code == 200
+    seen = cluster.prefill.events.find("request_start", rid=passed.headers["x-request-id"])[0]
+    assert seen["headers"]["authorization"] == "Bearer client-token"  # passthrough is kept
+    for authorization in ("Bearer admin:secret", "bearer  admin:secret", "admin:secret",
+                          "Bearer user-secret", "Basic user-secret"):  # fmt: skip
+        headers = {
+            "authorization": authorization,
+            "x-correlation-id": "admin:secret",
+            "traceparent": "Bearer user-secret",
+            "x-request-id-team": "user-secret",
+        }
+        response = await client.post("/generate", json=generate_body(), headers=headers)
+        assert response.status_code == 200, response.text
+        rid = response.headers["x-request-id"]
+        for engine in (cluster.prefill, cluster.decode):
+            assert engine.events.find("request_start", rid=rid)  # the request did go through
+    admin = {"authorization": "Bearer admin:secret", "x-correlation-id": "user-secret"}
+    for method, path in [("GET", "/get_loads"), ("POST", "/flush_cache"),
+                         ("GET", "/get_server_info"), ("GET", "/health_generate"),
+                         ("GET", "/v1/models")]:  # fmt: skip
+        assert (await client.request(method, path, headers=admin)).status_code == 200, path
+    paths = {e["path"] for e in cluster.decode.events.find("info_request")}
+    assert {"/health", "/get_load", "/flush_cache", "/health_generate"} <= paths  # all called
+    for engine in (cluster.prefill, cluster.decode):
+        assert secrets_seen(engine) == []
+    await client.aclose()
+
+
+async def test_data_plane_keys_never_reach_a_worker_in_forwarded_headers(
+    nursery: trio.Nursery,
+) -> None:
+    cluster = await start_cluster(nursery, data_plane_api_keys=("dp-secret",))
+    headers = {"authorization": "Bearer dp-secret", "x-correlation-id": "dp-secret"}
+    response = await cluster.client.post("/generate", json=generate_body(), headers=headers)
+    assert response.status_code == 200
+    seen = cluster.decode.events.find("request_start", rid=response.headers["x-request-id"])
+    assert seen and secrets_seen(cluster.decode) == []
     await cluster.client.aclose()

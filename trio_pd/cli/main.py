@@ -241,7 +241,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         nargs="+",
         default=[],
         metavar="CIDR",
-        help="let admin-added workers point into these ranges (link-local, metadata...)",
+        help="let workers point into these refused ranges anyway (link-local, metadata...)",
     )
     p.add_argument(
         "--ca-cert-paths",

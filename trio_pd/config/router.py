@@ -131,7 +131,10 @@ class RouterConfig:
     control_plane_api_keys: tuple[ControlKey, ...] = ()
     control_plane_audit_enabled: bool = False
     data_plane_api_keys: tuple[str, ...] = attrs.field(default=(), repr=False)
-    worker_url_allow: tuple[str, ...] = ()  # CIDRs admin-added workers may point into anyway
+    worker_url_allow: tuple[str, ...] = ()  # CIDRs workers may point into anyway
+    # Listeners of this router another process serves (the parent's metrics listener under
+    # --workers N): a worker URL may not point at them (`upstream/destinations.py`).
+    other_listeners: tuple[tuple[str, int], ...] = ()
     ca_cert_paths: tuple[str, ...] = ()  # extra CAs for https workers (system store too)
     client_cert_path: str | None = None  # mTLS to workers
     client_key_path: str | None = None

@@ -84,7 +84,7 @@ def check_url(url: object) -> str:
 async def add_worker(ctx: ControlContext, scope: Scope, receive: Receive, rsp: Responder) -> None:
     body = await read_json_object(scope, receive, ADMIN_BODY_LIMIT)
     spec = parse_worker_spec(body)
-    await check_destination(spec.url, ctx.url_allow, [tuple(scope["server"])])
+    await check_destination(spec.url, ctx.destinations, [tuple(scope["server"])])
     for known in ctx.fleet.workers(spec.role):  # any source's: a store sees only its own
         if known.url == spec.url:
             raise conflict(f"{spec.role} worker {spec.url} is already registered as {known.id}")
@@ -105,9 +105,10 @@ async def add_worker(ctx: ControlContext, scope: Scope, receive: Receive, rsp: R
     location = f"{WORKERS_PATH}/{record.id}"
     # SMG 1.13's answer (202: the worker takes traffic once its first health check passes),
     # and the worker as it stands now.
-    body = {"status": "accepted", "worker_id": record.id, "url": spec.url, "location": location,
+    body = {**shown, "status": "accepted", "worker_id": record.id, "url": spec.url,
+            "location": location,
             "message": "worker added; it takes traffic once its first health check passes",
-            **shown}  # fmt: skip
+            }  # fmt: skip
     headers = [*JSON_HEADERS, (b"location", location.encode())]
     await rsp.reply(Reply(202, headers, orjson.dumps(body)))
 
@@ -158,6 +159,6 @@ async def delete_worker(
     except (StoreUnavailable, EtcdError) as exc:
         raise unavailable(exc) from None
     rsp.audit = f"removed {worker.id} {worker.role} {worker.url}"
-    body = {"status": "accepted", "worker_id": worker.id, "message": "worker removed",
-            **worker.to_json(), "removed": True}  # fmt: skip
+    body = {**worker.to_json(), "status": "accepted", "worker_id": worker.id,
+            "message": "worker removed", "removed": True}  # fmt: skip
     await json_reply(rsp, 202, body)  # SMG 1.13's status

@@ -15,8 +15,8 @@ from trio_pd.fleet.registry import Fleet
 from trio_pd.fleet.worker import Worker
 from trio_pd.membership.source import MembershipStore
 from trio_pd.respond import Responder
-from trio_pd.upstream.headers import generation_key, worker_authorization
-from trio_pd.upstream.urls import Network
+from trio_pd.upstream.destinations import Destinations
+from trio_pd.upstream.headers import RouterKeys, generation_key, worker_authorization
 
 
 @attrs.define(eq=False)
@@ -31,8 +31,13 @@ class ControlContext:
     fleet: Fleet
     rng: random.Random
     store: MembershipStore  # where POST/DELETE /workers write
-    url_allow: tuple[Network, ...] = ()
+    destinations: Destinations = attrs.Factory(Destinations)  # where a worker may point
     client: httpx2.AsyncClient | None = None
+    router_keys: RouterKeys = attrs.field(init=False)  # never forwarded to a worker
+
+    @router_keys.default
+    def _router_keys(self) -> RouterKeys:
+        return RouterKeys.of(self.config)
 
     def authorization(self, worker: Worker) -> list[tuple[bytes, bytes]]:
         """The authorization a call to `worker` carries (its key, else `--api-key`)."""

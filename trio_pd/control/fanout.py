@@ -35,7 +35,7 @@ from trio_pd.control.engine_info import EngineAnswerError, EngineInfoError, fetc
 from trio_pd.errors import RouterError, no_worker
 from trio_pd.fleet.worker import ROLES, Worker
 from trio_pd.respond import Reply, Responder
-from trio_pd.upstream.headers import forwarded_headers, generation_key, worker_authorization
+from trio_pd.upstream.headers import forwarded_headers
 
 log = logging.getLogger("trio_pd.fanout")
 
@@ -56,11 +56,14 @@ class Call:
         return self.status is not None and 200 <= self.status < 300
 
 
-def upstream_headers(scope: Scope, responder: Responder) -> list[tuple[bytes, bytes]]:
-    """The request id and tracing headers; never the caller's authorization, which on these
-    routes is a control-plane key (each worker gets its own key in `call_worker`)."""
+def upstream_headers(
+    ctx: ControlContext, scope: Scope, responder: Responder
+) -> list[tuple[bytes, bytes]]:
+    """The request id and tracing headers (less any carrying one of the router's keys); never
+    the caller's authorization, which on these routes is a control-plane key (each worker gets
+    its own key in `call_worker`)."""
     headers = [(b"x-request-id", responder.request_id)]
-    headers.extend(forwarded_headers(scope["headers"]))
+    headers.extend(forwarded_headers(scope["headers"], ctx.router_keys))
     return headers
 
 
@@ -74,10 +77,7 @@ async def call_worker(
     """One request to one worker under the health timeout; failures become `Call.error`."""
     client = ctx.http
     timeout = ctx.config.health.timeout_secs
-    headers = [
-        *headers,
-        *worker_authorization(generation_key(worker.spec, ctx.config.api_key), None),
-    ]
+    headers = [*headers, *ctx.authorization(worker)]
     with trio.move_on_after(timeout):
         try:
             async with client.stream(method, worker.url + path, headers=headers) as response:
@@ -153,7 +153,7 @@ async def proxy_from_prefill(
     if not candidates:
         raise no_worker("no available prefill worker to answer " + scope["path"])
     ctx.rng.shuffle(candidates)
-    headers = upstream_headers(scope, responder)
+    headers = upstream_headers(ctx, scope, responder)
     failures = []
     for worker in candidates:
         call = await call_worker(ctx, worker, "GET", scope["path"], headers)
@@ -193,7 +193,7 @@ async def handle_health_generate(
         if not candidates:
             raise no_worker(f"no available {role} worker for /health_generate")
         pair.append(ctx.rng.choice(candidates))
-    headers = upstream_headers(scope, responder)
+    headers = upstream_headers(ctx, scope, responder)
     calls = await fan_out(ctx, pair, "GET", "/health_generate", headers)
     ok = all(c.ok for c in calls)
     body: dict[str, Any] = {"status": "ok" if ok else "unhealthy"}
@@ -216,7 +216,7 @@ async def handle_flush_cache(
     ctx: ControlContext, scope: Scope, receive: Receive, responder: Responder
 ) -> None:
     workers = ctx.fleet.workers()
-    headers = upstream_headers(scope, responder)
+    headers = upstream_headers(ctx, scope, responder)
     calls = await fan_out(ctx, workers, "POST", "/flush_cache", headers)
     items = [entry(w, c) for w, c in zip(workers, calls, strict=True)]
     await json_reply(responder, 200, summary(items))
@@ -228,15 +228,12 @@ async def handle_get_loads(
     """Every worker's load as its engine reports it (`/v1/loads`, `/get_load` on engines before
     SGLang 0.5.23), concurrently; each answer also feeds `worker.report_load`."""
     workers = ctx.fleet.workers()
-    headers = upstream_headers(scope, responder)
+    headers = upstream_headers(ctx, scope, responder)
     items: list[dict[str, Any]] = [{} for _ in workers]
 
     async def one(index: int, worker: Worker) -> None:
         item: dict[str, Any] = {"id": worker.id, "url": worker.url, "worker_type": worker.role}
-        leg = [
-            *headers,
-            *worker_authorization(generation_key(worker.spec, ctx.config.api_key), None),
-        ]
+        leg = [*headers, *ctx.authorization(worker)]
         timeout = ctx.config.health.timeout_secs
         error = f"timed out after {timeout}s"
         with trio.move_on_after(timeout):

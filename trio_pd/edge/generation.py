@@ -26,7 +26,7 @@ from trio_pd.pd.dispatch import DispatchContext, PDRequest, dispatch_request
 from trio_pd.pd.injection import DP_KEYS
 from trio_pd.pd.relay import error_frame
 from trio_pd.respond import Responder
-from trio_pd.upstream.headers import client_authorization, leg_headers
+from trio_pd.upstream.headers import NO_KEYS, RouterKeys, client_authorization, leg_headers
 
 if TYPE_CHECKING:
     from trio_pd.edge.tracing import Tracing
@@ -48,6 +48,7 @@ class GenerationContext:
     owned_keys: frozenset[str]  # body keys the router writes itself
     reads_routing_key: bool = False  # a manual policy routes by X-SMG-Routing-Key
     client_key_is_ours: bool = False  # --api-key/--data-plane-api-keys: not for the workers
+    router_keys: RouterKeys = NO_KEYS  # every key of the router's: never forwarded
     parsers: trio_parallel.WorkerContext | None = None  # opened by the lifespan
     tracing: Tracing | None = None  # --enable-trace, from the lifespan's start to its end
 
@@ -73,9 +74,12 @@ async def handle_generation(
         request = PDRequest(
             scope["path"],
             inspected,
-            leg_headers(scope["headers"], rsp.request_id),
-            # With client keys the client's authorization is the router's credential: kept.
-            None if gen.client_key_is_ours else client_authorization(scope["headers"]),
+            leg_headers(scope["headers"], rsp.request_id, gen.router_keys),
+            # With client keys the client's authorization is the router's credential: kept;
+            # without, it goes on to the workers unless it is one of the router's keys.
+            None
+            if gen.client_key_is_ours
+            else client_authorization(scope["headers"], gen.router_keys),
             rsp.request_id.decode("latin-1"),
             routing_key(scope["headers"]) if gen.reads_routing_key else None,
             trace,

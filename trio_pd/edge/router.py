@@ -41,9 +41,10 @@ from trio_pd.pd.dispatch import DispatchContext
 from trio_pd.pd.relay import error_frame
 from trio_pd.respond import Responder
 from trio_pd.upstream.client import make_client
+from trio_pd.upstream.destinations import Destinations, parse_allow
+from trio_pd.upstream.headers import RouterKeys
 from trio_pd.upstream.pool import UpstreamPool
 from trio_pd.upstream.tls import worker_ssl_context
-from trio_pd.upstream.urls import parse_allow
 
 if TYPE_CHECKING:
     from trio_pd.edge.tracing import Tracing
@@ -64,6 +65,7 @@ class Router:
     fleet: Fleet = attrs.field()
     rng: random.Random = attrs.field(factory=random.Random)
     ssl_context: ssl.SSLContext = attrs.field()
+    destinations: Destinations = attrs.field()  # where a worker connection may go
     pool: UpstreamPool = attrs.field()  # the data plane's two legs
     admission: Admission = attrs.field()
     aborts: AbortService | None = attrs.field()
@@ -96,9 +98,22 @@ class Router:
     def _default_ssl_context(self) -> ssl.SSLContext:
         return worker_ssl_context(self.config)
 
+    @destinations.default
+    def _default_destinations(self) -> Destinations:
+        """The operator's allowed ranges and the listeners the config names; `serve` adds
+        the sockets it binds (port 0 included), and every other listener adds its own."""
+        refused = self.metrics.destinations_refused
+        destinations = Destinations(
+            parse_allow(self.config.worker_url_allow),
+            on_refused=lambda client, kind: refused.labels(client, kind).inc(),
+        )
+        for host, port in own_listeners(self.config):
+            destinations.add_own(host, port)
+        return destinations
+
     @pool.default
     def _default_pool(self) -> UpstreamPool:
-        return UpstreamPool(ssl_context=self.ssl_context)
+        return UpstreamPool(ssl_context=self.ssl_context, destinations=self.destinations)
 
     @admission.default
     def _default_admission(self) -> Admission:
@@ -139,8 +154,7 @@ class Router:
 
     @control.default
     def _default_control(self) -> ControlContext:
-        allow = parse_allow(self.config.worker_url_allow)
-        return ControlContext(self.config, self.fleet, self.rng, self.store, allow)
+        return ControlContext(self.config, self.fleet, self.rng, self.store, self.destinations)
 
     @generation.default
     def _default_generation(self) -> GenerationContext:
@@ -156,6 +170,7 @@ class Router:
             owned,
             self.config.policy.uses_routing_key,
             client_key_is_ours=bool(self.access.client_keys),
+            router_keys=RouterKeys.of(self.config),
         )
 
     @routes.default
@@ -204,7 +219,7 @@ class Router:
     async def lifespan(self, receive: Receive, send: Send) -> None:
         message = await receive()
         assert message["type"] == "lifespan.startup"
-        self.control.client = make_client(self.ssl_context)
+        self.control.client = make_client(self.ssl_context, self.destinations)
         startup_warnings(self.access)
         self.metrics.attach(self.fleet, self.pool, lambda: self.admission.waiting)
         self.generation.tracing = start_tracing(self.config)
@@ -238,7 +253,10 @@ class Router:
     async def handle_http(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = scope["headers"]
         path = scope["path"]
-        request_id = self.request_ids.incoming(headers) or self.request_ids.new(path)
+        request_id = self.request_ids.incoming(headers)
+        if request_id is not None and self.generation.router_keys.carried_by(request_id):
+            request_id = None  # a key of the router's would go to the workers and the logs
+        request_id = request_id or self.request_ids.new(path)
         current_request_id.set(request_id.decode("latin-1"))
         # The request id is echoed as its exact bytes; the CORS headers go on every answer.
         responder = Responder(send, request_id, self.cors.response_headers(headers))
@@ -296,6 +314,16 @@ class Router:
         if route is None:
             raise method_not_allowed(method, path, (*methods, "OPTIONS"))  # preflights too
         return route
+
+
+def own_listeners(config: RouterConfig) -> list[tuple[str, int]]:
+    """The listening addresses of this router its config names (a port 0 is added when bound):
+    the data plane, the metrics listener, and those another process of it serves."""
+    found = [(config.host, config.port)] if config.port else []
+    if config.prometheus_port:
+        found.append((config.prometheus_host, config.prometheus_port))
+    found.extend(config.other_listeners)
+    return found
 
 
 def start_tracing(config: RouterConfig) -> Tracing | None:

@@ -155,6 +155,13 @@ class RouterMetrics:
             ["source", "kind"],
             registry=r,
         )
+        self.destinations_refused = Counter(
+            "trio_pd_upstream_connects_refused",
+            "Connections to workers refused because the address cannot be a worker (cloud "
+            "metadata, link-local, this router itself...), by client (legs, control) and reason.",
+            ["client", "reason"],
+            registry=r,
+        )
         self._gauges: SyncedGauges | None = None
         self._per_request: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
 

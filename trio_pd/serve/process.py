@@ -58,6 +58,8 @@ async def serve(
             raise
     for sock in (*sockets.secure_sockets, *sockets.insecure_sockets):
         sock.listen(hc.backlog)
+    for bound in (sockets, metrics_sockets) if metrics_sockets is not None else (sockets,):
+        app.destinations.add_own_sockets((*bound.secure_sockets, *bound.insecure_sockets))
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         # Always: besides the signals, the drain is how a process that gave up on itself

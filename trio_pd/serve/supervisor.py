@@ -54,7 +54,14 @@ def per_process(config: RouterConfig, workers: int, run_dir: Path) -> RouterConf
         workers=1,
         membership_file=None if config.etcd is not None else shared,
         prometheus_port=None,  # the parent serves it
+        other_listeners=own_metrics_listener(config),
     )
+
+
+def own_metrics_listener(config: RouterConfig) -> tuple[tuple[str, int], ...]:
+    """The parent's metrics listener, which no child binds but no worker URL may point at."""
+    port = config.prometheus_port
+    return ((config.prometheus_host, port),) if port else ()
 
 
 def share(total: int, index: int, workers: int) -> int:

@@ -3,10 +3,25 @@
 One place decides what a worker is sent (the forwarded tracing headers, the router's request
 id, the worker's authorization) and what of a worker's answer reaches the client (less
 hop-by-hop headers and those the router sets itself).
+
+Two rules hold both ways:
+- hop-by-hop headers (RFC 9110 §7.6.1) stop at the router: the fixed ones, `Proxy-Connection`,
+  and every header a `Connection` (or `Proxy-Connection`) header names, from the client to a
+  worker and from a worker to the client;
+- the router's own keys (`--control-plane-api-keys`, `--data-plane-api-keys`, `--api-key` as
+  a client key) never reach a worker: a client header whose value is one of them, bare or as
+  `<scheme> <key>`, is not forwarded, on generation legs and fan-out alike (probes, load polls
+  and aborts carry no client header at all). Compared in constant time.
 """
 
 from __future__ import annotations
 
+import hmac
+from collections.abc import Iterable
+
+import attrs
+
+from trio_pd.config import RouterConfig
 from trio_pd.spec import WorkerSpec
 from trio_pd.upstream.http11 import Response
 
@@ -19,11 +34,11 @@ FORWARDED_HEADERS = frozenset(
 FORWARDED_PREFIX = b"x-request-id-"  # SMG forwards `x-request-id-*` too (`header_utils.rs`)
 
 
-# Not relayed from an upstream answer: hop-by-hop headers, those hypercorn sets itself, and the
-# request id, which the router sets on every response.
-DROPPED_RESPONSE_HEADERS = frozenset(
+# Hop-by-hop headers (RFC 9110 §7.6.1, and RFC 9112's Proxy-Connection and Keep-Alive).
+HOP_BY_HOP = frozenset(
     (
         b"connection",
+        b"proxy-connection",
         b"keep-alive",
         b"proxy-authenticate",
         b"proxy-authorization",
@@ -31,26 +46,72 @@ DROPPED_RESPONSE_HEADERS = frozenset(
         b"trailer",
         b"transfer-encoding",
         b"upgrade",
-        b"content-length",
-        b"date",
-        b"server",
-        b"x-request-id",
     )
+)
+_NAMING = (b"connection", b"proxy-connection")  # headers whose value names hop-by-hop ones
+
+# Not relayed from an upstream answer: hop-by-hop headers, those hypercorn sets itself, and the
+# request id, which the router sets on every response.
+DROPPED_RESPONSE_HEADERS = HOP_BY_HOP | frozenset(
+    (b"content-length", b"date", b"server", b"x-request-id")
 )
 
 
+def connection_named(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    """The header names a `Connection` or `Proxy-Connection` header lists (lower-cased)."""
+    named: set[bytes] = set()
+    for name, value in headers:
+        if name in _NAMING:
+            named.update(token.strip().lower() for token in value.split(b","))
+    return frozenset(named)
+
+
+@attrs.frozen
+class RouterKeys:
+    """The router's own keys, as bytes: none of them is ever forwarded to a worker."""
+
+    keys: tuple[bytes, ...] = attrs.field(default=(), repr=False)
+
+    @classmethod
+    def of(cls, config: RouterConfig) -> RouterKeys:
+        found = [k.key for k in config.control_plane_api_keys]
+        found.extend(config.data_plane_api_keys)
+        if config.api_key:
+            found.append(config.api_key)
+        return cls(tuple(dict.fromkeys(k.encode() for k in found if k)))
+
+    def carried_by(self, value: bytes) -> bool:
+        """Whether `value` is one of the keys, bare or after a scheme (`Bearer <key>`)."""
+        if not self.keys:
+            return False
+        whole = value.strip()
+        token = whole.partition(b" ")[2].strip()
+        found = False
+        for key in self.keys:  # no early exit: the time taken does not say which key was close
+            found |= hmac.compare_digest(whole, key) | hmac.compare_digest(token, key)
+        return found
+
+
+NO_KEYS = RouterKeys()
+
+
 def relayable_headers(response: Response) -> list[tuple[bytes, bytes]]:
-    """Headers less hop-by-hop ones, those the server sets itself, the request id and a
-    worker's own CORS answer (the router's `cors.py` decides that one)."""
+    """Headers less hop-by-hop ones (those `Connection` names too), those the server sets
+    itself, the request id and a worker's own CORS answer (the router's `cors.py` decides
+    that one)."""
+    headers = response.headers
+    named = connection_named(headers)
     return [
         (k, v)
-        for k, v in response.headers
-        if k not in DROPPED_RESPONSE_HEADERS and not k.startswith(b"access-control-")
+        for k, v in headers
+        if k not in DROPPED_RESPONSE_HEADERS
+        and k not in named
+        and not k.startswith(b"access-control-")
     ]
 
 
 def leg_headers(
-    client_headers: list[tuple[bytes, bytes]], request_id: bytes
+    client_headers: list[tuple[bytes, bytes]], request_id: bytes, keys: RouterKeys = NO_KEYS
 ) -> list[tuple[bytes, bytes]]:
     """Headers sent to both legs, less authorization (`worker_authorization` adds it per leg):
     the forwarded tracing headers, our request id and the JSON content type."""
@@ -59,22 +120,34 @@ def leg_headers(
         (b"accept-encoding", b"identity"),
         (b"x-request-id", request_id),
     ]
-    headers.extend(forwarded_headers(client_headers))
+    headers.extend(forwarded_headers(client_headers, keys))
     return headers
 
 
-def forwarded_headers(client_headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """The client's tracing headers a worker also gets (the request id is the router's own)."""
+def forwarded_headers(
+    client_headers: list[tuple[bytes, bytes]], keys: RouterKeys = NO_KEYS
+) -> list[tuple[bytes, bytes]]:
+    """The client's tracing headers a worker also gets (the request id is the router's own),
+    less those the client's `Connection` names and any carrying one of the router's keys."""
+    named = connection_named(client_headers)
     return [
         (name, value)
         for name, value in client_headers
-        if name in FORWARDED_HEADERS or name.startswith(FORWARDED_PREFIX)
+        if (name in FORWARDED_HEADERS or name.startswith(FORWARDED_PREFIX))
+        and name not in named
+        and not keys.carried_by(value)
     ]
 
 
-def client_authorization(client_headers: list[tuple[bytes, bytes]]) -> bytes | None:
+def client_authorization(
+    client_headers: list[tuple[bytes, bytes]], keys: RouterKeys = NO_KEYS
+) -> bytes | None:
+    """The client's `Authorization`, forwarded to a worker without a key of its own; never
+    when it carries one of the router's keys or the client's `Connection` names it."""
     for name, value in client_headers:
         if name == b"authorization":
+            if keys.carried_by(value) or b"authorization" in connection_named(client_headers):
+                return None
             return value
     return None
 

@@ -29,11 +29,18 @@ from collections.abc import Sequence
 import httptools
 import trio
 
+from trio_pd.upstream.destinations import DestinationRefused, Destinations
+
 RECEIVE_SIZE = 65536
 # A body up to this size goes out in the same `send_all` as the head; a bigger one separately,
 # so a large body is not copied just to save one system call.
 JOIN_BODY_LIMIT = 65536
-MAX_HEAD_BYTES = 256 * 1024  # status line and headers (with any 1xx before them)
+# A worker's answer head is bounded like Envoy bounds an upstream's (100 headers, ~60 KiB by
+# default): an engine sends a handful (uvicorn: about five), and whatever a hostile one sends
+# beyond would be held, then relayed to the client. Beyond either bound the response is a
+# transport failure of the worker (502, counted against it).
+MAX_HEAD_BYTES = 64 * 1024  # status line and headers (with any 1xx before them)
+MAX_RESPONSE_HEADERS = 100  # header lines of one response head (trailers too)
 
 
 class TransportError(Exception):
@@ -80,13 +87,20 @@ async def connect(
     server_hostname: str | None = None,
     connect_timeout: float,
     keepalive_expiry: float,
+    destinations: Destinations | None = None,
 ) -> Connection:
     """Open a TCP connection (and complete the TLS handshake when `ssl_context` is given), both
-    within `connect_timeout` seconds; TCP_NODELAY is on."""
+    within `connect_timeout` seconds; TCP_NODELAY is on.
+
+    With `destinations` the host is resolved and checked there and the connection made to the
+    checked addresses themselves, in order; a refused one is a TransportError saying why."""
     where = f"{host}:{port}"
     try:
         with trio.fail_after(connect_timeout):
-            stream = await trio.open_tcp_stream(host, port)
+            if destinations is None:
+                stream = await trio.open_tcp_stream(host, port)
+            else:
+                stream = await _open_checked(host, port, destinations)
             try:
                 stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
                 if ssl_context is None:
@@ -108,6 +122,8 @@ async def connect(
         raise TransportError(
             "timeout", f"connecting to {where} timed out after {connect_timeout:g} s"
         ) from None
+    except DestinationRefused as exc:
+        raise TransportError("transport", str(exc)) from exc
     except trio.BrokenResourceError as exc:  # the TLS handshake failed (verification, reset...)
         raise TransportError(
             "transport", f"TLS handshake with {where} failed: {_describe(exc)}"
@@ -117,6 +133,33 @@ async def connect(
             "transport", f"cannot connect to {where}: {_connect_reason(exc)}"
         ) from exc
     return Connection(tls, stream.socket, tls, keepalive_expiry)
+
+
+async def _open_checked(host: str, port: int, destinations: Destinations) -> trio.SocketStream:
+    """A TCP stream to the first of `host`'s checked addresses that accepts (each tried in
+    getaddrinfo's order), checked again once connected (`Destinations.check_connected`)."""
+    errors: list[OSError] = []
+    for address in await destinations.resolve(host, port, "legs"):
+        try:
+            stream = await trio.open_tcp_stream(address, port)
+        except OSError as exc:
+            errors.append(exc)
+            continue
+        try:
+            destinations.check_connected(stream.socket, "legs")
+        except BaseException:
+            stream.socket.close()
+            raise
+        return stream
+    if len(errors) == 1:
+        raise errors[0]
+    causes: list[Exception] = []
+    for error in errors:  # trio's own error groups each address's attempts as its cause
+        inner = error.__cause__
+        causes.extend(inner.exceptions if isinstance(inner, BaseExceptionGroup) else [error])
+    failed = OSError(f"no address of {host} accepted the connection")
+    failed.__cause__ = ExceptionGroup("connect attempts", causes) if causes else None
+    raise failed
 
 
 class _PlainStream:
@@ -174,6 +217,7 @@ class Connection:
         "_body",
         "_done",
         "_failure",
+        "_head_bytes",
         "_head_request",
         "_headers",
         "_idle_since",
@@ -209,6 +253,7 @@ class Connection:
         self._body: list[bytes] = []
         self.on_body = self._body.append
         self._headers: list[tuple[bytes, bytes]] = []
+        self._head_bytes = 0  # of the head being parsed (`on_header`)
         self._trailers: list[tuple[bytes, bytes]] = []  # parsed, then dropped
         self._response: Response | None = None
         self._done = True  # the last response (none yet) was read to its end
@@ -244,6 +289,7 @@ class Connection:
         self._response = None
         self._body.clear()
         self._headers = []
+        self._head_bytes = 0
         self._trailers.clear()
         self._head_request = method == b"HEAD"
         if self._parser is None:  # after a HEAD response llhttp was stopped: start afresh
@@ -377,6 +423,15 @@ class Connection:
             raise _StopParsing
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        # Counted here, exactly: `_read_head` only sees reads, and the head may end in the
+        # middle of one. A 1xx head starts the count afresh; trailers are counted as a head.
+        self._head_bytes += len(name) + len(value) + 4  # ": " and CRLF
+        if len(self._headers) >= MAX_RESPONSE_HEADERS:
+            self._failure = f"response has more than {MAX_RESPONSE_HEADERS} headers"
+            raise _StopParsing
+        if self._head_bytes > MAX_HEAD_BYTES:
+            self._failure = f"response head larger than {MAX_HEAD_BYTES} bytes"
+            raise _StopParsing
         self._headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
@@ -387,9 +442,11 @@ class Connection:
         if status < 200:  # 1xx: skipped (its headers too), the final response follows
             self._interim = True
             self._headers = []
+            self._head_bytes = 0
             return
         self._response = Response(self, status, self._headers)
         self._headers = self._trailers  # trailers of a chunked body land there
+        self._head_bytes = 0
         if self._head_request:
             self._stopped = True
             self._message_complete()

@@ -21,6 +21,7 @@ import attrs
 import trio
 
 from trio_pd.upstream import http11
+from trio_pd.upstream.destinations import Destinations
 from trio_pd.upstream.http11 import Connection, Response
 
 KEEPALIVE_EXPIRY_SECS = 2.0  # below the engines' keep-alive, so we never reuse a closing socket
@@ -57,7 +58,8 @@ class Endpoint:
 class UpstreamPool:
     """Idle keep-alive connections per worker origin; one per process, shared by all requests.
 
-    ``ssl_context`` verifies https workers (None: the system trust store, made on first use).
+    ``ssl_context`` verifies https workers (None: the system trust store, made on first use);
+    ``destinations`` is checked at every connect (None: no check, for tests of the client).
     """
 
     def __init__(
@@ -65,10 +67,12 @@ class UpstreamPool:
         keepalive_expiry: float = KEEPALIVE_EXPIRY_SECS,
         connect_timeout: float = CONNECT_TIMEOUT_SECS,
         ssl_context: ssl.SSLContext | None = None,
+        destinations: Destinations | None = None,
     ) -> None:
         self.keepalive_expiry = keepalive_expiry
         self.connect_timeout = connect_timeout
         self._ssl_context = ssl_context
+        self.destinations = destinations
         self._endpoints: dict[str, Endpoint] = {}
         self._idle: dict[str, list[Connection]] = {}  # keyed by worker base URL
         self._busy: dict[Connection, str] = {}
@@ -126,6 +130,7 @@ class UpstreamPool:
             ssl_context=self.ssl_context if endpoint.tls else None,
             connect_timeout=self.connect_timeout,
             keepalive_expiry=self.keepalive_expiry,
+            destinations=self.destinations,
         )
 
     async def prune(self) -> None:

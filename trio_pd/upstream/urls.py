@@ -1,10 +1,9 @@
 """Worker URLs: their syntax (command line and admin API alike) and where they may point.
 
-A worker receives users' prompts and, with `--api-key`, the router's key for the workers, so the
-admin API refuses URLs that point where a worker cannot be: link-local and cloud-metadata
-addresses (169.254.169.254 and friends), unspecified, multicast and broadcast addresses, and the
-router's own listening address. `--worker-url-allow CIDR` lets an operator allow a range anyway.
-A host name is resolved once, when the worker is added, and every address it gives is checked.
+Where a worker may point is `destinations.py`'s rule; the admin API applies it when a worker is
+added (every address its host resolves to, so the operator gets a 400 saying why), and both
+upstream clients apply it again at every connect (so a name that resolves elsewhere later is
+still refused).
 """
 
 from __future__ import annotations
@@ -17,22 +16,7 @@ from urllib.parse import urlsplit
 import trio
 
 from trio_pd.errors import bad_request
-
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-Address = ipaddress.IPv4Address | ipaddress.IPv6Address
-
-REFUSED: tuple[tuple[str, str], ...] = (
-    ("169.254.0.0/16", "link-local (cloud metadata lives here)"),
-    ("fe80::/10", "link-local"),
-    ("fd00:ec2::254/128", "cloud metadata"),
-    ("100.100.100.200/32", "cloud metadata"),
-    ("0.0.0.0/8", "unspecified"),
-    ("::/128", "unspecified"),
-    ("224.0.0.0/4", "multicast"),
-    ("ff00::/8", "multicast"),
-    ("255.255.255.255/32", "broadcast"),
-)
-_REFUSED = tuple((ipaddress.ip_network(net), why) for net, why in REFUSED)
+from trio_pd.upstream.destinations import Address, Destinations, parse_address
 
 
 def check_syntax(url: object) -> str:
@@ -61,43 +45,27 @@ def check_syntax(url: object) -> str:
     return url
 
 
-def parse_allow(cidrs: Sequence[str]) -> tuple[Network, ...]:
-    return tuple(ipaddress.ip_network(c, strict=False) for c in cidrs)
-
-
 async def check_destination(
-    url: str, allow: Sequence[Network], own: Sequence[tuple[str, int]]
+    url: str, destinations: Destinations, extra_own: Sequence[tuple[str, int]] = ()
 ) -> None:
-    """400 unless every address `url` points at may be a worker (see the module docstring).
+    """400 unless every address `url` points at may be a worker (`destinations.py`).
 
-    `own` holds the router's listening addresses (host, port) as clients reached them."""
+    `extra_own`: more of the router's addresses (the one the admin request came in on)."""
     parts = urlsplit(url)
     host = parts.hostname or ""
     port = parts.port or (443 if parts.scheme == "https" else 80)
+    refused = destinations.refuse_name(host)
+    if refused is not None:
+        raise bad_request(f"url {url!r} names {refused}; it cannot be a worker")
     for address in await resolve(host, port):
-        if any(address in net for net in allow):
+        refused = destinations.refusal(address, port, extra_own)
+        if refused is None:
             continue
-        for net, why in _REFUSED:
-            if address in net:
-                raise bad_request(
-                    f"url {url!r} points at {address}, a {why} address; an operator can allow "
-                    "it with --worker-url-allow"
-                )
-        if is_own(address, port, own):
-            raise bad_request(f"url {url!r} points at this router itself")
-
-
-def is_own(address: Address, port: int, own: Sequence[tuple[str, int]]) -> bool:
-    for own_host, own_port in own:
-        if port != own_port:
-            continue
-        try:
-            own_address = ipaddress.ip_address(own_host)
-        except ValueError:
-            continue
-        if address == own_address or address.is_loopback or own_address.is_unspecified:
-            return True
-    return False
+        if refused.kind == "router_itself":
+            raise bad_request(f"url {url!r} points at this router itself ({refused})")
+        raise bad_request(
+            f"url {url!r} points at {refused}; an operator can allow it with --worker-url-allow"
+        )
 
 
 async def resolve(host: str, port: int) -> list[Address]:
@@ -109,4 +77,4 @@ async def resolve(host: str, port: int) -> list[Address]:
         infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as exc:
         raise bad_request(f"worker host {host!r} does not resolve: {exc}") from None
-    return [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
+    return [parse_address(info[4][0]) for info in infos]

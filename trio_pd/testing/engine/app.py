@@ -49,10 +49,10 @@ class EngineApp:
         if path == "/abort_request":
             await handle_abort(self.engine, scope, receive, send)
             return
-        await self.info(path, method, send)
+        await self.info(path, method, send, scope.get("headers", ()))
 
     # ---- info endpoints --------------------------------------------------------------------
-    async def info(self, path: str, method: str, send: Any) -> None:
+    async def info(self, path: str, method: str, send: Any, headers: Any = ()) -> None:
         engine, cfg = self.engine, self.engine.config
         resp = Responder(send)
         routes: dict[tuple[str, str], Any] = {
@@ -84,7 +84,8 @@ class EngineApp:
         }
         key = (method, path)
         if key in routes:
-            engine.events.emit("info_request", method=method, path=path)  # probes, polls
+            seen = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers}
+            engine.events.emit("info_request", method=method, path=path, headers=seen)
             body = routes[key]
             if path == "/health" and engine.health_status != 200:
                 await resp.error(engine.health_status, "the engine is not ready")
