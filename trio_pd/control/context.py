@@ -31,6 +31,9 @@ class ControlContext:
     store: MembershipStore  # where POST/DELETE /workers write
     url_allow: tuple[Network, ...] = ()
     client: httpx2.AsyncClient | None = None
+    # The router's listening addresses (data plane and admin listener), set once they are bound:
+    # a worker URL naming one of them is the router itself.
+    own_addresses: list[tuple[str, int]] = attrs.Factory(list)
 
     @property
     def http(self) -> httpx2.AsyncClient:
