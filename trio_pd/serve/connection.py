@@ -70,22 +70,25 @@ class StrictHead(ReceiveBuffer):
 
 def check_head(head: bytes, *, request: bool, http2: bool) -> None:
     """Raise h11's LocalProtocolError (h11 answers 400, or the hint) for a head to refuse.
-    `request`: a request line and its fields; else the trailer fields of a chunked body."""
+    `request`: a request line and its fields; else the trailer fields of a chunked body.
+    Byte searches first (~1 µs a head); the fields are split only when both framing headers
+    may be there."""
     if head.count(b"\n") != head.count(b"\r\n"):
         raise LocalProtocolError("bare LF line ending (RFC 9112 §2.2)")
-    lines = head.split(b"\r\n")
-    fields = lines[1:] if request else lines
-    if any(line[:1] in (b" ", b"\t") for line in fields):
+    if b"\r\n " in head or b"\r\n\t" in head or (not request and head[:1] in (b" ", b"\t")):
         raise LocalProtocolError("obs-fold continuation line (RFC 9112 §5.2)")
     if not request:
         return
-    if not lines[0].isascii():
+    first = head[: head.find(b"\r\n")]
+    if not first.isascii():
         raise LocalProtocolError("request line with non-ASCII bytes")
-    if not http2 and lines[0] == b"PRI * HTTP/2.0":
+    if not http2 and first == b"PRI * HTTP/2.0":
         raise LocalProtocolError("HTTP/2 is not enabled (--enable-http2)", error_status_hint=505)
-    names = {line.partition(b":")[0].strip().lower() for line in fields}
-    if b"content-length" in names and b"transfer-encoding" in names:
-        raise LocalProtocolError("both Content-Length and Transfer-Encoding (RFC 9112 §6.3)")
+    lowered = head.lower()
+    if b"\r\ntransfer-encoding" in lowered and b"\r\ncontent-length" in lowered:
+        names = {line.partition(b":")[0].strip() for line in lowered.split(b"\r\n")[1:]}
+        if b"content-length" in names and b"transfer-encoding" in names:
+            raise LocalProtocolError("both Content-Length and Transfer-Encoding (RFC 9112 §6.3)")
 
 
 class StrictH11(H11Protocol):
