@@ -299,6 +299,7 @@ def router_argv(
     metrics = ["--prometheus-host", HOST, "--prometheus-port", str(free_port())]
     if kind in TRIO_PD_KINDS:
         argv = [trio_pd_bin(), "serve", *common, "--log-level", "warning", *metrics]
+        argv += ["--admin-port", str(free_port())]  # not its default 29001: the same reason
         argv += ["--policy", "round_robin"]
         if kind == "trio_pd_w2":
             argv += ["--workers", "2"]

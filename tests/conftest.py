@@ -26,6 +26,8 @@ ROUTER_DEFAULTS: dict[str, Any] = {
     "abort_on_cancel": False,
     "host": "127.0.0.1",
     "port": 0,
+    # The control plane's own door, on a free loopback port: without keys, changes go there.
+    "admin_port": 0,
     "request_timeout_secs": 30.0,
     "retry": RetryConfig(enabled=False),
     "policy": attrs.evolve(RouterConfig().policy, policy="round_robin"),
@@ -39,6 +41,7 @@ class Cluster:
     router: Router
     url: str
     client: httpx2.AsyncClient
+    admin: httpx2.AsyncClient  # the admin listener: keyless changes are served only there
 
     @property
     def prefill(self) -> EngineHandle:
@@ -97,8 +100,10 @@ async def cluster_of(
     )
     router, url = await start_router(nursery, config)
     client = httpx2.AsyncClient(base_url=url, timeout=httpx2.Timeout(20.0))
+    admin_url = router.access.admin_url or "http://127.0.0.1:9"  # none: refused, never used
+    admin = httpx2.AsyncClient(base_url=admin_url, timeout=httpx2.Timeout(20.0))
     await wait_until_ready(client)
-    return Cluster(list(prefills), list(decodes), router, url, client)
+    return Cluster(list(prefills), list(decodes), router, url, client, admin)
 
 
 async def wait_until_ready(client: httpx2.AsyncClient) -> None:
@@ -113,3 +118,4 @@ async def cluster(nursery: trio.Nursery) -> AsyncIterator[Cluster]:
     c = await start_cluster(nursery)
     yield c
     await c.client.aclose()
+    await c.admin.aclose()

@@ -70,6 +70,7 @@ async def test_serve_command_routes_and_stops_on_sigint(
         "--host", "127.0.0.1", "--port", str(port),
         "--workers", str(workers), "--log-level", "warning",
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+        "--admin-port", str(free_port()),
     ]  # fmt: skip
     process = await trio.lowlevel.open_process(command, stdout=subprocess.DEVNULL)
     try:

@@ -71,5 +71,27 @@ class Responder:
         self.bytes_sent += len(reply.body)
         await self.send_message({"type": "http.response.body", "body": reply.body})
 
-    async def error(self, error: RouterError) -> None:
-        await self.reply(error_reply(error))
+    async def error(self, error: RouterError, *, close: bool = False) -> None:
+        """The envelope; `close`: and `Connection: close` (the request's body was not read)."""
+        reply = error_reply(error)
+        if close and not any(name == b"connection" for name, _ in reply.headers):
+            reply = Reply(reply.status, [*reply.headers, (b"connection", b"close")], reply.body)
+        await self.reply(reply)
+
+
+WEBSOCKET_REFUSED = RouterError(
+    400,
+    "the router does not serve WebSocket; send the request without Upgrade",
+    "invalid_request_error",
+)
+
+
+async def deny_websocket(send: Send) -> None:
+    """Refuse a WebSocket handshake with the envelope (ASGI's `websocket.http.response`; else
+    hypercorn answers an empty 500)."""
+    reply = error_reply(WEBSOCKET_REFUSED)
+    headers = [*reply.headers, (b"content-length", str(len(reply.body)).encode())]
+    await send(
+        {"type": "websocket.http.response.start", "status": reply.status, "headers": headers}
+    )
+    await send({"type": "websocket.http.response.body", "body": reply.body})

@@ -133,11 +133,15 @@ async def replicas_agree(
         clients.append(a)
         b_all = list((await clients_per_process(replica_b)).values())  # each runs its own watch
         clients.extend(b_all)
+        # No keys: changes go through the admin listeners (one copy per process of B).
+        a_admin = httpx2.AsyncClient(base_url=replica_a.admin_url, timeout=10)
+        b_admins = list((await clients_per_process(replica_b, url=replica_b.admin_url)).values())
+        admins = [a_admin, *b_admins]
         for client in clients:
             assert await ids(client) == ["prefill-1", "decode-1"]
 
         # Added through A: on every process of B within a second, then serving B's requests.
-        added = await a.post("/workers", json={"url": second.url, "worker_type": "decode"})
+        added = await a_admin.post("/workers", json={"url": second.url, "worker_type": "decode"})
         assert added.status_code == 202, added.text
         new_id = added.json()["id"]
         assert (new_id, added.json()["source"]) == ("etcd-decode-1", "etcd")
@@ -151,14 +155,14 @@ async def replicas_agree(
         assert listed[new_id]["source"] == "etcd" and listed["decode-1"]["source"] == "static"
 
         # Removed through B: gone from A within a second, and no request reaches it any more.
-        assert (await b_all[1].delete(f"/workers/{new_id}")).status_code == 202
+        assert (await b_admins[1].delete(f"/workers/{new_id}")).status_code == 202
         await eventually(lambda: all_have(clients, new_id, False), PROPAGATION_SECS, "gone")
         before = served(second)
         await route(clients, rounds=3)
         assert served(second) == before
 
         # Another one through B, serving A's requests; then etcd stops.
-        added = await b_all[0].post("/workers", json={"url": third.url, "worker_type": "decode"})
+        added = await b_admins[0].post("/workers", json={"url": third.url, "worker_type": "decode"})
         assert added.status_code == 202, added.text
         kept_id = added.json()["id"]
         assert kept_id == "etcd-decode-2"  # ids are etcd's: never reused
@@ -176,19 +180,23 @@ async def replicas_agree(
         before = served(third)
         await route(clients, rounds=3)
         assert served(third) > before
-        refused = await a.post("/workers", json={"url": second.url, "worker_type": "decode"})
+        refused = await a_admin.post("/workers", json={"url": second.url, "worker_type": "decode"})
         assert refused.status_code == 503
 
         # etcd back: watching resumes, and a change made after the restart arrives everywhere.
         await trio.to_thread.run_sync(etcd_server.start)
         await eventually(lambda: all_see_etcd("up"), OUTAGE_SECS, "etcd seen back", every=0.1)
-        assert (await a.delete(f"/workers/{kept_id}")).status_code == 202
+        assert (await a_admin.delete(f"/workers/{kept_id}")).status_code == 202
         await eventually(lambda: all_have(clients, kept_id, False), PROPAGATION_SECS, "gone")
-        again = await b_all[1].post("/workers", json={"url": second.url, "worker_type": "decode"})
+        again = await b_admins[1].post(
+            "/workers", json={"url": second.url, "worker_type": "decode"}
+        )
         assert again.status_code == 202
         await eventually(
             lambda: all_have(clients, again.json()["id"], True), PROPAGATION_SECS, "re-added"
         )
+        for admin in admins:
+            await admin.aclose()
 
 
 async def test_a_killed_replicas_leased_workers_expire_from_the_others(
@@ -204,14 +212,15 @@ async def test_a_killed_replicas_leased_workers_expire_from_the_others(
             replica_a,
             replica_b,
         ),
-        httpx2.AsyncClient(base_url=replica_a.url, timeout=10) as a,
+        httpx2.AsyncClient(base_url=replica_a.admin_url, timeout=10) as a_admin,
+        httpx2.AsyncClient(base_url=replica_b.admin_url, timeout=10) as b_admin,
         httpx2.AsyncClient(base_url=replica_b.url, timeout=10) as b,
     ):
-        on_lease = await a.post("/workers", json={"url": leased.url, "worker_type": "decode"})
+        on_lease = await a_admin.post("/workers", json={"url": leased.url, "worker_type": "decode"})
         assert on_lease.status_code == 202, on_lease.text
         leased_id = on_lease.json()["id"]
         assert "lease" in on_lease.json()["meta"]  # hung on A's lease
-        kept = await b.post("/workers", json={"url": durable.url, "worker_type": "decode"})
+        kept = await b_admin.post("/workers", json={"url": durable.url, "worker_type": "decode"})
         assert kept.status_code == 202 and "lease" not in kept.json().get("meta", {})
         kept_id = kept.json()["id"]
         await eventually(lambda: all_have([b], leased_id, True), PROPAGATION_SECS, "B sees")

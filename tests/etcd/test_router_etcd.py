@@ -67,13 +67,13 @@ async def test_admin_api_writes_through_etcd_and_maps_its_answers(
     nursery: trio.Nursery, etcd_server: EtcdServer
 ) -> None:
     cluster, extra = await etcd_cluster(nursery, etcd_server)
-    client = cluster.client
+    client, admin = cluster.client, cluster.admin  # no keys: changes on the admin listener
     assert isinstance(cluster.router.store, EtcdMembership)
     assert cluster.router.sources == (cluster.router.store,)
     code, body = await health(client)
     assert (code, body) == (200, {"status": "ready", "membership": {"etcd": "up"}})
 
-    added = await client.post("/workers", json={"url": extra.url, "worker_type": "decode"})
+    added = await admin.post("/workers", json={"url": extra.url, "worker_type": "decode"})
     assert added.status_code == 202, added.text
     worker = added.json()
     assert worker["id"] == "etcd-decode-1"
@@ -83,16 +83,16 @@ async def test_admin_api_writes_through_etcd_and_maps_its_answers(
     assert listed == {"prefill-1": "static", "decode-1": "static", "etcd-decode-1": "etcd"}
 
     # Conflicts: the same URL again (etcd's worker, or a static one), a static worker's removal.
-    again = await client.post("/workers", json={"url": extra.url, "worker_type": "decode"})
+    again = await admin.post("/workers", json={"url": extra.url, "worker_type": "decode"})
     assert again.status_code == 409 and "etcd-decode-1" in again.json()["error"]["message"]
     static_url = cluster.decode.url
-    taken = await client.post("/workers", json={"url": static_url, "worker_type": "decode"})
+    taken = await admin.post("/workers", json={"url": static_url, "worker_type": "decode"})
     assert taken.status_code == 409 and "decode-1" in taken.json()["error"]["message"]
-    refused = await client.delete("/workers/decode-1")
+    refused = await admin.delete("/workers/decode-1")
     assert refused.status_code == 409 and "static" in refused.json()["error"]["message"]
     # A per-worker key would be readable by anyone reading etcd: 400, nothing stored.
     keyed = {"url": "http://127.0.0.1:9", "worker_type": "decode", "api_key": "k"}
-    unstorable = await client.post("/workers", json=keyed)
+    unstorable = await admin.post("/workers", json=keyed)
     assert unstorable.status_code == 400 and "api_key" in unstorable.json()["error"]["message"]
 
     text = (await client.get("/metrics")).text
@@ -119,12 +119,12 @@ async def test_admin_api_writes_through_etcd_and_maps_its_answers(
     for _ in range(4):  # round robin over both decodes: the etcd worker serves during the outage
         assert (await client.post("/generate", json=body)).status_code == 200
     assert len(extra.events.find("request_start")) > served_before
-    other = await client.post(
+    other = await admin.post(
         "/workers", json={"url": "http://127.0.0.1:9", "worker_type": "decode"}
     )
     assert other.status_code == 503, other.text
     assert other.json()["error"]["type"] == "service_unavailable"
-    gone = await client.delete("/workers/etcd-decode-1")
+    gone = await admin.delete("/workers/etcd-decode-1")
     assert gone.status_code == 503
     text = (await client.get("/metrics")).text
     assert metric(text, "trio_pd_membership_source_up", source="etcd") == 0
@@ -135,7 +135,7 @@ async def test_admin_api_writes_through_etcd_and_maps_its_answers(
     await trio.to_thread.run_sync(etcd_server.start)
     up = await wait_health(client, "up", OUTAGE_SECS)
     assert up == {"code": 200, "status": "ready", "membership": {"etcd": "up"}}
-    removed = await client.delete("/workers/etcd-decode-1")
+    removed = await admin.delete("/workers/etcd-decode-1")
     assert removed.status_code == 202 and removed.json()["removed"] is True
     ids = [w["id"] for w in (await client.get("/workers")).json()["workers"]]
     assert ids == ["prefill-1", "decode-1"]

@@ -98,11 +98,12 @@ async def test_discovered_static_and_admin_workers_side_by_side(
     )  # fmt: skip
 
     # A pod's worker belongs to Kubernetes: the admin API cannot remove it, nor register its URL.
-    refused = await client.delete("/workers/decode-d0")
+    admin = cluster.admin  # no keys: changes go through the admin listener
+    refused = await admin.delete("/workers/decode-d0")
     assert refused.status_code == 409 and "kubernetes" in refused.json()["error"]["message"]
-    taken = await client.post("/workers", json={"url": pod_decode.url, "worker_type": "decode"})
+    taken = await admin.post("/workers", json={"url": pod_decode.url, "worker_type": "decode"})
     assert taken.status_code == 409 and "decode-d0" in taken.json()["error"]["message"]
-    added = await client.post("/workers", json={"url": admin_decode.url, "worker_type": "decode"})
+    added = await admin.post("/workers", json={"url": admin_decode.url, "worker_type": "decode"})
     assert added.status_code == 202 and added.json()["source"] == "admin"
     admin_id = added.json()["id"]
 

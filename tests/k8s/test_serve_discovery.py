@@ -237,8 +237,14 @@ async def test_every_process_of_workers_2_watches_the_pods(
             await eventually(lambda c=client: served_through(c, d2), SERVE_SECS, "d2 serves")
 
         # An admin's worker through one process is in the other's membership too.
-        first, second = clients.values()
-        added = await first.post("/workers", json={"url": extra.url, "worker_type": "decode"})
+        admins = await clients_per_process(router, url=router.admin_url)
+        first_pid, second_pid = clients
+        added = await admins[first_pid].post(
+            "/workers", json={"url": extra.url, "worker_type": "decode"}
+        )
+        for admin in admins.values():
+            await admin.aclose()
+        second = clients[second_pid]
         assert added.status_code in (200, 201, 202), added.text
         extra_id = added.json()["id"]
         await eventually(lambda: _has(second, extra_id), PROPAGATION_SECS * 3, "shared")

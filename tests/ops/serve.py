@@ -30,10 +30,16 @@ class ServeProcess:
     port: int
     log_path: str
     metrics_port: int | None = None  # its --prometheus-port
+    admin_port: int | None = None  # its --admin-port (None: `--admin-port none`)
 
     @property
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.metrics_port}"
+
+    @property
+    def admin_url(self) -> str:
+        """The admin listener: without keys, where changes are served."""
+        return f"http://127.0.0.1:{self.admin_port}"
 
     @property
     def url(self) -> str:
@@ -70,6 +76,16 @@ class ServeProcess:
             await self.process.wait()
 
 
+def admin_flags(extra: Sequence[str]) -> tuple[list[str], int | None]:
+    """`--admin-port` on a free loopback port unless `extra` names it: the router's default,
+    29001, would be fought over by serve processes running side by side."""
+    if "--admin-port" in extra:
+        given = extra[list(extra).index("--admin-port") + 1]
+        return [], None if given == "none" else int(given)
+    port = free_port()
+    return ["--admin-port", str(port)], port
+
+
 def metrics_flags(extra: Sequence[str], host: str | None = "127.0.0.1") -> tuple[list[str], int]:
     """`--prometheus-port` (and `--prometheus-host`) unless `extra` has them: the router's
     default is SMG's 0.0.0.0:29000, which serve processes running side by side (and anything
@@ -92,29 +108,34 @@ async def start_serve(
     *extra: str,
     port: int | None = None,
     prometheus_host: str | None = "127.0.0.1",
+    host: str = "127.0.0.1",
 ) -> ServeProcess:
     """`python -m trio_pd serve` in front of running engines; its output goes to `log_path`.
     Its metrics listener gets a free port on `prometheus_host` (None: the router's default
-    address) unless `extra` names them."""
+    address), and its admin listener one on 127.0.0.1, unless `extra` names them."""
     port = port or free_port()
-    command = [sys.executable, "-m", "trio_pd", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    command = [sys.executable, "-m", "trio_pd", "serve", "--host", host, "--port", str(port)]
     for engine in prefills:
         command += ["--prefill", engine.url, str(engine.bootstrap_port)]
     for engine in decodes:
         command += ["--decode", engine.url]
     metrics, metrics_port = metrics_flags(extra, prometheus_host)
-    command += ["--log-level", "info", *metrics, *extra]
+    admin, admin_port = admin_flags(extra)
+    command += ["--log-level", "info", *metrics, *admin, *extra]
     with open(log_path, "wb") as log:  # noqa: ASYNC230 - a local file, opened once
         process = await trio.lowlevel.open_process(command, stdout=log, stderr=subprocess.STDOUT)
-    return ServeProcess(process, port, log_path, metrics_port)
+    return ServeProcess(process, port, log_path, metrics_port, admin_port)
 
 
-async def clients_per_process(router: ServeProcess, want: int = 2) -> dict[int, httpx2.AsyncClient]:
-    """One keep-alive client per router process: new connections until each was seen."""
+async def clients_per_process(
+    router: ServeProcess, want: int = 2, url: str | None = None
+) -> dict[int, httpx2.AsyncClient]:
+    """One keep-alive client per router process: new connections until each was seen. `url`:
+    another of its listeners shared by the processes (the admin listener), else the data plane."""
     found: dict[int, httpx2.AsyncClient] = {}
     with trio.fail_after(PROCESSES_SECS):
         while len(found) < want:
-            client = httpx2.AsyncClient(base_url=router.url, timeout=PROCESSES_SECS)
+            client = httpx2.AsyncClient(base_url=url or router.url, timeout=PROCESSES_SECS)
             pid = (await client.get("/liveness")).json()["pid"]
             if pid in found:
                 await client.aclose()

@@ -28,14 +28,20 @@ async def test_two_processes_are_one_router(nursery: trio.Nursery, tmp_path: Pat
         "--health-check-interval-secs", "1",
     )  # fmt: skip
     clients: dict[int, httpx2.AsyncClient] = {}
+    admins: dict[int, httpx2.AsyncClient] = {}
     try:
         await router.wait_ready()
         clients = await clients_per_process(router)
         (pid_a, a), (pid_b, b) = clients.items()
         assert pid_a != pid_b
+        # The admin listener is shared as the data plane is: each process serves a copy.
+        admins = await clients_per_process(router, url=router.admin_url)
+        assert set(admins) == set(clients)
 
         # A membership change through one process is seen by the other within a second.
-        added = await a.post("/workers", json={"url": extra.url, "worker_type": "decode"})
+        added = await admins[pid_a].post(
+            "/workers", json={"url": extra.url, "worker_type": "decode"}
+        )
         assert added.status_code == 202
         new_id = added.json()["id"]
         with trio.fail_after(1.0):
@@ -44,7 +50,7 @@ async def test_two_processes_are_one_router(nursery: trio.Nursery, tmp_path: Pat
         ids_a = [w["id"] for w in (await a.get("/workers")).json()["workers"]]
         ids_b = [w["id"] for w in (await b.get("/workers")).json()["workers"]]
         assert ids_a == ids_b == ["prefill-1", "decode-1", new_id]
-        assert (await b.delete("/workers/decode-1")).status_code == 202
+        assert (await admins[pid_b].delete("/workers/decode-1")).status_code == 202
         with trio.fail_after(1.0):
             while "decode-1" in [w["id"] for w in (await a.get("/workers")).json()["workers"]]:
                 await trio.sleep(0.05)
@@ -81,7 +87,7 @@ async def test_two_processes_are_one_router(nursery: trio.Nursery, tmp_path: Pat
         router.signal(signal.SIGTERM)
         assert await router.wait_exit() == 0
     finally:
-        for client in clients.values():
+        for client in (*clients.values(), *admins.values()):
             await client.aclose()
         await router.stop()
 

@@ -66,7 +66,7 @@ def as_trio_pd(line: str, engines: dict[str, EngineHandle], port: int) -> list[s
         previous_engine = None
     if "--port" not in out:
         out += ["--port", str(port)]
-    return [*out, "--prometheus-port", str(free_port())]
+    return [*out, "--prometheus-port", str(free_port()), "--admin-port", str(free_port())]
 
 
 async def start(argv: list[str], port: int, log_path: Path) -> ServeProcess:

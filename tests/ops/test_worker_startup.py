@@ -129,9 +129,10 @@ async def test_a_worker_not_up_within_the_timeout_is_given_up(
             assert (await client.get("/readiness")).status_code == 503
 
             # Removing and adding it again retries, as re-registering does in SMG.
-            assert (await client.delete("/workers/decode-1")).status_code == 202
-            added = await client.post("/workers", json={"url": decode_url, "worker_type": "decode"})
-            assert added.status_code == 202
+            async with httpx2.AsyncClient(base_url=router.admin_url) as admin:
+                assert (await admin.delete("/workers/decode-1")).status_code == 202
+                body = {"url": decode_url, "worker_type": "decode"}
+                assert (await admin.post("/workers", json=body)).status_code == 202
             await eventually(lambda: ready_now(client), LOOSE, "the re-added decode joins")
             assert decode.handle.events.find("info_request", path="/health")
             assert (await client.post("/generate", json=generate_body())).status_code == 200

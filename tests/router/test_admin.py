@@ -26,7 +26,7 @@ def assert_envelope(response: Any, status: int) -> dict[str, Any]:
 
 async def test_add_list_get_delete(nursery: trio.Nursery) -> None:
     cluster = await start_cluster(nursery, health=FAST_HEALTH)
-    client = cluster.client
+    client, admin = cluster.client, cluster.admin  # without keys, changes go to the admin door
     listed = (await client.get("/workers")).json()
     assert listed["total"] == 2
     assert [(w["id"], w["url"]) for w in listed["workers"]] == [
@@ -41,7 +41,7 @@ async def test_add_list_get_delete(nursery: trio.Nursery) -> None:
         "worker_type": "prefill",
         "bootstrap_port": extra.handle.bootstrap_port,
     }
-    added = await client.post("/workers", json=spec)
+    added = await admin.post("/workers", json=spec)
     assert added.status_code == 202
     worker = added.json()
     assert worker["id"] == "prefill-2"
@@ -51,7 +51,7 @@ async def test_add_list_get_delete(nursery: trio.Nursery) -> None:
     assert worker["is_healthy"] is False  # until the health checker's first pass
     assert [w.id for w in cluster.router.fleet.workers("prefill")] == ["prefill-1", "prefill-2"]
 
-    duplicate = await client.post("/workers", json={**spec, "url": extra.handle.url + "/"})
+    duplicate = await admin.post("/workers", json={**spec, "url": extra.handle.url + "/"})
     assert "already registered" in assert_envelope(duplicate, 409)["message"]
 
     got = await client.get("/workers/prefill-2")
@@ -60,20 +60,21 @@ async def test_add_list_get_delete(nursery: trio.Nursery) -> None:
     await settle(lambda: cluster.router.fleet.get("prefill-2").healthy, LOOSE)
     assert (await client.get("/workers/prefill-2")).json()["is_healthy"] is True
 
-    deleted = await client.delete("/workers/prefill-2")
+    deleted = await admin.delete("/workers/prefill-2")
     assert deleted.status_code == 202
     assert deleted.json()["removed"] is True
     assert [w.id for w in cluster.router.fleet.workers()] == ["prefill-1", "decode-1"]
     assert_envelope(await client.get("/workers/prefill-2"), 404)
-    assert_envelope(await client.delete("/workers/prefill-2"), 404)
+    assert_envelope(await admin.delete("/workers/prefill-2"), 404)
     assert_envelope(await client.get("/workers/nope"), 404)
     assert_envelope(await client.put("/workers"), 405)
 
     # Ids are never reused: a worker added again gets a new one.
-    again = await client.post("/workers", json=spec)
+    again = await admin.post("/workers", json=spec)
     assert again.status_code == 202
     assert again.json()["id"] == "prefill-3"
     await client.aclose()
+    await admin.aclose()
 
 
 BAD_BODIES = [
@@ -98,7 +99,7 @@ async def test_bad_input_is_400_and_changes_nothing(nursery: trio.Nursery) -> No
     cluster = await start_cluster(nursery, health=FAST_HEALTH)
     version = cluster.router.fleet.version
     for body, words in BAD_BODIES:
-        response = await cluster.client.post(
+        response = await cluster.admin.post(
             "/workers", content=body, headers={"content-type": "application/json"}
         )
         assert words in assert_envelope(response, 400)["message"], body
@@ -113,7 +114,7 @@ async def test_added_worker_takes_traffic_only_after_its_first_health_pass(
     cluster = await start_cluster(nursery, health=FAST_HEALTH)
     port, bootstrap_port = await free_port(), await free_port()
     url = f"http://127.0.0.1:{port}"
-    added = await cluster.client.post(
+    added = await cluster.admin.post(
         "/workers", json={"url": url, "worker_type": "prefill", "bootstrap_port": bootstrap_port}
     )
     assert added.status_code == 202
@@ -181,7 +182,7 @@ async def test_remove_worker_under_load(nursery: trio.Nursery, role: str) -> Non
         await settle(lambda: victim.in_flight == 3, LOOSE)
         working = "first_token" if stream else "room_registered"
         await settle(lambda: len(engines[1].events.find(working)) == 3, LOOSE)
-        removed = await cluster.client.delete(f"/workers/{victim.id}")
+        removed = await cluster.admin.delete(f"/workers/{victim.id}")
         assert removed.status_code == 202
         assert victim.in_flight == 3  # still running: removal does not cancel anything
         after = []
@@ -208,3 +209,29 @@ async def test_remove_worker_under_load(nursery: trio.Nursery, role: str) -> Non
     await settle(lambda: victim.in_flight == 0)  # the legs end just after the client's last byte
     assert victim.removed and victim not in cluster.router.fleet.workers()
     await cluster.client.aclose()
+
+
+async def test_a_worker_body_that_never_ends_is_a_408(nursery: trio.Nursery) -> None:
+    """`POST /workers` reads its body within `--client-body-timeout-secs`, as generation does:
+    a client sending one byte a minute holds the admin door for that long at most."""
+    from trio_pd.config import TimeoutConfig
+
+    cluster = await start_cluster(nursery, timeouts=TimeoutConfig(client_body_secs=1.0))
+    host, port = cluster.router.access.admin_url.removeprefix("http://").rsplit(":", 1)
+    conn = await trio.open_tcp_stream(host, int(port))
+    await conn.send_all(
+        b"POST /workers HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b'content-length: 1000\r\n\r\n{"url": '
+    )
+    data = b""
+    with trio.fail_after(LOOSE):
+        while not data.rstrip().endswith(b"}"):
+            piece = await conn.receive_some(65536)
+            assert piece, data
+            data += piece
+    assert data.startswith(b"HTTP/1.1 408")
+    assert b'"type":"timeout_error"' in data
+    assert len(cluster.router.fleet.workers()) == 2
+    await conn.aclose()
+    await cluster.client.aclose()
+    await cluster.admin.aclose()

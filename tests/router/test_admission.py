@@ -60,6 +60,16 @@ async def test_full_queue_gets_429_and_queue_timeout_408_and_neither_reaches_a_w
     await cluster.client.aclose()
 
 
+def test_the_queue_flags_help_says_what_the_router_answers() -> None:
+    """`--queue-timeout-secs`' help once said 429 while the router answers 408 (SMG's)."""
+    from tests.flag_surface import serve_actions
+
+    actions = serve_actions()
+    assert "408" in (actions["--queue-timeout-secs"].help or "")
+    assert "429" not in (actions["--queue-timeout-secs"].help or "")
+    assert "429" in (actions["--queue-size"].help or "")
+
+
 async def test_queued_request_runs_when_a_slot_frees(nursery: trio.Nursery) -> None:
     cluster = await start_cluster(
         nursery, max_concurrent_requests=2, queue_size=10, queue_timeout_secs=30.0,

@@ -18,6 +18,7 @@ from tests.conftest import Cluster, start_cluster
 from tests.router.fleet_tools import LOOSE, build_cluster, start_stoppable
 from tests.router.helpers import CANCELLED, generate_body, read_sse, settle
 from trio_pd.config import BreakerConfig, RetryConfig, TimeoutConfig
+from trio_pd.serve.listeners import USER_TIMEOUT_MARGIN_SECS, user_timeout_secs
 from trio_pd.upstream.http11 import Connection
 from trio_pd.upstream.pool import UpstreamPool
 
@@ -368,7 +369,24 @@ def rss_mib() -> float:
         return int(statm.read().split()[1]) * resource.getpagesize() / 2**20
 
 
+def server_side_established(router_port: int, client_port: int) -> bool:
+    """Whether the router's end of the connection from `client_port` is still ESTABLISHED
+    (/proc/net/tcp: the kernel drops it from the table once TCP_USER_TIMEOUT aborted it)."""
+    with open("/proc/net/tcp") as table:
+        for line in table.readlines()[1:]:
+            local, remote, state = line.split()[1:4]
+            if (int(local.split(":")[1], 16), int(remote.split(":")[1], 16)) == (
+                router_port, client_port,
+            ) and state == "01":  # fmt: skip
+                return True
+    return False
+
+
 async def test_a_client_that_stops_reading_frees_the_decode_slot(nursery: trio.Nursery) -> None:
+    """The stream watchdog cuts a stalled client's legs at --stream-stall-timeout-secs; the
+    kernel's TCP_USER_TIMEOUT, a little longer, only frees the client's connection afterwards.
+    Were they equal, the kernel could win and the cut would be a "client gone", not the
+    watchdog's "stall": the connection must still be up when decode is freed."""
     cluster = await start_cluster(
         nursery, timeouts=TimeoutConfig(stream_stall_secs=1.0, stream_idle_secs=60.0)
     )
@@ -376,6 +394,7 @@ async def test_a_client_that_stops_reading_frees_the_decode_slot(nursery: trio.N
     sock = trio.socket.socket()
     sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)
     await sock.connect((host, int(port)))
+    client_port = sock.getsockname()[1]
     stream = trio.SocketStream(sock)
     body = orjson.dumps(generate_body(stream=True, max_new_tokens=200_000))
     head = (
@@ -388,11 +407,16 @@ async def test_a_client_that_stops_reading_frees_the_decode_slot(nursery: trio.N
     assert first.startswith(b"HTTP/1.1 200")
     # ...and the client never reads again.
     freed = await cluster.decode.events.wait_for("slot_freed", timeout=LOOSE, rid="stalled")
+    assert server_side_established(int(port), client_port), "the kernel ended it first"
     assert freed["reason"] in CANCELLED  # backpressure held decode, then cut it
     assert not cluster.decode.events.find("request_end", rid="stalled", status=200, ended=None)
     assert rss_mib() - before < 30  # 200k tokens were never buffered in the router
     metrics = cluster.router.metrics
     await settle(lambda: metrics.legs_cancelled.labels("decode", "stall")._value.get() == 1, LOOSE)
+    assert metrics.legs_cancelled.labels("decode", "client_gone")._value.get() == 0
+    # Then the kernel's bound ends the connection the router could no longer write to.
+    assert user_timeout_secs(1.0) >= 1.0 + USER_TIMEOUT_MARGIN_SECS
+    await settle(lambda: not server_side_established(int(port), client_port), LOOSE)
     await stream.aclose()
     await settle(lambda: "active" not in cluster.upstream_connections(cluster.decode))
     await cluster.client.aclose()

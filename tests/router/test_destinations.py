@@ -177,7 +177,7 @@ async def test_worker_urls_that_cannot_be_workers_are_refused_in_every_spelling(
     assert len(REFUSED) + len(ACCEPTED) >= 30
     metrics_port, free = await free_port(), await free_port()
     cluster = await start_cluster(nursery, prometheus_port=metrics_port)
-    client = cluster.client
+    client = cluster.admin  # changes need the admin listener without keys
     wrong = []
     for template, word, why in REFUSED:
         url = spell(template, cluster, metrics_port, free)
@@ -215,7 +215,7 @@ async def test_dns_rebinding_to_the_router_itself_fails_the_health_check(
     names.answers["rebind.test"] = lambda: next(answers, ["127.0.0.1"])
     cluster = await start_cluster(nursery, health=FAST_HEALTH)
     port = cluster.url.rsplit(":", 1)[1]
-    added = await cluster.client.post(
+    added = await cluster.admin.post(
         "/workers", json={"url": f"http://rebind.test:{port}", "worker_type": "decode"}
     )
     assert added.status_code == 202, added.text  # the name looked fine when it was added
@@ -243,11 +243,11 @@ async def test_dns_rebinding_on_the_legs_fails_the_leg_at_connect(
     cluster = await start_cluster(nursery, health=FAST_HEALTH)
     engine = await start_engine(nursery, "decode")
     port = engine.url.rsplit(":", 1)[1]
-    added = await cluster.client.post(
+    added = await cluster.admin.post(
         "/workers", json={"url": f"http://flip.test:{port}", "worker_type": "decode"}
     )
     assert added.status_code == 202
-    assert (await cluster.client.delete("/workers/decode-1")).status_code == 202
+    assert (await cluster.admin.delete("/workers/decode-1")).status_code == 202
     worker = cluster.router.fleet.get(added.json()["id"])
     await settle(lambda: worker.healthy)
     served = await cluster.client.post("/generate", json=generate_body())

@@ -185,7 +185,7 @@ async def test_model_ids_from_flags_and_the_admin_api(nursery: trio.Nursery) -> 
 
     cluster = await start_cluster(nursery, health=FAST_HEALTH)
     other = await start_engine(nursery, "decode", model="named-by-engine")
-    added = await cluster.client.post(
+    added = await cluster.admin.post(
         "/workers", json={"url": other.url, "worker_type": "decode", "model_id": "zeta"}
     )
     assert added.status_code == 202 and added.json()["model_id"] == "zeta"  # configured wins

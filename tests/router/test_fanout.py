@@ -150,7 +150,7 @@ async def test_flush_cache_reaches_every_worker_concurrently(
     dead = cluster.router.fleet.add(WorkerSpec(f"http://127.0.0.1:{await free_port()}", "decode"))
 
     started = trio.current_time()
-    response = await cluster.client.post("/flush_cache")
+    response = await cluster.admin.post("/flush_cache")
     elapsed = trio.current_time() - started
     assert response.status_code == 200
     body = response.json()

@@ -82,14 +82,32 @@ async def test_control_plane_keys_by_role(
     await client.aclose()
 
 
-def test_without_control_plane_keys_only_loopback_may_change_things() -> None:
-    access = Access()
-    assert access.check("write", [], ("127.0.0.1", 5000)) is not None
-    assert access.check("write", [], ("::1", 5000, 0, 0)) is not None
-    with pytest.raises(Exception) as refused:
-        access.check("write", [], ("10.1.2.3", 5000))
-    assert refused.value.status == 403
-    assert access.check("read", [], ("10.1.2.3", 5000)) is None  # reads stay open
+def test_without_keys_changes_go_through_the_admin_door_only() -> None:
+    """The rule as a unit (end to end through a real proxy and a foreign peer: test_door.py):
+    no peer address is trusted on the data plane, the admin door needs no key, keys once
+    configured are needed on both doors, and the admin door answers no browser."""
+    access = Access(admin_url="http://127.0.0.1:29001")
+    for write in (access.check, lambda a, h: access.check(a, h, "data")):
+        with pytest.raises(Exception) as refused:
+            write("write", [])
+        assert refused.value.status == 403
+        assert "http://127.0.0.1:29001" in refused.value.message
+        assert "--control-plane-api-keys" in refused.value.message
+    assert access.check("read", [], "data") is None  # reads stay open
+    assert access.check("write", [], "admin") is not None
+    with pytest.raises(Exception) as browser:
+        access.check("write", [(b"origin", b"http://evil.example")], "admin")
+    assert browser.value.status == 403
+    keyed = Access(router_key="k")
+    for door in ("data", "admin"):
+        with pytest.raises(Exception) as unkeyed:
+            keyed.check("write", [], door)
+        assert unkeyed.value.status == 401
+        assert keyed.check("write", [(b"x-api-key", b"k")], door) is not None
+    no_listener = Access()
+    with pytest.raises(Exception) as nowhere:
+        no_listener.check("write", [], "data")
+    assert "--admin-port" in nowhere.value.message
 
 
 def test_control_plane_key_flags() -> None:
@@ -185,7 +203,8 @@ async def test_a_per_worker_key_overrides_the_router_key(nursery: trio.Nursery) 
     from tests.conftest import start_engine
 
     cluster = await start_cluster(nursery, health=FAST_HEALTH, api_key="router-wide")
-    cluster.client.headers["authorization"] = "Bearer router-wide"  # the router's key
+    cluster.client.headers["authorization"] = "Bearer router-wide"  # the router's key: changes
+    # on the data plane with it, as in SMG
     special = await start_engine(nursery, "decode", api_key="its-own")
     added = await cluster.client.post(
         "/workers", json={"url": special.url, "worker_type": "decode", "api_key": "its-own"}
@@ -230,7 +249,7 @@ async def test_data_plane_key_guards_generation(nursery: trio.Nursery) -> None:
     ],
 )
 async def test_worker_urls_that_cannot_be_workers_are_refused(cluster, url: str) -> None:
-    response = await cluster.client.post("/workers", json={"url": url, "worker_type": "decode"})
+    response = await cluster.admin.post("/workers", json={"url": url, "worker_type": "decode"})
     error = envelope(response, 400)
     assert "--worker-url-allow" in error["message"]
     assert len(cluster.router.fleet.workers()) == 2
@@ -238,18 +257,23 @@ async def test_worker_urls_that_cannot_be_workers_are_refused(cluster, url: str)
 
 async def test_the_router_itself_is_refused_and_allow_lists_work(nursery: trio.Nursery) -> None:
     """`--worker-url-allow` lets a refused range in (0.0.0.0 here: a connect to it stays on
-    this machine), in its embedded spellings too; nothing lets the router itself in."""
+    this machine), in its embedded spellings too; nothing lets the router itself in: its
+    data-plane port, named as the admin door is asked, nor the admin door itself."""
     cluster = await start_cluster(nursery, worker_url_allow=("0.0.0.0/32",))
-    own = cluster.url
-    router_port = own.rsplit(":", 1)[1]
-    for url in (own, own.replace("127.0.0.1", "localhost"), f"http://0.0.0.0:{router_port}"):
-        response = await cluster.client.post("/workers", json={"url": url, "worker_type": "decode"})
-        assert "this router itself" in envelope(response, 400)["message"]
+    router_port = cluster.url.rsplit(":", 1)[1]
+    for own in (cluster.url, cluster.router.access.admin_url):
+        for url in (own, own.replace("127.0.0.1", "localhost")):
+            body = {"url": url, "worker_type": "decode"}
+            response = await cluster.admin.post("/workers", json=body)
+            assert "this router itself" in envelope(response, 400)["message"]
+    body = {"url": f"http://0.0.0.0:{router_port}", "worker_type": "decode"}
+    response = await cluster.admin.post("/workers", json=body)
+    assert "this router itself" in envelope(response, 400)["message"]
     port = await free_port()
     for url in (f"http://0.0.0.0:{port}", f"http://[::ffff:0.0.0.0]:{port}"):
-        allowed = await cluster.client.post("/workers", json={"url": url, "worker_type": "decode"})
+        allowed = await cluster.admin.post("/workers", json={"url": url, "worker_type": "decode"})
         assert allowed.status_code == 202, allowed.text
-    refused = await cluster.client.post(
+    refused = await cluster.admin.post(
         "/workers", json={"url": f"http://0.0.0.1:{port}", "worker_type": "decode"}
     )
     assert "--worker-url-allow" in envelope(refused, 400)["message"]  # outside the range
@@ -264,12 +288,12 @@ async def test_a_worker_key_that_would_inject_headers_is_refused(nursery: trio.N
     url = f"http://127.0.0.1:{await free_port()}"
     for key in ("k\r\nx-injected: 1", "k\x00", "two words", "clé"):
         body = {"url": url, "worker_type": "decode", "api_key": key}
-        response = await cluster.client.post("/workers", json=body)
+        response = await cluster.admin.post("/workers", json=body)
         assert response.status_code == 400, key
         assert "api_key" in response.json()["error"]["message"]
     assert len((await cluster.client.get("/workers")).json()["workers"]) == before
     body = {"url": url, "worker_type": "decode", "api_key": "sk-fine_key.1"}
-    assert (await cluster.client.post("/workers", json=body)).status_code in (200, 201, 202)
+    assert (await cluster.admin.post("/workers", json=body)).status_code in (200, 201, 202)
     with pytest.raises(SystemExit):
         router_config(build_parser().parse_args(["serve", "--api-key", "a\nb"]))
     await cluster.client.aclose()

@@ -31,6 +31,21 @@ from trio_pd.upstream.urls import check_syntax
 
 LOG_LEVELS = ("debug", "info", "warn", "error", "warning", "critical")  # SGLang's four first
 DEFAULT_PROMETHEUS_PORT = 29000  # SMG's; RouterConfig's own default is no listener
+# Beside SMG's metrics port; RouterConfig's own default is no admin listener.
+DEFAULT_ADMIN_PORT = 29001
+
+
+def admin_port(value: str) -> int | None:
+    """`--admin-port`: a port number, or `none` for no admin listener."""
+    if value.lower() == "none":
+        return None
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a port number or none, not {value!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port number (0-65535) or none, not {port}")
+    return port
 
 
 class PrefillAction(argparse.Action):
@@ -48,6 +63,8 @@ class PrefillAction(argparse.Action):
                 port = int(rest[0])
             except ValueError:
                 parser.error(f"{option_string}: bootstrap port must be an int or none: {rest[0]}")
+            if not 1 <= port <= 65535:  # as POST /workers and the membership file check it
+                parser.error(f"{option_string}: bootstrap port must be in 1..65535: {port}")
         check_url(parser, url)
         items = list(getattr(namespace, self.dest) or [])
         items.append((url, port, model))
@@ -120,6 +137,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=d.host, help="address to listen on (IPv4 or IPv6)")
     p.add_argument("--port", type=int, default=d.port, help="port to listen on")
     p.add_argument(
+        "--admin-host",
+        default=d.admin_host,
+        help="address of the admin listener, the control plane's own door (keep it loopback: "
+        "without control-plane keys, whoever reaches it may change membership)",
+    )
+    p.add_argument(
+        "--admin-port",
+        type=admin_port,
+        default=DEFAULT_ADMIN_PORT,
+        metavar="PORT|none",
+        help="port of the admin listener (plain HTTP): the control routes, probes and metrics; "
+        "without control-plane keys, the only place worker membership and cache flushes are "
+        "served. 0: any free port; none: no admin listener",
+    )
+    p.add_argument(
         "--workers",
         type=int,
         default=d.workers,
@@ -177,7 +209,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--queue-timeout-secs",
         type=float,
         default=d.queue_timeout_secs,
-        help="longest wait in that queue (then 429)",
+        help="longest wait in that queue (then 408, as SGLang's router answers)",
     )
     p.add_argument(
         "--rate-limit-tokens-per-second",
@@ -221,7 +253,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         nargs="*",
         default=[],
         metavar="ID:NAME:ROLE:KEY",
-        help="keys of the router's control plane; role admin may change, user may read",
+        help="keys of the router's control plane; role admin may change, user may read. One "
+        "entry per argument, or a list joined by , or ; (cut only where the next id:name:role: "
+        "starts, so a key may hold , and ;)",
     )
     p.add_argument(
         "--control-plane-audit-enabled",
@@ -482,6 +516,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert-path", default=None, help="serve HTTPS with this certificate")
     p.add_argument("--tls-key-path", default=None, help="the key of --tls-cert-path")
     p.add_argument(
+        "--tls-handshake-timeout-secs",
+        type=float,
+        default=d.tls_handshake_timeout_secs,
+        help="with --tls-cert-path: a client's TLS handshake must end within this, else the "
+        "connection is closed",
+    )
+    p.add_argument(
+        "--enable-http2",
+        action="store_true",
+        help="also serve HTTP/2 (h2c upgrade, prior knowledge, ALPN h2 over TLS) with "
+        "hypercorn's limits: 100 streams at once and 1000 requests per connection; off, the "
+        "router speaks HTTP/1.1 only",
+    )
+    p.add_argument(
         "--enable-trace",
         action="store_true",
         help="Enable opentelemetry trace: a span per request, attempt and leg, exported over "
@@ -540,6 +588,52 @@ def control_keys(error: Callable[[str], None], values: Sequence[str]) -> tuple[C
     except ValueError as exc:
         error(f"--control-plane-api-keys: {exc}")
         raise
+
+
+def router_key(args: argparse.Namespace, error: Callable[[str], None]) -> str | None:
+    """`--api-key`, else `$TRIO_PD_API_KEY`: visible ASCII either way (it is sent in an
+    Authorization header: a CR/LF would fail every leg, or inject a header). Never printed."""
+    if args.api_key:
+        key, where = args.api_key, "--api-key"
+    else:
+        key, where = os.environ.get("TRIO_PD_API_KEY") or None, "$TRIO_PD_API_KEY"
+    if key is not None and not usable_key(key):
+        error(f"{where} must be visible ASCII (it is sent in an Authorization header){hint(key)}")
+    return key
+
+
+def worker_admin_key(args: argparse.Namespace, error: Callable[[str], None]) -> str | None:
+    """`--worker-admin-api-key`, else `$TRIO_PD_WORKER_ADMIN_API_KEY`, checked as `--api-key`."""
+    if args.worker_admin_api_key:
+        key, where = args.worker_admin_api_key, "--worker-admin-api-key"
+    else:
+        key = os.environ.get("TRIO_PD_WORKER_ADMIN_API_KEY") or None
+        where = "$TRIO_PD_WORKER_ADMIN_API_KEY"
+    if key is not None and not usable_key(key):
+        error(f"{where} must be visible ASCII (it is sent in an Authorization header){hint(key)}")
+    return key
+
+
+def data_plane_keys(args: argparse.Namespace, error: Callable[[str], None]) -> tuple[str, ...]:
+    """`--data-plane-api-keys`, else `$TRIO_PD_DATA_PLANE_API_KEYS` (comma-separated), each
+    visible ASCII as `--api-key` is. Named by position, never printed."""
+    if args.data_plane_api_keys:
+        keys, where = list(args.data_plane_api_keys), "--data-plane-api-keys"
+    else:
+        raw = os.environ.get("TRIO_PD_DATA_PLANE_API_KEYS", "")
+        keys, where = [k for k in raw.split(",") if k], "$TRIO_PD_DATA_PLANE_API_KEYS"
+    for n, key in enumerate(keys, 1):
+        if not usable_key(key):
+            error(f"{where}: key {n} must be visible ASCII (no spaces or control characters)"
+                  f"{hint(key)}")  # fmt: skip
+    return tuple(keys)
+
+
+def hint(key: str) -> str:
+    """What is wrong with a key, without showing it: a trailing newline is the usual cause."""
+    if key.endswith(("\n", "\r")):
+        return " (it ends with a line break: a Secret or file written with a newline?)"
+    return ""
 
 
 TRACE_MODULES = (
@@ -649,14 +743,6 @@ def edge_checks(args: argparse.Namespace, error: Callable[[str], None]) -> tuple
             f"--max-concurrent-requests {args.max_concurrent_requests} is below --workers "
             f"{args.workers}: each process needs one slot at least (it is divided among them)"
         )
-    if args.api_key and not usable_key(args.api_key):
-        error("--api-key must be visible ASCII (it is sent in an Authorization header)")
-    admin = args.worker_admin_api_key or os.environ.get("TRIO_PD_WORKER_ADMIN_API_KEY")
-    if admin and not usable_key(admin):
-        error(
-            "--worker-admin-api-key ($TRIO_PD_WORKER_ADMIN_API_KEY) must be visible ASCII (it is "
-            "sent in an Authorization header)"
-        )
     for name in args.request_id_headers or ():
         if not HEADER_NAME.fullmatch(name):
             error(f"--request-id-headers: {name!r} is not an HTTP header name")
@@ -670,6 +756,12 @@ def edge_checks(args: argparse.Namespace, error: Callable[[str], None]) -> tuple
 def positive(error: Callable[[str], None], flag: str, value: int) -> int:
     """SMG refuses 0 for its start-up settings (`config/validation.rs`)."""
     if value <= 0:
+        error(f"{flag} must be > 0, not {value}")
+    return value
+
+
+def positive_secs(error: Callable[[str], None], flag: str, value: float) -> float:
+    if not value > 0:
         error(f"{flag} must be > 0, not {value}")
     return value
 
@@ -691,6 +783,20 @@ def check_port(error: Callable[[str], None], flag: str, port: int) -> int:
     return port
 
 
+def check_admin_port(args: argparse.Namespace, error: Callable[[str], None]) -> None:
+    """The admin listener cannot share a port with the data plane or the metrics listener."""
+    if not args.admin_port:
+        return
+    wildcard = ("0.0.0.0", "::", "")
+    for flag, host, port in (
+        ("--port", args.host, args.port),
+        ("--prometheus-port", args.prometheus_host, args.prometheus_port),
+    ):
+        same_host = host == args.admin_host or host in wildcard or args.admin_host in wildcard
+        if port == args.admin_port and same_host:
+            error(f"--admin-port {args.admin_port} is also {flag}: give the admin listener its own")
+
+
 def router_config(args: argparse.Namespace) -> RouterConfig:
     error = getattr(args, "parser_error", parser_error)
     warnings = compatibility(args, error)
@@ -700,11 +806,14 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     if args.mini_lb:
         args.policy, args.prefill_policy, args.decode_policy = "random", None, None
     check_port(error, "--prometheus-port", args.prometheus_port)
+    check_admin_port(args, error)
     return RouterConfig(
         prefill=tuple(WorkerSpec(url, "prefill", port, model) for url, port, model in args.prefill),
         decode=tuple(WorkerSpec(url, "decode", None, model) for url, model in args.decode),
         host=args.host,
         port=args.port,
+        admin_host=args.admin_host,
+        admin_port=args.admin_port,
         workers=args.workers,
         request_timeout_secs=args.request_timeout_secs,
         max_payload_size=args.max_payload_size,
@@ -720,16 +829,11 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
             None if args.request_id_headers is None else tuple(args.request_id_headers)
         ),
         cors_allowed_origins=origins,
-        api_key=args.api_key or os.environ.get("TRIO_PD_API_KEY") or None,
-        worker_admin_api_key=(
-            args.worker_admin_api_key or os.environ.get("TRIO_PD_WORKER_ADMIN_API_KEY") or None
-        ),
+        api_key=router_key(args, error),
+        worker_admin_api_key=worker_admin_key(args, error),
         control_plane_api_keys=control_keys(error, args.control_plane_api_keys),
         control_plane_audit_enabled=args.control_plane_audit_enabled,
-        data_plane_api_keys=tuple(
-            args.data_plane_api_keys
-            or [k for k in os.environ.get("TRIO_PD_DATA_PLANE_API_KEYS", "").split(",") if k]
-        ),
+        data_plane_api_keys=data_plane_keys(args, error),
         worker_url_allow=tuple(args.worker_url_allow),
         ca_cert_paths=tuple(args.ca_cert_paths),
         client_cert_path=args.client_cert_path,
@@ -784,6 +888,10 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         shutdown_grace_period_secs=args.shutdown_grace_period_secs,
         tls_cert_path=args.tls_cert_path,
         tls_key_path=args.tls_key_path,
+        tls_handshake_timeout_secs=positive_secs(
+            error, "--tls-handshake-timeout-secs", args.tls_handshake_timeout_secs
+        ),
+        enable_http2=args.enable_http2,
         enable_trace=args.enable_trace,
         otlp_traces_endpoint=trace_endpoint(args, error),
         policy=PolicyConfig(

@@ -198,9 +198,12 @@ DIFFERS: dict[str, str] = {
     "breakers, retries, aborts) and takes MiniLB's one routing rule",
     "--enable-igw": "no effect: SGLang's router ignores a request's `model` without it; "
     "trio_pd always honours it",
-    "--api-key": "`--data-plane-api-keys` adds more client keys beside it",
+    "--api-key": "`--data-plane-api-keys` adds more client keys beside it; from the flag or "
+    "`$TRIO_PD_API_KEY`, it must be visible ASCII",
     "--control-plane-api-keys": "without them and without `--api-key`, the changing routes "
-    "answer loopback clients only (SGLang's are open to anyone who reaches the port)",
+    "are served on the admin listener only (`--admin-port`), never on this port (SGLang's are "
+    "open to anyone who reaches the port); with keys they are needed on both; a key must be "
+    "visible ASCII",
     "--log-level": "`warning` and `critical` (Python's names) are accepted too",
     "--log-dir": "a directory that cannot be created or written stops the start-up with the "
     "reason (SGLang's router then logs nowhere): logs asked for must not be lost silently",

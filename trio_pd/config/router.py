@@ -112,6 +112,10 @@ class RouterConfig:
     decode: tuple[WorkerSpec, ...] = ()
     host: str = "0.0.0.0"
     port: int = 30000
+    # The admin listener (`serve/admin_listener.py`): the control plane's own door, where its
+    # changing routes answer without keys. The CLI's default port is 29001; None: no listener.
+    admin_host: str = "127.0.0.1"
+    admin_port: int | None = None
     workers: int = 1  # hypercorn worker processes
     request_timeout_secs: float = 1800.0
     max_payload_size: int = 536_870_912
@@ -155,6 +159,8 @@ class RouterConfig:
     shutdown_grace_period_secs: float = 180.0  # in-flight requests' time to finish on SIGTERM
     tls_cert_path: str | None = None  # serve HTTPS (hypercorn does it)
     tls_key_path: str | None = None
+    tls_handshake_timeout_secs: float = 10.0  # a client must finish its TLS handshake within it
+    enable_http2: bool = False  # h2c, HTTP/2 prior knowledge and ALPN h2 (hypercorn's HTTP/2)
     enable_trace: bool = False  # OpenTelemetry spans, exported over OTLP/gRPC (`tracing.py`)
     otlp_traces_endpoint: str = "localhost:4317"  # <host>:<port> (SMG's default and format)
     retry: RetryConfig = RetryConfig()

@@ -22,68 +22,46 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
+import trio
 
 from trio_pd.asgi import Receive, Scope, json_reply, read_json_object
 from trio_pd.control.context import ControlContext
 from trio_pd.errors import RouterError, bad_request
 from trio_pd.membership.etcd import EtcdError, UnstorableSpec
 from trio_pd.membership.source import NotOwned, StoreUnavailable
+from trio_pd.membership.worker_json import spec_from_json
 from trio_pd.respond import JSON_HEADERS, Reply, Responder
 from trio_pd.spec import WorkerSpec
-from trio_pd.upstream.headers import usable_key
-from trio_pd.upstream.urls import check_destination, check_syntax
+from trio_pd.upstream.urls import check_destination
 
 WORKERS_PATH = "/workers"
 ADMIN_BODY_LIMIT = 64 * 1024
-WORKER_TYPES = ("prefill", "decode")
 
 
 # -- membership --------------------------------------------------------------------------------
 
 
 def parse_worker_spec(body: dict[str, Any]) -> WorkerSpec:
-    """The `POST /workers` body: url, worker_type, bootstrap_port, model_id, api_key,
-    admin_api_key (the key its `/abort_request` takes, for an engine with `--admin-api-key`)."""
-    spec = _parse_worker_spec(body)
-    for field in ("model_id", "api_key", "admin_api_key"):
-        value = body.get(field)
-        if value is not None and (not isinstance(value, str) or not value):
-            raise bad_request(f"{field} must be a non-empty string or null")
-    for field in ("api_key", "admin_api_key"):
-        if not usable_key(body.get(field)):
-            # It goes into a header on every leg: a CR/LF would inject headers of its own.
-            raise bad_request(f"{field} must be visible ASCII (no spaces or control characters)")
-    return WorkerSpec(spec.url, spec.role, spec.bootstrap_port, body.get("model_id"),
-                      body.get("api_key"), body.get("admin_api_key"))  # fmt: skip
-
-
-def _parse_worker_spec(body: dict[str, Any]) -> WorkerSpec:
-    """The `POST /workers` body as a WorkerSpec, or a 400 saying what is wrong."""
-    worker_type = body.get("worker_type")
-    if worker_type is None:
-        raise bad_request("worker_type is required: 'prefill' or 'decode'")
-    if worker_type not in WORKER_TYPES:
-        raise bad_request(f"worker_type must be 'prefill' or 'decode', not {worker_type!r}")
-    url = check_url(body.get("url"))
-    port = body.get("bootstrap_port")
-    if port is not None:
-        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-            raise bad_request(f"bootstrap_port must be an integer in 1..65535 or null: {port!r}")
-        if worker_type == "decode":
-            raise bad_request("bootstrap_port applies to prefill workers only")
-    return WorkerSpec(url, worker_type, port)
-
-
-def check_url(url: object) -> str:
+    """The `POST /workers` body: url, worker_type, bootstrap_port, model_id, api_key, checked
+    as a membership file's entries are (`membership/worker_json.py`); a 400 saying what is
+    wrong."""
     try:
-        return check_syntax(url)
+        return spec_from_json(body)
     except ValueError as exc:
         raise bad_request(str(exc)) from None
 
 
+async def read_spec(ctx: ControlContext, scope: Scope, receive: Receive) -> dict[str, Any]:
+    """The body, within `--client-body-timeout-secs` as a generation request's (else 408): a
+    client sending one byte a minute holds nothing for long."""
+    secs = ctx.config.timeouts.client_body_secs
+    with trio.move_on_after(secs):
+        return await read_json_object(scope, receive, ADMIN_BODY_LIMIT)
+    raise RouterError(408, f"the request body did not arrive within {secs:g}s", "timeout_error")
+
+
 async def add_worker(ctx: ControlContext, scope: Scope, receive: Receive, rsp: Responder) -> None:
-    body = await read_json_object(scope, receive, ADMIN_BODY_LIMIT)
-    spec = parse_worker_spec(body)
+    spec = parse_worker_spec(await read_spec(ctx, scope, receive))
     await check_destination(spec.url, ctx.destinations, [tuple(scope["server"])])
     for known in ctx.fleet.workers(spec.role):  # any source's: a store sees only its own
         if known.url == spec.url:

@@ -1,4 +1,4 @@
-"""Who may call what: the router's API key, control-plane keys with roles, loopback rules.
+"""Who may call what: the router's API key, control-plane keys with roles, the admin listener.
 
 SGLang's router (SMG 0.3.2, `server.rs::build_app`) meanings, kept: `--api-key` is both the key
 the router sends TO WORKERS (see `dispatch.leg_headers_for`) and, when set, the key clients must
@@ -7,24 +7,32 @@ control plane is otherwise guarded by `--control-plane-api-keys 'id:name:role:ke
 `admin` may change, `user` may read), keys compared in constant time, with
 `--control-plane-audit-enabled` logging who changed what.
 
+A request comes through one of two doors: the data-plane port (`--host`:`--port`), or the
+admin listener (`--admin-host`:`--admin-port`, loopback by default: `serve/admin_listener.py`).
 Routes by class:
 - data plane (generation, `/v1/models`): open unless `--api-key` or `--data-plane-api-keys` (our
   addition: more client keys, e.g. one per team, rotated without touching the workers' key) is
-  set: then one of those keys. Health, readiness and metrics stay open, as in SMG;
+  set: then one of those keys. Not served on the admin listener. Health, readiness and metrics
+  stay open on both doors, as in SMG;
 - control read (`GET /workers...`, `/get_loads`, `/health_generate`, `/get_model_info`,
   `/get_server_info`): a `user` or `admin` key when control-plane keys are configured, else the
-  `--api-key` when set, else open;
+  `--api-key` when set, else open (on both doors, as in SMG);
 - control write (`POST /workers`, `DELETE /workers/{id}`, `POST /flush_cache`): an `admin` key;
-  without control-plane keys, the `--api-key` (as SMG); without either, loopback clients only (a
-  deliberate difference from SMG, whose control plane is then open: anyone who reaches the port
-  could add a worker and receive users' prompts). The router warns at startup when it runs so.
+  without control-plane keys, the `--api-key` (as SMG); without either, the admin listener
+  only: the data-plane port refuses them (403, saying where to go), whoever the TCP peer is. A
+  local proxy or service-mesh sidecar in front of the data plane (nginx on the host, Istio's
+  127.0.0.6) therefore cannot pass a remote client's change through (a deliberate difference
+  from SMG, whose control plane is then open: anyone who reaches the port could add a worker
+  and receive users' prompts).
+Keys, once configured, are required on both doors: the admin listener is no way around them.
+The admin listener answers no browser: a request carrying `Origin` is refused (a web page the
+operator opens could otherwise POST to a loopback port), and it sends no CORS headers.
 A key is given as `Authorization: Bearer <key>` or `x-api-key: <key>`.
 """
 
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import logging
 from typing import Literal
 
@@ -37,6 +45,7 @@ log = logging.getLogger("trio_pd.auth")
 audit_log = logging.getLogger("trio_pd.audit")
 
 AccessClass = Literal["open", "data", "read", "write"]
+Door = Literal["data", "admin"]  # the data-plane port, or the admin listener
 
 
 def unauthorized(message: str = "missing or invalid API key") -> RouterError:
@@ -64,15 +73,6 @@ def presented_key(headers: list[tuple[bytes, bytes]]) -> bytes | None:
     return None
 
 
-def is_loopback(client: tuple[str, int] | list | None) -> bool:
-    if not client:
-        return False
-    try:
-        return ipaddress.ip_address(client[0]).is_loopback
-    except ValueError:
-        return False
-
-
 @attrs.frozen
 class Caller:
     """Who made a control-plane call, for the audit log."""
@@ -82,7 +82,7 @@ class Caller:
     role: str
 
 
-@attrs.frozen
+@attrs.define(eq=False)
 class Access:
     """The router's access rules, built once from its config."""
 
@@ -90,6 +90,13 @@ class Access:
     data_keys: tuple[str, ...] = attrs.field(default=(), repr=False)
     audit: bool = False
     router_key: str | None = attrs.field(default=None, repr=False)  # --api-key
+    # Where the admin listener answers, for the data plane's 403 (None: this router has none).
+    admin_url: str | None = None
+
+    @property
+    def keyless(self) -> bool:
+        """No control-plane keys and no `--api-key`: changes only on the admin listener."""
+        return not self.control_keys and not self.router_key
 
     @property
     def client_keys(self) -> tuple[str, ...]:
@@ -97,9 +104,11 @@ class Access:
         return self.data_keys + ((self.router_key,) if self.router_key else ())
 
     def check(
-        self, access: AccessClass, headers: list[tuple[bytes, bytes]], client: object
+        self, access: AccessClass, headers: list[tuple[bytes, bytes]], door: Door = "data"
     ) -> Caller | None:
-        """Raise 401/403 unless the request may use a route of class `access`."""
+        """Raise 401/403 unless the request may use a route of class `access` through `door`."""
+        if door == "admin" and any(name == b"origin" for name, _ in headers):
+            raise forbidden("the admin listener does not answer browsers (the request has Origin)")
         if access == "open":
             return None
         if access == "data":
@@ -107,17 +116,16 @@ class Access:
             if keys and not _matches_any(presented_key(headers), keys):
                 raise unauthorized()
             return None
-        if not self.control_keys and self.router_key:
-            if not _matches_any(presented_key(headers), (self.router_key,)):
+        if self.keyless:
+            if access == "read":
+                return None
+            if door == "admin":
+                return ADMIN_LISTENER
+            raise forbidden(self.no_keyless_writes())
+        if not self.control_keys:
+            if not _matches_any(presented_key(headers), (self.router_key or "",)):
                 raise unauthorized()
             return Caller("api-key", "--api-key", "admin")
-        if not self.control_keys:
-            if access == "write" and not is_loopback(client):  # type: ignore[arg-type]
-                raise forbidden(
-                    "changing the router needs --control-plane-api-keys; without them only "
-                    "loopback clients may"
-                )
-            return Caller("-", "anonymous", "admin") if access == "write" else None
         given = presented_key(headers)
         for entry in self.control_keys:
             if given is not None and hmac.compare_digest(given, entry.key.encode()):
@@ -125,6 +133,20 @@ class Access:
                     raise forbidden(f"key {entry.id} has role {entry.role}; this needs admin")
                 return Caller(entry.id, entry.name, entry.role)
         raise unauthorized()
+
+    def no_keyless_writes(self) -> str:
+        """The data plane's 403 for a change without keys: where it is served instead."""
+        keys = "or configure --control-plane-api-keys (or --api-key) to make it here with a key"
+        if self.admin_url is None:
+            return (
+                "changes without keys are served on the admin listener only, and this router "
+                f"runs without one: start it with --admin-port, {keys}"
+            )
+        return (
+            "changes without keys are served on the admin listener only, not on this port: "
+            f"send it to {self.admin_url} (--admin-host, --admin-port) from the router's host, "
+            + keys
+        )
 
     def record(self, caller: Caller | None, method: str, path: str, status: int, what: str) -> None:
         """One audit line per control-plane change (never the key itself)."""
@@ -144,9 +166,14 @@ def _matches_any(given: bytes | None, keys: tuple[str, ...]) -> bool:
     return found
 
 
+ADMIN_LISTENER = Caller("-", "admin-listener", "admin")  # a keyless change, for the audit log
+
+
 def startup_warnings(access: Access) -> None:
-    if not access.control_keys and not access.router_key:
+    if access.keyless:
+        where = access.admin_url or "nowhere (no --admin-port)"
         log.warning(
-            "no --control-plane-api-keys: worker membership and cache flushes answer loopback "
-            "clients only; read-only control routes are open"
+            "no --control-plane-api-keys: worker membership and cache flushes are served on the "
+            "admin listener only (%s); read-only control routes are open",
+            where,
         )

@@ -12,7 +12,7 @@ import logging
 import random
 import ssl
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -22,7 +22,7 @@ from trio_pd.asgi import ClientGone, Receive, Scope, Send
 from trio_pd.config import RouterConfig
 from trio_pd.control.context import ControlContext
 from trio_pd.edge.admission import Admission
-from trio_pd.edge.auth import Access, startup_warnings
+from trio_pd.edge.auth import Access, Door, startup_warnings
 from trio_pd.edge.cors import CorsPolicy, handle_preflight
 from trio_pd.edge.drain import Drain
 from trio_pd.edge.generation import GenerationContext, owned_keys
@@ -39,7 +39,7 @@ from trio_pd.observe.metrics import RouterMetrics
 from trio_pd.pd.aborts import AbortService
 from trio_pd.pd.dispatch import DispatchContext
 from trio_pd.pd.relay import error_frame
-from trio_pd.respond import Responder
+from trio_pd.respond import Responder, deny_websocket
 from trio_pd.upstream.client import make_client
 from trio_pd.upstream.destinations import Destinations, parse_allow
 from trio_pd.upstream.headers import RouterKeys
@@ -213,6 +213,8 @@ class Router:
             await self.handle_http(scope, receive, send)
         elif scope["type"] == "lifespan":
             await self.lifespan(receive, send)
+        elif scope["type"] == "websocket":
+            await deny_websocket(send)
 
     # -- lifespan ---------------------------------------------------------------------------
 
@@ -250,7 +252,11 @@ class Router:
 
     # -- http -------------------------------------------------------------------------------
 
-    async def handle_http(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def handle_http(
+        self, scope: Scope, receive: Receive, send: Send, door: Door = "data"
+    ) -> None:
+        """One request through `door`: the data-plane port, or the admin listener
+        (`serve/admin_listener.py`), which serves the control plane, probes and metrics."""
         headers = scope["headers"]
         path = scope["path"]
         request_id = self.request_ids.incoming(headers)
@@ -258,21 +264,24 @@ class Router:
             request_id = None  # a key of the router's would go to the workers and the logs
         request_id = request_id or self.request_ids.new(path)
         current_request_id.set(request_id.decode("latin-1"))
-        # The request id is echoed as its exact bytes; the CORS headers go on every answer.
-        responder = Responder(send, request_id, self.cors.response_headers(headers))
+        # The request id is echoed as its exact bytes; the CORS headers go on every answer of
+        # the data plane (the admin listener answers no browser: `auth.py`).
+        cors = self.cors.response_headers(headers) if door == "data" else ()
+        responder = Responder(send, request_id, cors)
         label = path if path in self.routes else "other"
         started_at = trio.current_time()
+        body = BodySeen(receive)
         try:
-            route = self.route(scope["method"], path)
-            caller = self.access.check(route.access, headers, scope.get("client"))
-            await route.handler(scope, receive, responder)
+            route = self.route(scope["method"], path, door)
+            caller = self.access.check(route.access, headers, door)
+            await route.handler(scope, body, responder)
             if route.access == "write":
                 self.access.record(
                     caller, scope["method"], path, responder.status or 0, responder.audit
                 )
         except* RouterError as group:
             if not responder.started:
-                await responder.error(first_leaf(group))
+                await responder.error(first_leaf(group), close=body.unread(headers))
         except* ClientGone:
             log.info("client went away before its body arrived")
         except* Exception as group:
@@ -302,17 +311,25 @@ class Router:
                 frame = error_frame("internal router error", "internal_error", 500)
                 await responder.finish_stream(frame)
 
-    def route(self, method: str, path: str) -> Route:
+    def route(self, method: str, path: str, door: Door = "data") -> Route:
         methods = self.routes.get(path)
         if methods is None and path.startswith("/workers/"):
             methods = self.routes["/workers/{id}"]
+        if methods is not None and door == "admin":
+            methods = {m: r for m, r in methods.items() if r.access != "data"}
+            if not methods:
+                raise RouterError(
+                    404, f"{path} is served on the data-plane port, not on the admin listener",
+                    "not_found_error",
+                )  # fmt: skip
         if methods is None:
             raise not_found(path)
-        if method == "OPTIONS":  # a CORS preflight, answered by the router on every route
+        if method == "OPTIONS" and door == "data":  # a CORS preflight, on every data route
             return self.preflight
         route = methods.get(method)
         if route is None:
-            raise method_not_allowed(method, path, (*methods, "OPTIONS"))  # preflights too
+            allowed = (*methods, "OPTIONS") if door == "data" else tuple(methods)  # preflights
+            raise method_not_allowed(method, path, allowed)
         return route
 
 
@@ -324,6 +341,34 @@ def own_listeners(config: RouterConfig) -> list[tuple[str, int]]:
         found.append((config.prometheus_host, config.prometheus_port))
     found.extend(config.other_listeners)
     return found
+
+
+class BodySeen:
+    """The request's `receive`, noting whether the body was read to its end: a request refused
+    before that (a 401, a 403) is answered with `Connection: close`. hypercorn closes such a
+    connection anyway once the answer is out, and a client told nothing would send its next
+    request on it and see it cut (RFC 9112 §9.6)."""
+
+    __slots__ = ("done", "receive")
+
+    def __init__(self, receive: Receive) -> None:
+        self.receive = receive
+        self.done = False
+
+    async def __call__(self) -> dict[str, Any]:
+        message = await self.receive()
+        if not message.get("more_body", False):
+            self.done = True
+        return message
+
+    def unread(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """Whether the request has a body that was not read to its end."""
+        if self.done:
+            return False
+        for name, value in headers:
+            if name == b"transfer-encoding" or (name == b"content-length" and value != b"0"):
+                return True
+        return False
 
 
 def start_tracing(config: RouterConfig) -> Tracing | None:

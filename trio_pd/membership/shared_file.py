@@ -15,6 +15,10 @@ The file:
                   "bootstrap_port": 8998, "model_id": null, "api_key": null,
                   "admin_api_key": null}, ...]}
 Worker ids of a hand-written file may be anything unique; missing ids are derived from the URL.
+Each entry is checked as `POST /workers` checks its body (`worker_json.py`); a bad one is
+skipped with a warning naming it (once per change of the file), the others are used. A file
+that cannot be parsed keeps the last good view, and the admin API answers 503 for changes (the
+error log says why) until it is mended.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any
 import trio
 
 from trio_pd.membership.source import StoreUnavailable
+from trio_pd.membership.worker_json import spec_from_json
 from trio_pd.spec import Registry, WorkerRecord, WorkerSpec
 
 log = logging.getLogger("trio_pd.membership.file")
@@ -53,27 +58,44 @@ def spec_json(worker_id: str, spec: WorkerSpec) -> dict[str, Any]:
 
 
 def parse_workers(data: Any) -> list[WorkerRecord]:
-    """The records of a membership document; ValueError says what is wrong with it."""
+    """The usable records of a membership document (see `read_workers`)."""
+    return read_workers(data)[0]
+
+
+def read_workers(data: Any) -> tuple[list[WorkerRecord], list[str]]:
+    """The records of a membership document, and what was wrong with each entry skipped.
+
+    An entry is checked as the admin API checks `POST /workers` (`worker_json.py`): a
+    hand-edited entry without a scheme, with a CR/LF in its key or a port 99999 is skipped,
+    not routed to. A document that is not an object with a `workers` list, or whose usable
+    entries share an id, is a ValueError: then nothing of it is used."""
     if not isinstance(data, dict) or not isinstance(data.get("workers"), list):
         raise ValueError("a membership file is an object with a `workers` list")
-    records = []
-    for item in data["workers"]:
-        if not isinstance(item, dict):
-            raise ValueError(f"a worker entry must be an object: {item!r}")
-        role = item.get("worker_type")
-        url = item.get("url")
-        if role not in ("prefill", "decode") or not isinstance(url, str):
-            raise ValueError(f"a worker needs a url and a worker_type prefill|decode: {item!r}")
-        port = item.get("bootstrap_port")
-        spec = WorkerSpec(
-            url, role, port, item.get("model_id"), item.get("api_key"), item.get("admin_api_key")
-        )
-        worker_id = item.get("id") or f"{role}-{spec.url}"
-        records.append(WorkerRecord(str(worker_id), spec, SOURCE))
+    records, skipped = [], []
+    for n, item in enumerate(data["workers"], 1):
+        try:
+            if not isinstance(item, dict):
+                raise ValueError("an entry must be an object")
+            worker_id = item.get("id")
+            if worker_id is not None and (not isinstance(worker_id, str) or not worker_id):
+                raise ValueError("id must be a non-empty string or absent")
+            spec = spec_from_json(item)
+        except ValueError as exc:
+            named = f" (id {item['id']!r})" if isinstance(item, dict) and item.get("id") else ""
+            skipped.append(f"entry {n}{named} skipped: {exc}")
+            continue
+        records.append(WorkerRecord(worker_id or f"{spec.role}-{spec.url}", spec, SOURCE))
     ids = [r.id for r in records]
     if len(ids) != len(set(ids)):
         raise ValueError("worker ids in a membership file must be unique")
-    return records
+    return records, skipped
+
+
+def same_worker(entry: Any, spec: WorkerSpec) -> bool:
+    """Whether a file entry (maybe a bad one) names `spec`'s URL and role."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("url"), str):
+        return False
+    return entry["url"].rstrip("/") == spec.url and entry.get("worker_type") == spec.role
 
 
 def write_atomically(path: Path, data: Any) -> None:
@@ -101,13 +123,16 @@ def seed(path: Path, specs: Iterable[WorkerSpec]) -> None:
         data = json.loads(path.read_text())
         parse_workers(data)
     serial = data.setdefault("serial", {})
-    known = {(w["url"].rstrip("/"), w["worker_type"]) for w in data["workers"]}
     for spec in specs:
-        if (spec.url, spec.role) in known:
+        if any(same_worker(w, spec) for w in data["workers"]):
             continue
         serial[spec.role] = serial.get(spec.role, 0) + 1
         data["workers"].append(spec_json(f"{spec.role}-{serial[spec.role]}", spec))
     write_atomically(path, data)
+
+
+class Unreadable(Exception):
+    """The file is not a membership document (a bad hand edit, a truncated write)."""
 
 
 class FileMembership:
@@ -136,6 +161,7 @@ class FileMembership:
         self.resync_secs = resync_secs
         self._records: dict[str, WorkerRecord] = {}
         self._seen: tuple[int, int, int] | None = None  # (inode, mtime_ns, size) last read
+        self._skipped: list[str] = []  # the bad entries last reported
 
     # -- source -----------------------------------------------------------------------------
 
@@ -161,14 +187,24 @@ class FileMembership:
             seen = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
             if seen == self._seen and not force:
                 return
-            records = parse_workers(json.loads(self.path.read_bytes()))
+            records, skipped = read_workers(json.loads(self.path.read_bytes()))
         except (OSError, ValueError) as exc:
             self._count("read")
             self.registry.source_status(SOURCE, False, f"{self.path}: {exc}")
             return
         self._seen = seen
+        self._report_skipped(skipped)
         self._apply(records)
         self.registry.source_status(SOURCE, True)
+
+    def _report_skipped(self, skipped: list[str]) -> None:
+        """A warning for each bad entry, once: again only after the set of them changed."""
+        if skipped == self._skipped:
+            return
+        self._skipped = skipped
+        for problem in skipped:
+            log.warning("membership file %s: %s", self.path, problem)
+            self._count("bad_entry")
 
     def _count(self, kind: str) -> None:
         if self.on_error is not None:
@@ -189,12 +225,12 @@ class FileMembership:
     async def add(self, spec: WorkerSpec) -> WorkerRecord:
         def change(data: dict[str, Any]) -> str:
             for w in data["workers"]:
-                if w["url"].rstrip("/") == spec.url and w["worker_type"] == spec.role:
+                if same_worker(w, spec):
                     raise ValueError(
-                        f"{spec.role} worker {spec.url} is already registered as {w['id']}"
+                        f"{spec.role} worker {spec.url} is already registered as {w.get('id')}"
                     )
             serial = data.setdefault("serial", {})
-            ids = {w.get("id") for w in data["workers"]}
+            ids = {w.get("id") for w in data["workers"] if isinstance(w, dict)}
             number = serial.get(spec.role, 0) + 1
             while f"{spec.role}-{number}" in ids:  # a hand-written file may use our pattern
                 number += 1
@@ -212,7 +248,9 @@ class FileMembership:
         removed: list[WorkerRecord] = []
 
         def change(data: dict[str, Any]) -> str:
-            kept = [w for w in data["workers"] if w.get("id") != worker_id]
+            kept = [
+                w for w in data["workers"] if not isinstance(w, dict) or w.get("id") != worker_id
+            ]
             if len(kept) == len(data["workers"]):
                 raise KeyError(worker_id)
             removed.append(self._records[worker_id])
@@ -227,8 +265,10 @@ class FileMembership:
         process), then reconcile this process at once; the others follow within a poll."""
         try:
             result, records = await trio.to_thread.run_sync(self._locked_update, change)
-        except OSError as exc:
+        except (OSError, Unreadable) as exc:
             self._count("write")
+            log.error("membership file %s: %s; changes are refused until it is fixed", self.path,
+                      exc)  # fmt: skip
             raise StoreUnavailable(f"membership file {self.path}: {exc}") from exc
         self._seen = None  # our own write: read it back on the next poll too
         self._apply(records)
@@ -238,8 +278,11 @@ class FileMembership:
         with open(self.lock_path, "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                data = json.loads(self.path.read_bytes())
-                parse_workers(data)
+                try:
+                    data = json.loads(self.path.read_bytes())
+                    parse_workers(data)
+                except ValueError as exc:  # not a "conflict": the file must be mended first
+                    raise Unreadable(f"cannot be parsed ({exc})") from exc
                 result = change(data)
                 write_atomically(self.path, data)
                 return result, parse_workers(data)

@@ -1,13 +1,14 @@
 """Running the router's ASGI app on hypercorn's trio connection handling, with a fair accept loop.
 
 This is hypercorn's own trio worker (`hypercorn.trio.run.worker_serve`: lifespan startup, one
-`TCPServer` per connection, a `shutdown_trigger`, a graceful timeout for the connections still
-open, lifespan shutdown) with one change, the accept loop. `trio.serve_listeners` accepts one
-connection per turn of the scheduler; on a busy router a turn runs every ready task, so 256
-connections arriving together waited up to ~2 s for their turn to be accepted (the p99 of a
-c=256 run of the bare stack was 1.3 s against a p50 of 0.3 s). Here each wake-up of a listening
-socket accepts everything that is waiting (up to `ACCEPT_BURST`), measured: p99 0.31 s, and 25 %
-more requests per second at c=256.
+handler per connection, a `shutdown_trigger`, a graceful timeout for the connections still open,
+lifespan shutdown) with two changes. Each connection is served by `connection.Connection`
+(hypercorn's TCPServer with strict HTTP/1.1, and HTTP/2 off unless asked). And the accept loop:
+`trio.serve_listeners` accepts one connection per turn of the scheduler; on a busy router a turn
+runs every ready task, so 256 connections arriving together waited up to ~2 s for their turn to
+be accepted (the p99 of a c=256 run of the bare stack was 1.3 s against a p50 of 0.3 s). Here
+each wake-up of a listening socket accepts everything that is waiting (up to `ACCEPT_BURST`),
+measured: p99 0.31 s, and 25 % more requests per second at c=256.
 
 Draining still goes through the shutdown trigger: it stops the accept loops and closes the
 listening sockets (new connections are refused), marks the worker context terminated (hypercorn
@@ -30,10 +31,11 @@ import trio
 from hypercorn.config import Config, Sockets
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.statsd import StatsdLogger
-from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import repr_socket_addr
+
+from trio_pd.serve.connection import Connection
 
 log = logging.getLogger("trio_pd.serving")
 ACCEPT_BURST = 512  # connections accepted per wake-up of a listening socket, at most
@@ -48,10 +50,12 @@ async def serve_app(
     sockets: Sockets,
     shutdown_trigger: Callable[[], Awaitable[None]],
     *,
+    http2: bool = False,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `app` (already wrapped by `hypercorn.utils.wrap_app`) on `sockets` until
-    `shutdown_trigger` returns; `task_status` gets the bound URLs."""
+    `shutdown_trigger` returns; `task_status` gets the bound URLs. Connections are served by
+    `connection.Connection` (strict HTTP/1.1; HTTP/2 only with `http2`)."""
     config.set_statsd_logger_class(StatsdLogger)
     lifespan_state: dict[str, Any] = {}
     lifespan = Lifespan(app, config, lifespan_state)
@@ -60,9 +64,8 @@ async def serve_app(
         await lifespan_nursery.start(lifespan.handle_lifespan)
         await lifespan.wait_for_startup()
         async with trio.open_nursery() as connections:
-            handler = partial(
-                TCPServer, app, config, context, ConnectionState(lifespan_state.copy())
-            )
+            state = ConnectionState(lifespan_state.copy())
+            handler = partial(Connection, app, config, context, state, http2=http2)
             ssl_context = config.create_ssl_context()
             listening = [(s, ssl_context) for s in sockets.secure_sockets]
             listening += [(s, None) for s in sockets.insecure_sockets]

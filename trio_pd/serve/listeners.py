@@ -1,4 +1,5 @@
-"""The listening sockets of the data plane and the hypercorn Config serving them."""
+"""The listening sockets of the data plane and the hypercorn Config serving them; the binding
+of the side listeners (metrics, admin) and their Config."""
 
 from __future__ import annotations
 
@@ -14,6 +15,14 @@ KEEP_ALIVE_SECS = 5.0  # hypercorn holds a closed client socket (CLOSE_WAIT) unt
 
 
 GRACE_MARGIN_SECS = 5.0  # hypercorn's own graceful timeout: past ours, as a backstop
+SIDE_KEEP_ALIVE_SECS = 5.0  # the metrics and admin listeners
+SIDE_GRACE_SECS = 1.0  # a scrape or an admin call still being answered when the process ends
+SIDE_BACKLOG = 128
+# The kernel's TCP_USER_TIMEOUT on client connections is the stall timeout plus this much (at
+# least `USER_TIMEOUT_MARGIN_SECS`): the stream watchdog, which looks a few times per stall
+# timeout, always acts first (`make_sockets`).
+USER_TIMEOUT_MARGIN_SECS = 2.0
+USER_TIMEOUT_MARGIN_SHARE = 0.5
 
 
 def hypercorn_config(config: RouterConfig) -> HypercornConfig:
@@ -23,6 +32,9 @@ def hypercorn_config(config: RouterConfig) -> HypercornConfig:
     if config.tls_cert_path:
         hc.certfile = config.tls_cert_path
         hc.keyfile = config.tls_key_path
+    # Without --enable-http2 TLS clients are offered HTTP/1.1 only (`connection.py`).
+    hc.alpn_protocols = ["h2", "http/1.1"] if config.enable_http2 else ["http/1.1"]
+    hc.ssl_handshake_timeout = config.tls_handshake_timeout_secs
     hc.keep_alive_timeout = KEEP_ALIVE_SECS
     hc.graceful_timeout = config.shutdown_grace_period_secs + GRACE_MARGIN_SECS
     hc.accesslog = None
@@ -31,18 +43,63 @@ def hypercorn_config(config: RouterConfig) -> HypercornConfig:
     return hc
 
 
+def user_timeout_secs(stall_secs: float) -> float:
+    """The TCP_USER_TIMEOUT of client connections for a given `--stream-stall-timeout-secs`."""
+    return stall_secs + max(USER_TIMEOUT_MARGIN_SECS, stall_secs * USER_TIMEOUT_MARGIN_SHARE)
+
+
 def make_sockets(config: RouterConfig, hc: HypercornConfig) -> Sockets:
-    """hypercorn's listening sockets, with TCP_USER_TIMEOUT set to the stream stall timeout.
+    """hypercorn's listening sockets, with TCP_USER_TIMEOUT set a little past the stream stall
+    timeout (`user_timeout_secs`).
 
     Accepted connections inherit it: the kernel then aborts a connection whose client has not
     acknowledged data (a zero receive window included) for that long. Hypercorn shields its
     socket writes, so this is what finally frees a task writing to a client that stopped
-    reading, after the stream watchdog has already closed the decode leg (`attempt.py`).
+    reading, after the stream watchdog has already closed the decode leg (`attempt.py`); were
+    the two equal, the kernel could end the connection first and the leg would be cancelled as
+    "client gone" instead of "stall".
     """
     sockets = hc.create_sockets()
     user_timeout = getattr(socket, "TCP_USER_TIMEOUT", None)
     if user_timeout is not None:
-        millis = int(config.timeouts.stream_stall_secs * 1000)
+        millis = int(user_timeout_secs(config.timeouts.stream_stall_secs) * 1000)
         for sock in (*sockets.secure_sockets, *sockets.insecure_sockets):
             sock.setsockopt(socket.IPPROTO_TCP, user_timeout, millis)
     return sockets
+
+
+def where(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def bind_one(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A listening, non-blocking TCP socket on `host:port` (port 0: a free one). `reuse_port`:
+    SO_REUSEPORT, for the copies the processes of `--workers N` share. OSError if it cannot."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+        sock.listen(SIDE_BACKLOG)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def side_listener_config() -> HypercornConfig:
+    """hypercorn's Config of the metrics and admin listeners: plain HTTP/1.1, short grace."""
+    hc = HypercornConfig()
+    hc.keep_alive_timeout = SIDE_KEEP_ALIVE_SECS
+    hc.graceful_timeout = SIDE_GRACE_SECS
+    hc.accesslog = None
+    hc.errorlog = logging.getLogger("hypercorn.error")
+    return hc
+
+
+def close_sockets(sockets: Sockets) -> None:
+    for sock in (*sockets.secure_sockets, *sockets.insecure_sockets):
+        sock.close()

@@ -20,26 +20,29 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
 import threading
 import uuid
 from collections.abc import Awaitable, Callable
 from functools import partial
 
 import trio
-from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
 from hypercorn.utils import wrap_app
 
 from trio_pd.asgi import Receive, Scope, Send
 from trio_pd.errors import method_not_allowed, not_found
 from trio_pd.observe.metrics import CONTENT_TYPE
-from trio_pd.respond import Reply, Responder
+from trio_pd.respond import Reply, Responder, deny_websocket
 from trio_pd.serve.accept import bound_url, serve_app
+from trio_pd.serve.listeners import (
+    SIDE_GRACE_SECS,
+    bind_one,
+    close_sockets,
+    side_listener_config,
+    where,
+)
 
 log = logging.getLogger("trio_pd.metrics")
-KEEP_ALIVE_SECS = 5.0
-GRACE_SECS = 1.0  # a scrape still being answered when the process ends
 THREAD_START_SECS = 10.0
 
 Render = Callable[[], bytes]
@@ -51,27 +54,13 @@ class MetricsListenError(Exception):
 
 def bind_metrics(host: str, port: int) -> Sockets:
     """A listening socket for the metrics listener, bound now; port 0 picks a free one."""
-    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
+        sock = bind_one(host, port)
     except OSError as exc:
-        raise MetricsListenError(f"cannot listen for metrics on {where}: {exc}") from exc
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(128)
-        sock.setblocking(False)
-    except OSError as exc:
-        sock.close()
         hint = " (--prometheus-port, --prometheus-host)"
-        raise MetricsListenError(f"cannot listen for metrics on {where}: {exc}{hint}") from exc
+        message = f"cannot listen for metrics on {where(host, port)}: {exc}{hint}"
+        raise MetricsListenError(message) from exc
     return Sockets(secure_sockets=[], insecure_sockets=[sock], quic_sockets=[])
-
-
-def close_sockets(sockets: Sockets) -> None:
-    for sock in sockets.insecure_sockets:
-        sock.close()
 
 
 class MetricsOnlyApp:
@@ -88,6 +77,8 @@ class MetricsOnlyApp:
                 await send({"type": f"lifespan.{kind}.complete"})
                 if kind == "shutdown":
                     return
+        if scope["type"] == "websocket":
+            await deny_websocket(send)
         if scope["type"] != "http":
             return
         responder = Responder(send, uuid.uuid4().hex.encode())
@@ -99,15 +90,6 @@ class MetricsOnlyApp:
             await responder.reply(Reply(200, [(b"content-type", CONTENT_TYPE)], self.render()))
 
 
-def listener_config() -> HypercornConfig:
-    hc = HypercornConfig()
-    hc.keep_alive_timeout = KEEP_ALIVE_SECS
-    hc.graceful_timeout = GRACE_SECS
-    hc.accesslog = None
-    hc.errorlog = logging.getLogger("hypercorn.error")
-    return hc
-
-
 async def serve_metrics(
     render: Render,
     sockets: Sockets,
@@ -116,7 +98,7 @@ async def serve_metrics(
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `render()` on `sockets` until `shutdown_trigger` returns (or cancelled)."""
-    hc = listener_config()
+    hc = side_listener_config()
     app = wrap_app(MetricsOnlyApp(render), hc.wsgi_max_body_size, "asgi")
     urls = [bound_url(sock, None) for sock in sockets.insecure_sockets]
     log.info("metrics on %s", ", ".join(f"{url}/metrics" for url in urls))  # already listening
@@ -149,7 +131,7 @@ class MetricsThread:
         if token is not None and stop is not None:
             with contextlib.suppress(trio.RunFinishedError):
                 trio.from_thread.run_sync(stop.set, trio_token=token)
-        self._thread.join(GRACE_SECS + 5)
+        self._thread.join(SIDE_GRACE_SECS + 5)
 
     def _main(self) -> None:
         try:

@@ -24,8 +24,9 @@ from trio_pd.config import RouterConfig
 from trio_pd.edge.router import Router
 from trio_pd.observe.logs import configure as configure_logging
 from trio_pd.serve.accept import serve_app
-from trio_pd.serve.listeners import hypercorn_config, make_sockets
-from trio_pd.serve.metrics_listener import bind_metrics, close_sockets, serve_metrics
+from trio_pd.serve.admin_listener import admin_url, bind_admin, serve_admin
+from trio_pd.serve.listeners import close_sockets, hypercorn_config, make_sockets
+from trio_pd.serve.metrics_listener import bind_metrics, serve_metrics
 
 log = logging.getLogger("trio_pd.server")
 
@@ -36,30 +37,42 @@ async def serve(
     router: Router | None = None,
     sockets: Sockets | None = None,
     metrics_sockets: Sockets | None = None,
+    admin_sockets: Sockets | None = None,
     signals: tuple[int, ...] = (),
     parent_sentinel: int | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until drained (on one of `signals`, or the parent's death) or cancelled;
-    ``task_status`` gets the bound URLs (port 0 picks a free one).
+    ``task_status`` gets the data plane's bound URLs (port 0 picks a free one).
 
-    With `config.prometheus_port` the metrics listener is bound first (as SMG does; a port it
-    cannot have fails the start: MetricsListenError) and served until the router is done."""
+    With `config.prometheus_port` the metrics listener, and with `config.admin_port` the admin
+    listener, are bound first (a port they cannot have fails the start: MetricsListenError,
+    AdminListenError) and served until the router is done: they outlive the drain."""
     app = router if router is not None else Router(config)
     hc = hypercorn_config(config)
-    if metrics_sockets is None and config.prometheus_port is not None:
-        metrics_sockets = bind_metrics(config.prometheus_host, config.prometheus_port)
-    if sockets is None:
-        try:
+    side: list[Sockets] = []
+    try:
+        if metrics_sockets is None and config.prometheus_port is not None:
+            metrics_sockets = bind_metrics(config.prometheus_host, config.prometheus_port)
+        side += [metrics_sockets] if metrics_sockets is not None else []
+        if admin_sockets is None and config.admin_port is not None:
+            admin_sockets = bind_admin(config.admin_host, config.admin_port)[0]
+        side += [admin_sockets] if admin_sockets is not None else []
+        if sockets is None:
             sockets = make_sockets(config, hc)
-        except BaseException:
-            if metrics_sockets is not None:
-                close_sockets(metrics_sockets)
-            raise
-    for sock in (*sockets.secure_sockets, *sockets.insecure_sockets):
+    except BaseException:
+        for made in side:
+            close_sockets(made)
+        raise
+    listening = [*sockets.secure_sockets, *sockets.insecure_sockets]
+    for sock in listening:
         sock.listen(hc.backlog)
-    for bound in (sockets, metrics_sockets) if metrics_sockets is not None else (sockets,):
-        app.destinations.add_own_sockets((*bound.secure_sockets, *bound.insecure_sockets))
+    if admin_sockets is not None:
+        app.access.admin_url = admin_url(admin_sockets)
+    # A worker URL naming any of these is the router itself (`upstream/destinations.py`).
+    for bound in (sockets, metrics_sockets, admin_sockets):
+        if bound is not None:
+            app.destinations.add_own_sockets((*bound.secure_sockets, *bound.insecure_sockets))
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         # Always: besides the signals, the drain is how a process that gave up on itself
@@ -69,8 +82,17 @@ async def serve(
             render = app.metrics.render
             await nursery.start(serve_metrics, render, metrics_sockets, trio.sleep_forever)
         wrapped = wrap_app(app, hc.wsgi_max_body_size, "asgi")
-        await serve_app(wrapped, hc, sockets, stop.wait, task_status=task_status)
-        nursery.cancel_scope.cancel(reason="served")
+
+        async def data_plane(task_status: trio.TaskStatus[list[str]]) -> None:
+            await serve_app(
+                wrapped, hc, sockets, stop.wait, http2=config.enable_http2, task_status=task_status
+            )
+            nursery.cancel_scope.cancel(reason="served")  # the side listeners end with it
+
+        urls = await nursery.start(data_plane)  # the lifespan has started
+        if admin_sockets is not None:  # until the router is done, as the metrics listener
+            await nursery.start(serve_admin, app, admin_sockets, trio.sleep_forever)
+        task_status.started(urls)
 
 
 GC_THRESHOLDS = (20_000, 50, 100)  # Python's default is (700, 10, 10)
@@ -96,6 +118,7 @@ async def _serve_main(
     ready: Any = None,
     *,
     metrics_sockets: Sockets | None = None,
+    admin_sockets: Sockets | None = None,
 ) -> int:
     """Serve one router process until it drained; its exit status (1: it gave up on itself)."""
     router = Router(config)
@@ -107,6 +130,7 @@ async def _serve_main(
                 router=router,
                 sockets=sockets,
                 metrics_sockets=metrics_sockets,
+                admin_sockets=admin_sockets,
                 signals=signals,
                 parent_sentinel=parent_sentinel,
             )
@@ -119,7 +143,13 @@ async def _serve_main(
     return router.drain.exit_status
 
 
-def worker_main(config: RouterConfig, sockets: Sockets, index: int, ready: Any) -> None:
+def worker_main(
+    config: RouterConfig,
+    sockets: Sockets,
+    index: int,
+    ready: Any,
+    admin_sockets: Sockets | None = None,
+) -> None:
     """A router process of `--workers N` (spawned by `processes.Supervisor`).
 
     It answers SIGTERM only: a terminal's Ctrl-C reaches the parent, which forwards SIGTERM
@@ -130,6 +160,7 @@ def worker_main(config: RouterConfig, sockets: Sockets, index: int, ready: Any) 
     configure_logging(config.log_level, json_lines=config.log_json, log_dir=config.log_dir)
     parent = multiprocessing.parent_process()
     sentinel = parent.sentinel if parent is not None else None
-    status = trio.run(partial(_serve_main, config, sockets, (signal.SIGTERM,), sentinel, ready))
+    main = partial(_serve_main, config, sockets, (signal.SIGTERM,), sentinel, ready)
+    status = trio.run(partial(main, admin_sockets=admin_sockets))
     if status:
         sys.exit(status)  # the supervisor restarts a process that gave up on itself

@@ -10,6 +10,8 @@ import trio
 from trio_pd.config import RouterConfig
 from trio_pd.observe.logs import LogDirError
 from trio_pd.observe.logs import configure as configure_logging
+from trio_pd.serve.admin_listener import AdminListenError, bind_admin
+from trio_pd.serve.listeners import close_sockets
 from trio_pd.serve.metrics_listener import MetricsListenError, bind_metrics
 from trio_pd.serve.process import _serve_main
 
@@ -24,12 +26,20 @@ def run(config: RouterConfig) -> int:
         for warning in config.startup_warnings:
             log.warning("%s", warning)
         if config.workers <= 1:
-            metrics_sockets = None
+            metrics_sockets = admin_sockets = None
             if config.prometheus_port is not None:
                 metrics_sockets = bind_metrics(config.prometheus_host, config.prometheus_port)
-            return trio.run(partial(_serve_main, config, metrics_sockets=metrics_sockets))
+            if config.admin_port is not None:
+                try:
+                    admin_sockets = bind_admin(config.admin_host, config.admin_port)[0]
+                except AdminListenError:
+                    if metrics_sockets is not None:
+                        close_sockets(metrics_sockets)
+                    raise
+            main = partial(_serve_main, config, metrics_sockets=metrics_sockets)
+            return trio.run(partial(main, admin_sockets=admin_sockets))
         from trio_pd.serve.supervisor import Supervisor
 
         return Supervisor(config).run()
-    except (LogDirError, MetricsListenError) as exc:
+    except (LogDirError, MetricsListenError, AdminListenError) as exc:
         raise SystemExit(f"trio-pd serve: error: {exc}") from None

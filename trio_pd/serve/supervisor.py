@@ -7,6 +7,8 @@ The parent owns what must be one for all:
   every process reads and writes (`membership/shared_file.py`), so a `POST /workers` through any
   process is seen by all within a second and ids agree; with etcd there is no file: every
   process watches etcd itself, as replicas do (`membership/setup.py`);
+- the admin listener's sockets (`--admin-port`), made the same way: one copy per process, each
+  served by its process until it exits (drain included), changes landing in the shared file;
 - metrics: `PROMETHEUS_MULTIPROC_DIR` in the run directory, so `/metrics` on any process reports
   the sum over all of them (prometheus-client's multiprocess mode); the `--prometheus-port`
   listener is the parent's own (`metrics_listener.MetricsThread`), up from before the first
@@ -39,6 +41,8 @@ import attrs
 
 from trio_pd.config import RouterConfig
 from trio_pd.observe.metrics import render_multiprocess
+from trio_pd.serve.admin_listener import bind_admin
+from trio_pd.serve.listeners import close_sockets
 from trio_pd.serve.metrics_listener import MetricsThread, bind_metrics
 
 log = logging.getLogger("trio_pd.processes")
@@ -93,6 +97,7 @@ class Slot:
 
     index: int
     sockets: Any  # hypercorn Sockets
+    admin_sockets: Any = None  # its copy of the admin listener's socket (SO_REUSEPORT)
     process: multiprocessing.process.BaseProcess | None = None
     ready: Any = None  # a multiprocessing Event the child sets once it handles SIGTERM
     told: int = 0  # SIGTERMs forwarded to the current process
@@ -152,6 +157,9 @@ class Supervisor:
             render = partial(render_multiprocess, str(metrics_dir))
             self.metrics_listener = MetricsThread(render, sockets)
             self.metrics_listener.start()
+        admin: list[Any] = [None] * config.workers
+        if config.admin_port is not None:  # bound before any process exists, as the metrics'
+            admin = bind_admin(config.admin_host, config.admin_port, copies=config.workers)
         # With etcd every process watches it and the flags' workers stay "static": no file.
         shared = self.child_config.membership_file
         if shared and (self.config.membership_file is None or not Path(shared).exists()):
@@ -167,7 +175,7 @@ class Supervisor:
                     config = attrs.evolve(config, port=self.port)
                     hc = hypercorn_config(config)
                     hc.workers = config.workers
-            self.slots.append(Slot(index, sockets))
+            self.slots.append(Slot(index, sockets, admin[index]))
 
     def _start(self, slot: Slot) -> None:
         from trio_pd.serve.process import worker_main
@@ -181,6 +189,7 @@ class Supervisor:
                 slot.sockets,
                 slot.index,
                 slot.ready,
+                slot.admin_sockets,
             ),
             name=f"trio-pd-{slot.index}",
         )
@@ -267,9 +276,10 @@ class Supervisor:
         if self.sockets_closed:
             return
         self.sockets_closed = True
-        for slot in self.slots:
-            for sock in (*slot.sockets.secure_sockets, *slot.sockets.insecure_sockets):
-                sock.close()
+        for slot in self.slots:  # each process holds its own copies until it exits
+            close_sockets(slot.sockets)
+            if slot.admin_sockets is not None:
+                close_sockets(slot.admin_sockets)
 
 
 def parent_restart_counter() -> Any:

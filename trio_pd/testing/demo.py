@@ -75,6 +75,7 @@ class Demo:
         self.prefill_port, self.bootstrap_port = free_port(), free_port()
         self.decode_port, self.router_port = free_port(), free_port()
         self.metrics_port = free_port()  # not 29000: a router already running may hold it
+        self.admin_port = free_port()  # nor 29001
         self.prefill_events = workdir / "prefill-events.jsonl"
         self.decode_events = workdir / "decode-events.jsonl"
         self.router = f"http://{HOST}:{self.router_port}"
@@ -119,6 +120,8 @@ class Demo:
         router += ["--decode", f"http://{HOST}:{self.decode_port}"]
         router += ["--host", HOST, "--port", str(self.router_port)]
         router += ["--prometheus-host", HOST, "--prometheus-port", str(self.metrics_port)]
+        if router_module == "trio_pd":  # another router need not have an admin listener
+            router += ["--admin-port", str(self.admin_port)]
         return {"prefill": prefill, "decode": decode, "router": router}
 
     async def run(self) -> None:
