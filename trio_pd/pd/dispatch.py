@@ -28,6 +28,7 @@ from trio_pd.fleet.worker import NoWorkerAvailable, RankHold, Worker
 from trio_pd.observe.metrics import RouterMetrics
 from trio_pd.pd.aborts import AbortJob, AbortService
 from trio_pd.pd.attempt import Attempt, Leg
+from trio_pd.pd.budget import Account
 from trio_pd.pd.cancel import RequestCancel
 from trio_pd.pd.injection import bootstrap_fields, bootstrap_host, dp_fields, rooms_for, splice
 from trio_pd.pd.outcome import FailureHistory, LegFailure, record_outcome
@@ -52,6 +53,7 @@ class PDRequest:
     request_id: str = ""
     routing_key: str | None = None  # X-SMG-Routing-Key, read only for a manual policy
     trace: RequestTrace | None = None  # its span (`--enable-trace`), else None
+    account: Account | None = None  # its share of --max-buffered-bytes (budget.py)
 
 
 @attrs.frozen
@@ -221,6 +223,8 @@ def new_attempt(
         outer_cause=cancel.why,
         metrics=ctx.metrics,
         request_started=started,
+        account=request.account,
+        event_limit=ctx.config.max_sse_event_bytes,
     )
 
 

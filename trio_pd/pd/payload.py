@@ -68,6 +68,7 @@ def inspect_body(
     try:
         payload = json_body.parse_object(raw)
         batch = batch_size(path, payload, max_batch)
+        stream = stream_flag(payload)
     except RouterError as error:
         return Refused(error.status, error.message, error.error_type)
     present = owned_keys.intersection(payload)
@@ -78,7 +79,7 @@ def inspect_body(
     return Inspected(
         body=raw,
         empty=len(payload) == len(present),
-        stream=payload.get("stream") is True,
+        stream=stream,
         logprobs=wants_logprobs(path, payload),
         batch=batch,
         text=text[:ROUTING_TEXT_LIMIT] if text else None,
@@ -86,6 +87,31 @@ def inspect_body(
         model=model if isinstance(model, str) else None,
         rid=payload.get("rid"),
     )
+
+
+def stream_flag(payload: dict[str, Any]) -> bool:
+    """`stream`: true, false, or absent (null: false). Anything else is refused with 400.
+
+    Engines differ on other values: SGLang 0.5.23's `/generate` contract refuses them ("invalid
+    type: integer `1`, expected a boolean"), while its OpenAI routes are pydantic models whose lax
+    `bool` streams for `1`, `"true"`, `"yes"`, `"on"`... A value the router took for "no stream"
+    and the engine for "stream" would have the router buffer a stream whole, past every stream
+    timeout; refusing it, as the /generate contract and the OpenAI API (a boolean) do, leaves
+    no value on which the two can disagree."""
+    stream = payload.get("stream")
+    if stream is None or isinstance(stream, bool):
+        return stream is True
+    what = JSON_TYPES.get(type(stream), "a value of another type")
+    raise bad_request(f"`stream` must be true or false, not {what}")
+
+
+JSON_TYPES = {
+    int: "a number",
+    float: "a number",
+    str: "a string",
+    list: "a list",
+    dict: "an object",
+}
 
 
 def batch_size(path: str, payload: dict[str, Any], limit: int) -> int | None:
