@@ -149,8 +149,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--max-sse-event-bytes",
         type=int,
         default=d.max_sse_event_bytes,
-        help="largest SSE event the router reads from a worker (decode's first, prefill's); "
-        "a larger one fails the leg (502, or an error event once streaming)",
+        help="largest SSE event the router buffers from a worker (decode's first, each of "
+        "prefill's; later decode events are relayed unbuffered): a larger one fails that leg as "
+        "the worker's fault (502)",
     )
     p.add_argument(
         "--no-abort-on-cancel",
