@@ -18,12 +18,13 @@ from __future__ import annotations
 import attrs
 
 # What parsing JSON costs in Python objects, bounded from the text alone (measured with orjson
-# on CPython 3.11, `bench/memory.py`): at most ~4 bytes per byte of text (a string holding one
-# character beyond the BMP is stored at 4 bytes a character) plus ~88 bytes per structural
-# character (`,` `:` `[` `{`: each begins a value or a key, and the costliest, a one-key dict or
-# a short string in a list, takes 88 bytes). The estimate rounds both up.
+# 3 on CPython 3.11, `bench/memory.py`): at most 4 bytes per byte of text (a string holding one
+# character beyond the BMP is stored at 4 bytes a character) plus up to ~100 bytes per structural
+# character (`,` `:` `[` `{`: each begins a value or a key; the costliest are a dict of one key,
+# ~97 bytes a mark nested deep, a short string in a list, 88, a list of one item, 80). The
+# estimate takes 4 and 128: an upper bound with room for the allocator's slack.
 PARSE_BYTES_PER_BYTE = 4
-PARSE_BYTES_PER_MARK = 96
+PARSE_BYTES_PER_MARK = 128
 _NOT_MARKS = bytes(b for b in range(256) if b not in b",:[{")
 
 
