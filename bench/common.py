@@ -189,14 +189,18 @@ def http_post(port: int, path: str, body: dict[str, Any], timeout: float = 5.0) 
 class Proc:
     """A child process with its output in a log file; stop() terminates its whole tree."""
 
-    def __init__(self, name: str, argv: list[str], logdir: Path) -> None:
+    def __init__(
+        self, name: str, argv: list[str], logdir: Path, env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:  # fmt: skip
         self.name = name
         self.argv = argv
         self.log = logdir / f"{name}.log"
         self._out = open(self.log, "ab")  # noqa: SIM115
         self.popen = subprocess.Popen(
-            argv, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+            argv, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+            cwd=cwd,
+        )  # fmt: skip
 
     @property
     def pid(self) -> int:

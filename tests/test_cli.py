@@ -140,3 +140,21 @@ def test_edge_flags_keep_sglang_router_defaults_and_values() -> None:
 def test_edge_flags_refuse_what_sglang_router_refuses(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         router_config(build_parser().parse_args(["serve", *argv]))
+
+
+def test_memory_flags_reach_the_config_and_bad_values_are_refused() -> None:
+    parser = build_parser()
+    base = ["serve", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
+    default = router_config(parser.parse_args(base))
+    assert (default.max_buffered_bytes, default.max_sse_event_bytes) == (2 << 30, 16 << 20)
+    config = router_config(
+        parser.parse_args([*base, "--max-buffered-bytes", "123456", "--max-sse-event-bytes", "77"])
+    )
+    assert (config.max_buffered_bytes, config.max_sse_event_bytes) == (123456, 77)
+    assert (
+        router_config(parser.parse_args([*base, "--max-buffered-bytes", "0"])).max_buffered_bytes
+        == 0
+    )
+    for bad in (["--max-buffered-bytes", "-1"], ["--max-sse-event-bytes", "0"]):
+        with pytest.raises(SystemExit):
+            router_config(parser.parse_args([*base, *bad]))

@@ -65,6 +65,8 @@ CASES: dict[str, Case] = {
     "--admin-port": case(["29111"], "admin_port", 29111),
     "--api-key": case(["k-1"], "api_key", "k-1"),
     "--worker-admin-api-key": case(["adm-1"], "worker_admin_api_key", "adm-1"),
+    "--max-buffered-bytes": case(["12345678"], "max_buffered_bytes", 12345678),
+    "--max-sse-event-bytes": case(["65536"], "max_sse_event_bytes", 65536),
     "--assignment-mode": case(["min_group"], "policy.assignment_mode", "min_group"),
     "--balance-abs-threshold": case(["7"], "policy.balance_abs_threshold", 7),
     "--balance-rel-threshold": case(["2.5"], "policy.balance_rel_threshold", 2.5),

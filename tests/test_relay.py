@@ -3,21 +3,96 @@
 from __future__ import annotations
 
 import orjson
+import pytest
 
+from trio_pd.pd import sse
+from trio_pd.pd.budget import MemoryBudget, OverBudget
 from trio_pd.pd.relay import (
     InbandError,
+    answer_failure,
     error_frame,
     event_data,
     inband_failure,
     merge_logprobs,
-    split_event,
 )
+from trio_pd.pd.sse import EventReader, EventTooLarge
 
 
-def test_split_event_needs_a_full_event() -> None:
-    assert split_event(b"data: {") is None
-    assert split_event(b"data: 1\n\ndata: 2") == (b"data: 1\n\n", b"data: 2")
-    assert split_event(b"data: 1\r\n\r\nrest") == (b"data: 1\r\n\r\n", b"rest")
+def test_events_need_their_blank_line() -> None:
+    reader = EventReader(1 << 20)
+    assert reader.feed(b"data: {") == []
+    assert reader.feed(b"}\n\ndata: 2") == [b"data: {}\n\n"]
+    assert reader.pending == b"data: 2"
+    assert reader.feed(b"\r\n\r\nrest") == [b"data: 2\r\n\r\n"]
+    assert reader.feed(b"\n\ndata: a\n\ndata: b\n\n") == [
+        b"rest\n\n",
+        b"data: a\n\n",
+        b"data: b\n\n",
+    ]
+    assert reader.pending == b""
+
+
+def test_first_only_leaves_the_rest_unread() -> None:
+    reader = EventReader(1 << 20)
+    assert reader.feed(b"data: 1\n\ndata: 2\n\nda", first_only=True) == [b"data: 1\n\n"]
+    assert reader.pending == b"data: 2\n\nda"
+
+
+@pytest.mark.parametrize("terminator", [b"\n\n", b"\r\n\r\n"])
+def test_a_terminator_split_anywhere_is_found(terminator: bytes) -> None:
+    stream = b"data: one" + terminator + b"data: two" + terminator
+    for size in range(1, len(stream) + 1):
+        reader = EventReader(1 << 20)
+        events = []
+        for at in range(0, len(stream), size):
+            events += reader.feed(stream[at : at + size])
+        assert events == [b"data: one" + terminator, b"data: two" + terminator], size
+        assert reader.pending == b""
+
+
+def test_each_byte_is_scanned_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An event that never ends, 4 MiB in 1024 reads: the terminator search looks at each
+    byte a bounded number of times (the old relay re-scanned the whole buffer per read:
+    ~2 GiB of searching for these 4 MiB)."""
+    scanned = 0
+    real = sse.event_end
+
+    def counting(data: bytes | bytearray, start: int) -> int:
+        nonlocal scanned
+        scanned += len(data) - start
+        return real(data, start)
+
+    monkeypatch.setattr(sse, "event_end", counting)
+    reader = EventReader(64 << 20)
+    piece = b"x" * 4096
+    for _ in range(1024):
+        assert reader.feed(piece) == []
+    assert scanned <= 1024 * (4096 + 3)
+    assert reader.feed(b"\n\n") == [b"x" * 4096 * 1024 + b"\n\n"]
+
+
+def test_an_event_past_the_limit_is_refused_as_it_grows() -> None:
+    reader = EventReader(100)
+    assert reader.feed(b"data: " + b"x" * 90) == []
+    with pytest.raises(EventTooLarge):
+        reader.feed(b"x" * 10)
+    whole = EventReader(100)
+    with pytest.raises(EventTooLarge):  # a complete event larger than the limit, in one read
+        whole.feed(b"data: " + b"x" * 200 + b"\n\n")
+    assert EventReader(100).feed(b"data: " + b"x" * 90 + b"\n\n")  # within it: fine
+
+
+def test_a_partial_event_is_charged_to_the_budget() -> None:
+    budget = MemoryBudget(1000)
+    account = budget.account()
+    reader = EventReader(1 << 20, account)
+    reader.feed(b"x" * 600)
+    assert budget.in_use == 600
+    with pytest.raises(OverBudget) as refused:
+        reader.feed(b"x" * 600)
+    assert refused.value.never  # 1200 bytes could never fit 1000
+    reader.close()
+    assert budget.in_use == 0
 
 
 def test_event_data_joins_data_lines() -> None:
@@ -68,6 +143,20 @@ def test_merge_logprobs_puts_prefill_first() -> None:
 
 def test_error_frame_is_valid_json_then_done() -> None:
     frame = error_frame('quote " and \\ backslash', "upstream_error", 502)
-    first, rest = split_event(frame)
+    first, rest = EventReader(1 << 20).feed(frame)
     assert orjson.loads(event_data(first))["error"]["message"] == 'quote " and \\ backslash'
     assert rest == b"data: [DONE]\n\n"
+
+
+def test_an_answer_nested_deeper_than_a_batch_is_the_workers_fault() -> None:
+    deep: object = [{"error": "x"}]
+    for _ in range(990):
+        deep = [deep]
+    found = answer_failure(deep)
+    assert found is not None and not found.is_client_error
+    assert answer_failure([{"error": "x"}]) == InbandError("x")
+    nested_prefill: object = [{"meta_info": {"input_token_logprobs": [[-1, 1, None]]}}]
+    nested_decode: object = [{"meta_info": {}}]
+    for _ in range(990):
+        nested_prefill, nested_decode = [nested_prefill], [nested_decode]
+    assert not merge_logprobs(nested_prefill, nested_decode)  # one level: nothing to merge

@@ -163,8 +163,11 @@ any_messages = st.one_of(
     json_values,
 )
 huge_counts = st.sampled_from([2**64 - 1, 3_000_000, 10**8, 2**70, -(2**70), MAX_BATCH + 1])
-common_valid = {"stream": json_values, "rid": texts, "model": json_values}
-common_any = {"stream": json_values, "rid": rids, "model": json_values}
+# `stream` is a boolean or null (anything else is refused: payload.stream_flag); the bodies of
+# any type try every value, the valid ones mostly what engines take.
+streams = st.one_of(st.booleans(), st.none(), json_values)
+common_valid = {"stream": st.one_of(st.booleans(), st.none()), "rid": texts, "model": json_values}
+common_any = {"stream": streams, "rid": rids, "model": json_values}
 
 VALID_FIELDS = {
     GENERATE: st.builds(
@@ -499,6 +502,13 @@ class Checker:
             self.assert_refused(response, starts, what)
             assert str(batch) in response.json()["error"]["message"], what
             return
+        stream = client.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            # Engines differ on what a non-boolean `stream` means: refused (payload.stream_flag).
+            self.stats["refused: stream not a boolean"] += 1
+            self.assert_refused(response, starts, what)
+            assert "`stream`" in response.json()["error"]["message"], what
+            return
         if samples > MAX_BATCH:
             self.stats["refused: n over the limit"] += 1
             self.assert_refused(response, starts, what)
@@ -658,6 +668,7 @@ async def test_fuzz_generation_routes(nursery: trio.Nursery) -> None:
     assert stats["forwarded, compared, client bootstrap_* replaced"] >= 5, stats
     assert stats["refused: not a JSON object"] >= 20, stats
     assert stats["refused: batch over the limit"] >= 5, stats
+    assert stats["refused: stream not a boolean"] >= 5, stats
     await cluster.client.aclose()
 
 

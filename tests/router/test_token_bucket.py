@@ -218,3 +218,17 @@ def test_a_cap_below_the_process_count_is_refused() -> None:
     with pytest.raises(SystemExit):
         router_config(parser.parse_args([*argv, "3"]))
     assert router_config(parser.parse_args([*argv, "4"])).max_concurrent_requests == 4
+
+
+@pytest.mark.parametrize("limit", [10, -1])
+def test_workers_share_the_memory_budget_exactly(limit: int) -> None:
+    """--max-buffered-bytes is the router's, not each process's: the shares add up to it."""
+    config = RouterConfig(
+        max_buffered_bytes=10 * 2**30 + 3, max_concurrent_requests=limit, workers=4
+    )
+    child = per_process(config, 4, Path("/tmp/unused"))
+    shares = [process_config(child, config, i).max_buffered_bytes for i in range(4)]
+    assert sum(shares) == config.max_buffered_bytes
+    assert max(shares) - min(shares) <= 1
+    off = RouterConfig(max_buffered_bytes=0, workers=4)
+    assert process_config(per_process(off, 4, Path("/tmp/unused")), off, 0).max_buffered_bytes == 0

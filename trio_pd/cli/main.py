@@ -170,6 +170,22 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="largest request body in bytes (413 beyond)",
     )
     p.add_argument(
+        "--max-buffered-bytes",
+        type=int,
+        default=d.max_buffered_bytes,
+        help="memory for request bodies (their parse included) and buffered answers, all "
+        "requests together (with --workers N, divided among them): 429 beyond, 413 for a "
+        "request that could never fit; 0: no budget",
+    )
+    p.add_argument(
+        "--max-sse-event-bytes",
+        type=int,
+        default=d.max_sse_event_bytes,
+        help="largest SSE event the router buffers from a worker (decode's first, each of "
+        "prefill's; later decode events are relayed unbuffered): a larger one fails that leg as "
+        "the worker's fault (502)",
+    )
+    p.add_argument(
         "--no-abort-on-cancel",
         action="store_true",
         help="do not POST /abort_request to engines for legs the router cancels "
@@ -807,6 +823,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         args.policy, args.prefill_policy, args.decode_policy = "random", None, None
     check_port(error, "--prometheus-port", args.prometheus_port)
     check_admin_port(args, error)
+    if args.max_buffered_bytes < 0:
+        error(f"--max-buffered-bytes must be 0 (no budget) or more, not {args.max_buffered_bytes}")
     return RouterConfig(
         prefill=tuple(WorkerSpec(url, "prefill", port, model) for url, port, model in args.prefill),
         decode=tuple(WorkerSpec(url, "decode", None, model) for url, model in args.decode),
@@ -818,6 +836,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         request_timeout_secs=args.request_timeout_secs,
         max_payload_size=args.max_payload_size,
         max_batch_size=args.max_batch_size,
+        max_buffered_bytes=args.max_buffered_bytes,
+        max_sse_event_bytes=positive(error, "--max-sse-event-bytes", args.max_sse_event_bytes),
         abort_on_cancel=not args.no_abort_on_cancel,
         dp_aware=args.dp_aware,
         default_model=args.default_model,

@@ -120,6 +120,10 @@ class RouterConfig:
     request_timeout_secs: float = 1800.0
     max_payload_size: int = 536_870_912
     max_batch_size: int = 1024  # list lengths and chat `n`, checked before any work
+    # Memory for request bodies (with their parse) and buffered answers, per router (split
+    # among --workers N); beyond it 429, 413 for what could never fit (`pd/budget.py`). 0: none.
+    max_buffered_bytes: int = 2 << 30
+    max_sse_event_bytes: int = 16 << 20  # a worker's SSE event the router reads, at most
     abort_on_cancel: bool = True  # POST /abort_request to engines for legs the router gave up
     dp_aware: bool = False  # choose DP ranks, pin them and align rooms (SMG's --dp-aware)
     default_model: str | None = None  # several models: what a request naming none gets

@@ -132,18 +132,34 @@ class Slot:
         self._admission = admission
         self._held = False
 
-    async def __aenter__(self) -> None:
+    def enter_now(self) -> bool:
+        """Take the slot if that needs no wait (no cap, or room and nobody in line)."""
         admission = self._admission
         limiter = admission.limiter
         if limiter is None:
-            return
-        # Nobody in line and room: take it. Otherwise queue behind the waiters.
-        if not (admission.waiting == 0 and admission.try_admit(limiter)):
-            await admission._wait_in_line(limiter)
+            return True
+        if admission.waiting == 0 and admission.try_admit(limiter):
+            self._held = True
+            return True
+        return False
+
+    async def wait(self) -> None:
+        """Wait in line for the slot (after `enter_now` said no), or raise the 429 or 408."""
+        limiter = self._admission.limiter
+        assert limiter is not None
+        await self._admission._wait_in_line(limiter)
         self._held = True
 
-    async def __aexit__(self, *exc_info: object) -> None:
+    def release(self) -> None:
         if self._held:
             self._held = False
             assert self._admission.limiter is not None
             self._admission.limiter.release()  # a token, once spent, stays spent
+
+    async def __aenter__(self) -> None:
+        # Nobody in line and room: take it. Otherwise queue behind the waiters.
+        if not self.enter_now():
+            await self.wait()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.release()

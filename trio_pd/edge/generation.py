@@ -7,20 +7,22 @@ of it is one trio nursery, so nothing the request starts outlives it.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import TYPE_CHECKING
 
 import attrs
 import trio
 import trio_parallel
 
-from trio_pd.asgi import Receive, Scope
+from trio_pd.asgi import ClientGone, Receive, Scope
 from trio_pd.config import RouterConfig
 from trio_pd.edge.admission import Admission
 from trio_pd.edge.drain import Drain, cut_by_shutdown, shutting_down
-from trio_pd.edge.intake import inspect, read_request_body
+from trio_pd.edge.intake import BODY_COPIES, ClientBody, inspect
 from trio_pd.edge.routing_key import routing_key
 from trio_pd.errors import RouterError
 from trio_pd.pd import payload
+from trio_pd.pd.budget import MemoryBudget
 from trio_pd.pd.cancel import RequestCancel
 from trio_pd.pd.dispatch import DispatchContext, PDRequest, dispatch_request
 from trio_pd.pd.injection import DP_KEYS
@@ -30,6 +32,7 @@ from trio_pd.upstream.headers import NO_KEYS, RouterKeys, client_authorization, 
 
 if TYPE_CHECKING:
     from trio_pd.edge.tracing import Tracing
+    from trio_pd.pd.trace import RequestTrace
 
 log = logging.getLogger("trio_pd.app")
 
@@ -49,6 +52,8 @@ class GenerationContext:
     reads_routing_key: bool = False  # a manual policy routes by X-SMG-Routing-Key
     client_key_is_ours: bool = False  # --api-key/--data-plane-api-keys: not for the workers
     router_keys: RouterKeys = NO_KEYS  # every key of the router's: never forwarded
+    budget: MemoryBudget = attrs.Factory(lambda: MemoryBudget(0))  # --max-buffered-bytes
+    body_copies: int = BODY_COPIES  # copies of a body held while it runs (3: --dp-aware ranks)
     parsers: trio_parallel.WorkerContext | None = None  # opened by the lifespan
     tracing: Tracing | None = None  # --enable-trace, from the lifespan's start to its end
 
@@ -56,44 +61,35 @@ class GenerationContext:
 async def handle_generation(
     gen: GenerationContext, scope: Scope, receive: Receive, rsp: Responder
 ) -> None:
-    """A PD request: read and inspect the body, then dispatch in a scope the client's
-    disconnect cancels. With tracing, the whole of it is the request's span."""
+    """A PD request: admitted first, then its body read within the memory budget and inspected,
+    then dispatched, all in a scope the client's disconnect cancels (`intake.py` says why in
+    this order). With tracing, the whole of it is the request's span."""
     # Tracing off costs the two None checks; one function, not a wrapper, for the same reason.
     trace = gen.tracing.begin(scope, rsp.request_id) if gen.tracing is not None else None
     cancel = RequestCancel()
+    answered: RouterError | None = None  # the error the client got, for the trace
+    gone: ClientGone | None = None
     try:
         config = gen.config
         if gen.drain.draining:
             raise shutting_down()
-        raw = await read_request_body(
-            scope, receive, config.max_payload_size, config.timeouts.client_body_secs
-        )
-        inspected = await inspect(
-            scope["path"], raw, config.max_batch_size, gen.owned_keys, gen.parsers
-        )
-        request = PDRequest(
-            scope["path"],
-            inspected,
-            leg_headers(scope["headers"], rsp.request_id, gen.router_keys),
-            # With client keys the client's authorization is the router's credential: kept;
-            # without, it goes on to the workers unless it is one of the router's keys.
-            None
-            if gen.client_key_is_ours
-            else client_authorization(scope["headers"], gen.router_keys),
-            rsp.request_id.decode("latin-1"),
-            routing_key(scope["headers"]) if gen.reads_routing_key else None,
-            trace,
-        )
+        body = ClientBody.of(scope, receive, config.max_payload_size, gen.body_copies)
         with gen.drain.track(cancel), cancel.scope:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(watch_disconnect, receive, rsp, cancel)
                 try:
-                    async with gen.admission.slot():
-                        await dispatch_request(gen.dispatch, request, rsp, cancel)
-                except RouterError as error:  # 429 from admission, 413 with the router's fields
+                    body.check_declared(gen.budget.limit)
+                    await admitted_run(gen, scope, receive, rsp, cancel, body, trace, nursery)
+                except RouterError as error:  # 4xx of the body, 429 of admission or the budget
+                    answered = error
                     if not rsp.started:
+                        if not body.complete:  # refused unread: see intake.DISCARD_SECS
+                            await body.discard_rest()
                         await rsp.error(error)
+                except ClientGone as error:  # raised below, outside the nursery's group
+                    gone = error
                 nursery.cancel_scope.cancel()
+        if gone is not None:
+            raise gone
         if cancel.scope.cancelled_caught:
             log.info("request cancelled (%s); every leg of it was closed", cancel.cause)
             if cancel.cause == "shutdown":
@@ -104,7 +100,56 @@ async def handle_generation(
         raise
     else:
         if trace is not None:
-            trace.end(rsp, cancel, None)
+            trace.end(rsp, cancel, answered)
+
+
+async def admitted_run(
+    gen: GenerationContext,
+    scope: Scope,
+    receive: Receive,
+    rsp: Responder,
+    cancel: RequestCancel,
+    body: ClientBody,
+    trace: RequestTrace | None,
+    nursery: trio.Nursery,
+) -> None:
+    """Wait for admission (reading at most the first bytes of the body meanwhile), then read,
+    inspect and dispatch the request, its buffers charged to its account until it ends."""
+    config = gen.config
+    slot = gen.admission.slot()
+    if not slot.enter_now():  # a wait in line: meanwhile the body's first bytes, the client
+        body.start_waiting(nursery, partial(cancel.cancel, "client_gone"))
+        await slot.wait()
+    try:
+        await body.stop_waiting()  # from here this task owns `receive`
+        account = gen.budget.account()
+        try:
+            raw = await body.read(account, config.timeouts.client_body_secs)
+            inspected = await inspect(
+                scope["path"], raw, config.max_batch_size, gen.owned_keys, gen.parsers,
+                account, body.marks,
+            )  # fmt: skip
+            del raw  # `inspected.body` holds the bytes the legs start from
+            request = PDRequest(
+                scope["path"],
+                inspected,
+                leg_headers(scope["headers"], rsp.request_id, gen.router_keys),
+                # With client keys the client's authorization is the router's credential: kept;
+                # without, it goes on to the workers unless it is one of the router's keys.
+                None
+                if gen.client_key_is_ours
+                else client_authorization(scope["headers"], gen.router_keys),
+                rsp.request_id.decode("latin-1"),
+                routing_key(scope["headers"]) if gen.reads_routing_key else None,
+                trace,
+                account,
+            )
+            nursery.start_soon(watch_disconnect, receive, rsp, cancel)
+            await dispatch_request(gen.dispatch, request, rsp, cancel)
+        finally:
+            account.close()
+    finally:
+        slot.release()
 
 
 def owned_keys(config: RouterConfig) -> frozenset[str]:

@@ -26,6 +26,7 @@ from trio_pd.edge.auth import Access, Door, startup_warnings
 from trio_pd.edge.cors import CorsPolicy, handle_preflight
 from trio_pd.edge.drain import Drain
 from trio_pd.edge.generation import GenerationContext, owned_keys
+from trio_pd.edge.intake import BODY_COPIES
 from trio_pd.edge.request_ids import RequestIds
 from trio_pd.edge.routes import Route, route_table
 from trio_pd.edge.services import ServiceContext, run_background
@@ -37,6 +38,7 @@ from trio_pd.membership.source import MembershipSource, MembershipStore
 from trio_pd.observe.logs import current_request_id, log_access
 from trio_pd.observe.metrics import RouterMetrics
 from trio_pd.pd.aborts import AbortService
+from trio_pd.pd.budget import MemoryBudget
 from trio_pd.pd.dispatch import DispatchContext
 from trio_pd.pd.relay import error_frame
 from trio_pd.respond import Responder, deny_websocket
@@ -68,6 +70,7 @@ class Router:
     destinations: Destinations = attrs.field()  # where a worker connection may go
     pool: UpstreamPool = attrs.field()  # the data plane's two legs
     admission: Admission = attrs.field()
+    budget: MemoryBudget = attrs.field()  # --max-buffered-bytes
     aborts: AbortService | None = attrs.field()
     access: Access = attrs.field()
     drain: Drain = attrs.field()
@@ -126,6 +129,10 @@ class Router:
             c.rate_limit_tokens_per_second,
         )
 
+    @budget.default
+    def _default_budget(self) -> MemoryBudget:
+        return MemoryBudget(self.config.max_buffered_bytes)
+
     @aborts.default
     def _default_aborts(self) -> AbortService | None:
         return AbortService(self.metrics) if self.config.abort_on_cancel else None
@@ -171,6 +178,8 @@ class Router:
             self.config.policy.uses_routing_key,
             client_key_is_ours=bool(self.access.client_keys),
             router_keys=RouterKeys.of(self.config),
+            budget=self.budget,
+            body_copies=BODY_COPIES + 1 if self.config.dp_aware else BODY_COPIES,
         )
 
     @routes.default

@@ -32,15 +32,17 @@ import trio
 from trio_pd.config import TimeoutConfig
 from trio_pd.fleet.worker import Worker
 from trio_pd.observe.metrics import RouterMetrics
+from trio_pd.pd.budget import Account, OverBudget, json_marks, parse_cost
 from trio_pd.pd.outcome import LegFailure, LegResult, LegSuccess
 from trio_pd.pd.relay import (
+    InbandError,
+    answer_failure,
     data_failure,
     event_data,
-    inband_failure,
     merge_logprobs,
     parse_json,
-    split_event,
 )
+from trio_pd.pd.sse import EventReader, EventTooLarge
 from trio_pd.respond import Reply, Responder
 from trio_pd.spec import Role
 from trio_pd.upstream.headers import relayable_headers
@@ -51,6 +53,7 @@ log = logging.getLogger("trio_pd.attempt")
 SSE_TYPE = b"text/event-stream"
 MAX_ERROR_BODY = 1 << 20  # an upstream error body we relay is read up to this size
 MAX_ANSWER_BODY = 256 << 20  # a non-streamed answer larger than this fails the leg
+DEFAULT_EVENT_LIMIT = 16 << 20  # RouterConfig.max_sse_event_bytes
 WATCHDOG_CHECKS = 4  # the stream watchdog looks this often per (shortest) timeout
 
 
@@ -135,6 +138,8 @@ class Attempt:
     outer_cause: Callable[[], tuple[str, float]]  # why an enclosing scope cancelled us, and when
     metrics: RouterMetrics
     request_started: float  # the client request's start: time to first token counts from it
+    account: Account | None = None  # the request's share of --max-buffered-bytes
+    event_limit: int = DEFAULT_EVENT_LIMIT  # --max-sse-event-bytes
     prefill_answer: Any = None  # prefill's first answer, parsed only when logprobs are merged
     prefill_answer_known: trio.Event = attrs.field(factory=trio.Event)
     stalled: bool = False  # the client stopped reading: nothing more can be sent to it
@@ -168,6 +173,8 @@ class Attempt:
                 self.prefill.result = timeout
             elif self.decode.result is None:
                 self.decode.result = timeout
+        if self.logprobs and self.prefill_answer is not None and not self.responder.started:
+            self._merge_answer()
 
     def reply(self) -> Reply | None:
         """The client's answer once the attempt ran, or None when it was streamed already."""
@@ -179,12 +186,24 @@ class Attempt:
             return self.decode.result.client_reply("decode")
         decode = self.decode.result
         assert isinstance(decode, LegSuccess), "both legs finished without a failure"
-        body = decode.body
-        if self.logprobs and self.prefill_answer is not None:
-            merged = parse_json(body)
+        return Reply(decode.status, decode.headers, decode.body)
+
+    def _merge_answer(self) -> None:
+        """Both legs answered whole and logprobs were asked for: prefill's input logprobs go in
+        front of decode's. An answer the router cannot hold or re-encode (nested past orjson's
+        255 levels) is the decode worker's fault, never a 500."""
+        decode = self.decode.result
+        if not (isinstance(decode, LegSuccess) and isinstance(self.prefill.result, LegSuccess)):
+            return
+        try:
+            merged = read_json(decode.body, self.account)
             if merge_logprobs(self.prefill_answer, merged):
                 body = orjson.dumps(merged)
-        return Reply(decode.status, decode.headers, body)
+                self.decode.result = LegSuccess(decode.status, decode.headers, body)
+        except OverBudget as exc:
+            self.decode.result = buffer_failure(exc)
+        except orjson.JSONEncodeError as exc:
+            self.decode.result = LegFailure("transport", f"answer the router cannot merge: {exc}")
 
     def culprit(self) -> Leg | None:
         """The leg whose failure decided the attempt (prefill's comes first, PROTOCOL.md §4)."""
@@ -212,6 +231,8 @@ class Attempt:
                     await self._read_prefill(response)
             except UpstreamError as exc:
                 self._fail_prefill(LegFailure(exc.kind, str(exc)))
+            except (EventTooLarge, OverBudget) as exc:
+                self._fail_prefill(buffer_failure(exc))
             finally:
                 leg.ended_at = trio.current_time()
         if leg.scope.cancelled_caught and leg.cancel_cause is None and leg.result is None:
@@ -236,11 +257,11 @@ class Attempt:
         if is_sse(response):
             await self._read_prefill_stream(response)
             return
-        body = await read_answer(response)
+        body = await read_answer(response, self.account)
         # Parsed only when something is to be read in it: a failure marker, or logprobs.
         suspect = b"error" in body or b"abort" in body
-        answer = parse_json(body) if suspect or self.logprobs else None
-        found = inband_failure(answer) if suspect else None
+        answer = read_json(body, self.account) if suspect or self.logprobs else None
+        found = answer_failure(answer) if suspect else None
         if found is not None:
             self._fail_prefill(LegFailure("inband", found.message, found.code))
             return
@@ -250,23 +271,30 @@ class Attempt:
 
     async def _read_prefill_stream(self, response: UpstreamResponse) -> None:
         """Read prefill's SSE to its end: any error event fails it; the first one may be merged."""
-        buffer = b""
-        async for chunk in response.chunks():
-            buffer += chunk
-            while (split := split_event(buffer)) is not None:
-                event, buffer = split
-                data = event_data(event)
-                if data is None or data == b"[DONE]":
-                    continue
-                found = data_failure(data)
-                if found is not None:
-                    self._fail_prefill(LegFailure("inband", found.message, found.code))
+        reader = EventReader(self.event_limit, self.account)
+        try:
+            async for chunk in response.chunks():
+                if not self._read_prefill_events(reader.feed(chunk)):
                     return
-                if not self.prefill_answer_known.is_set():
-                    if self.logprobs:
-                        self.prefill_answer = parse_json(data)
-                    self.prefill_answer_known.set()
+        finally:
+            reader.close()
         self.prefill.result = LegSuccess(response.status, [], b"")
+
+    def _read_prefill_events(self, events: list[bytes]) -> bool:
+        """Prefill's events: False once one failed the leg."""
+        for event in events:
+            data = event_data(event)
+            if data is None or data == b"[DONE]":
+                continue
+            found = event_failure(data, self.account)
+            if found is not None:
+                self._fail_prefill(LegFailure("inband", found.message, found.code))
+                return False
+            if not self.prefill_answer_known.is_set():
+                if self.logprobs:
+                    self.prefill_answer = read_json(data, self.account)
+                self.prefill_answer_known.set()
+        return True
 
     # -- decode -----------------------------------------------------------------------------
 
@@ -298,6 +326,8 @@ class Attempt:
                 await self._read_decode(response, first_scope)
         except UpstreamError as exc:
             self._fail_decode(LegFailure(exc.kind, str(exc)))
+        except (EventTooLarge, OverBudget) as exc:
+            self._fail_decode(buffer_failure(exc))
         finally:
             leg.ended_at = trio.current_time()
 
@@ -308,11 +338,17 @@ class Attempt:
             self._fail_decode(await status_failure(response))
             return
         headers = relayable_headers(response)
-        if first_scope is not None and is_sse(response):
+        if is_sse(response):
+            if first_scope is None:  # never buffered: a stream has no bound but its deadline
+                self._fail_decode(
+                    LegFailure("transport", "decode answered a stream to a request for none")
+                )
+                return
             await self._relay_decode_stream(response, headers, first_scope)
             return
-        body = await read_answer(response)
-        found = inband_failure(parse_json(body)) if b"error" in body or b"abort" in body else None
+        body = await read_answer(response, self.account)
+        suspect = b"error" in body or b"abort" in body
+        found = answer_failure(read_json(body, self.account)) if suspect else None
         if found is not None:
             self._fail_decode(LegFailure("inband", found.message, found.code))
             return
@@ -331,20 +367,23 @@ class Attempt:
         with logprobs it also waits for prefill's first answer to merge into that event.
         """
         chunks = response.chunks()
-        buffer = b""
-        first = None
-        async for chunk in chunks:
-            buffer += chunk
-            first = split_event(buffer)
-            if first is not None:
-                break
-        if first is None:
+        reader = EventReader(self.event_limit, self.account)
+        events: list[bytes] = []
+        try:
+            async for chunk in chunks:
+                events = reader.feed(chunk, first_only=True)
+                if events:
+                    break
+            rest = reader.pending
+        finally:
+            reader.close()
+        if not events:
             self._fail_decode(LegFailure("transport", "decode stream ended before any event"))
             return
         first_scope.deadline = math.inf
-        event, rest = first
+        event = events[0]
         data = event_data(event)
-        found = data_failure(data) if data is not None else None
+        found = event_failure(data, self.account) if data is not None else None
         if found is not None:
             self._fail_decode(LegFailure("inband", found.message, found.code))
             return
@@ -352,7 +391,12 @@ class Attempt:
         if self.logprobs:
             await self.prefill_answer_known.wait()
             if data is not None and self.prefill_answer is not None:
-                event = merged_event(self.prefill_answer, data) or event
+                try:
+                    event = merged_event(self.prefill_answer, data, self.account) or event
+                except orjson.JSONEncodeError as exc:
+                    message = f"first event the router cannot merge: {exc}"
+                    self._fail_decode(LegFailure("transport", message))
+                    return
         if self.prefill.failed:
             # Prefill failed while this task held a chunk read before its cancellation landed.
             return
@@ -424,16 +468,58 @@ class Attempt:
                 return
 
 
-async def read_answer(response: UpstreamResponse) -> bytes:
-    """A whole non-streamed answer; one past `MAX_ANSWER_BODY` fails the leg, never truncated."""
-    body = await response.read(limit=MAX_ANSWER_BODY)
-    if not response.complete:
-        raise UpstreamError("transport", f"answer larger than {MAX_ANSWER_BODY} bytes")
-    return body
+async def read_answer(response: UpstreamResponse, account: Account | None = None) -> bytes:
+    """A whole non-streamed answer, charged to `account` as it arrives (OverBudget when the
+    budget cannot hold it); one past `MAX_ANSWER_BODY` fails the leg, never truncated."""
+    parts = []
+    size = 0
+    async for chunk in response.chunks():
+        size += len(chunk)
+        if size > MAX_ANSWER_BODY:
+            raise UpstreamError("transport", f"answer larger than {MAX_ANSWER_BODY} bytes")
+        if account is not None:
+            account.charge(len(chunk))
+        parts.append(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def merged_event(prefill_answer: Any, decode_data: bytes) -> bytes | None:
-    decode_answer = parse_json(decode_data)
+def read_json(data: bytes, account: Account | None) -> Any:
+    """`data` parsed (None if it is not JSON), its parse charged to `account` first (the
+    objects it becomes: `budget.parse_cost`) and held until the request ends."""
+    if account is not None:
+        account.charge(parse_cost(len(data), json_marks(data)))
+    return parse_json(data)
+
+
+def event_failure(data: bytes, account: Account | None) -> InbandError | None:
+    """`relay.data_failure` of one SSE event, its parse (only when it may carry a failure)
+    charged to `account` while it runs."""
+    if account is None or (b"error" not in data and b"abort" not in data):
+        return data_failure(data)
+    cost = parse_cost(len(data), json_marks(data))
+    account.charge(cost)
+    try:
+        return data_failure(data)
+    finally:
+        account.release(cost)
+
+
+def buffer_failure(exc: EventTooLarge | OverBudget) -> LegFailure:
+    """A worker's answer the router will not hold: an event past --max-sse-event-bytes, or an
+    answer larger than the whole budget, is the worker's fault (502); a budget full of other
+    requests' buffers is the router's overload (503, `outcome.py`), never charged to the worker."""
+    if not isinstance(exc, OverBudget):
+        return LegFailure("transport", str(exc))
+    flag = f"--max-buffered-bytes {exc.limit}"
+    if exc.never:
+        return LegFailure("transport", f"answer needs {exc.wanted} bytes, more than {flag}")
+    return LegFailure("overload", f"the router's buffers are full ({flag}): try again")
+
+
+def merged_event(
+    prefill_answer: Any, decode_data: bytes, account: Account | None = None
+) -> bytes | None:
+    decode_answer = read_json(decode_data, account)
     if not merge_logprobs(prefill_answer, decode_answer):
         return None
     return b"data: " + orjson.dumps(decode_answer) + b"\n\n"

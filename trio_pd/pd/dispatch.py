@@ -28,6 +28,7 @@ from trio_pd.fleet.worker import NoWorkerAvailable, RankHold, Worker
 from trio_pd.observe.metrics import RouterMetrics
 from trio_pd.pd.aborts import AbortJob, AbortService
 from trio_pd.pd.attempt import Attempt, Leg
+from trio_pd.pd.budget import Account
 from trio_pd.pd.cancel import RequestCancel
 from trio_pd.pd.injection import (
     attempt_rids,
@@ -62,6 +63,7 @@ class PDRequest:
     request_id: str = ""
     routing_key: str | None = None  # X-SMG-Routing-Key, read only for a manual policy
     trace: RequestTrace | None = None  # its span (`--enable-trace`), else None
+    account: Account | None = None  # its share of --max-buffered-bytes (budget.py)
 
 
 @attrs.frozen
@@ -92,7 +94,10 @@ async def dispatch_request(
     async def one(index: int, sub: Responder, sub_cancel: RequestCancel) -> None:
         await dispatch(ctx, request, sub, sub_cancel)
 
-    await dispatch_samples(request.path, count, request.inspected.stream, responder, cancel, one)
+    await dispatch_samples(
+        request.path, count, request.inspected.stream, responder, cancel, one,
+        ctx.config.max_sse_event_bytes, request.account,
+    )  # fmt: skip
 
 
 async def dispatch(
@@ -250,6 +255,8 @@ def new_attempt(
         outer_cause=cancel.why,
         metrics=ctx.metrics,
         request_started=started,
+        account=request.account,
+        event_limit=ctx.config.max_sse_event_bytes,
     )
 
 

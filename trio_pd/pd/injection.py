@@ -83,9 +83,9 @@ def bootstrap_fields(
 
 def splice(body: bytes, empty: bool, fields: dict[str, Any]) -> bytes:
     """`body` (a JSON object's bytes) with `fields` added as its last members."""
-    end = body.rstrip().rindex(b"}")
+    end = body.rindex(b"}")  # a JSON object's closing brace: only whitespace may follow it
     members = orjson.dumps(fields)[1:-1]  # `"k":v,...` without the braces
-    return b"".join((body[:end], b"" if empty else b",", members, b"}"))
+    return b"".join((memoryview(body)[:end], b"" if empty else b",", members, b"}"))
 
 
 DP_KEYS = frozenset(("routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank"))

@@ -23,7 +23,9 @@ if TYPE_CHECKING:
     from trio_pd.fleet.registry import Fleet
     from trio_pd.fleet.worker import Worker
 
-FailureKind = Literal["status", "inband", "transport", "timeout"]
+# "overload": the router's memory budget could not hold the worker's answer (the router's state,
+# not the worker's fault, and no other worker would help now).
+FailureKind = Literal["status", "inband", "transport", "timeout", "overload"]
 Role = Literal["prefill", "decode"]
 RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -58,18 +60,24 @@ class LegFailure:
             return Reply(self.status, JSON_HEADERS, body)
         if self.kind == "timeout":
             return error_reply(gateway_timeout(f"{role} worker timed out: {self.message}"))
+        if self.kind == "overload":
+            retry = ((b"retry-after", b"1"),)
+            return error_reply(RouterError(503, self.message, "service_unavailable", headers=retry))
         return error_reply(
             RouterError(502, f"{role} worker failed: {self.message}", "upstream_error")
         )
 
     def counts_against_worker(self) -> bool:
-        """A breaker failure? A refused request (4xx) is the client's and a breaker success."""
-        return not self.is_client_error
+        """A breaker failure? A refused request (4xx) is the client's and a breaker success, as
+        is an answer the router had no room for (the worker did its part)."""
+        return not self.is_client_error and self.kind != "overload"
 
     def retryable(self) -> bool:
         """May another attempt, on another pair, succeed? Never for the client's own fault."""
         if self.kind in ("transport", "timeout"):
             return True
+        if self.kind == "overload":
+            return False
         if self.kind == "inband":
             return not self.is_client_error
         return self.status in RETRYABLE_STATUSES

@@ -70,6 +70,7 @@ def inspect_body(
     try:
         payload = json_body.parse_object(raw)
         batch = batch_size(path, payload, max_batch)
+        stream = stream_flag(payload)
         samples = sample_count(path, payload, max_batch)
         if samples > 1 and batch is not None:
             raise bad_request(
@@ -92,7 +93,7 @@ def inspect_body(
     return Inspected(
         body=raw,
         empty=empty,
-        stream=payload.get("stream") is True,
+        stream=stream,
         logprobs=wants_logprobs(path, payload),
         batch=batch,
         text=text[:ROUTING_TEXT_LIMIT] if text else None,
@@ -102,6 +103,31 @@ def inspect_body(
         multimodal=is_multimodal(path, payload),
         samples=samples,
     )
+
+
+def stream_flag(payload: dict[str, Any]) -> bool:
+    """`stream`: true, false, or absent (null: false). Anything else is refused with 400.
+
+    Engines differ on other values: SGLang 0.5.23's `/generate` contract refuses them ("invalid
+    type: integer `1`, expected a boolean"), while its OpenAI routes are pydantic models whose lax
+    `bool` streams for `1`, `"true"`, `"yes"`, `"on"`... A value the router took for "no stream"
+    and the engine for "stream" would have the router buffer a stream whole, past every stream
+    timeout; refusing it, as the /generate contract and the OpenAI API (a boolean) do, leaves
+    no value on which the two can disagree."""
+    stream = payload.get("stream")
+    if stream is None or isinstance(stream, bool):
+        return stream is True
+    what = JSON_TYPES.get(type(stream), "a value of another type")
+    raise bad_request(f"`stream` must be true or false, not {what}")
+
+
+JSON_TYPES = {
+    int: "a number",
+    float: "a number",
+    str: "a string",
+    list: "a list",
+    dict: "an object",
+}
 
 
 def batch_size(path: str, payload: dict[str, Any], limit: int) -> int | None:

@@ -1,7 +1,7 @@
-"""Server-Sent Events framing, in-band failure detection and the logprob merge (PROTOCOL.md §4, §6).
+"""SSE payloads, in-band failure detection and the logprob merge (PROTOCOL.md §4, §6).
 
 Decode's bytes are relayed raw; only what a decision needs is parsed: the first event of a stream,
-a prefill answer, an error marker.
+a prefill answer, an error marker. Events are cut out of the byte stream by `sse.EventReader`.
 """
 
 from __future__ import annotations
@@ -13,21 +13,6 @@ import orjson
 
 DONE_FRAME = b"data: [DONE]\n\n"
 LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
-_EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
-
-
-def split_event(buffer: bytes) -> tuple[bytes, bytes] | None:
-    """Split the first complete SSE event (with its terminator) off `buffer`, or None if partial."""
-    best = -1
-    best_len = 0
-    for end in _EVENT_ENDS:
-        index = buffer.find(end)
-        if index != -1 and (best == -1 or index < best):
-            best, best_len = index, len(end)
-    if best == -1:
-        return None
-    cut = best + best_len
-    return buffer[:cut], buffer[cut:]
 
 
 def event_data(event: bytes) -> bytes | None:
@@ -100,20 +85,35 @@ def status_code(value: Any) -> int | None:
     return None
 
 
+def answer_failure(obj: Any) -> InbandError | None:
+    """The failure a parsed answer (or SSE event) carries, `inband_failure`, once its shape is
+    one an engine sends: an object, or a batch (a list of objects). Lists nested in a batch are
+    no engine's answer, and walking them could recurse as deep as the worker liked: the
+    worker's fault."""
+    if isinstance(obj, list) and any(isinstance(item, list) for item in obj):
+        return InbandError("the worker's answer nests lists inside a batch: not an engine answer")
+    return inband_failure(obj)
+
+
 def data_failure(data: bytes) -> InbandError | None:
     """In-band failure in one SSE data payload; cheap when there is none (no JSON parse)."""
     if b"error" not in data and b"abort" not in data:
         return None
-    return inband_failure(parse_json(data))
+    return answer_failure(parse_json(data))
 
 
 def merge_logprobs(prefill: Any, decode: Any) -> bool:
-    """Put prefill's input logprobs in front of decode's, item by item; True if anything changed."""
+    """Put prefill's input logprobs in front of decode's, item by item for a batch (one level:
+    engines answer an object or a list of them); True if anything changed."""
     if isinstance(prefill, list) and isinstance(decode, list):
         changed = False
         for p_item, d_item in zip(prefill, decode, strict=False):
-            changed = merge_logprobs(p_item, d_item) or changed
+            changed = _merge_one(p_item, d_item) or changed
         return changed
+    return _merge_one(prefill, decode)
+
+
+def _merge_one(prefill: Any, decode: Any) -> bool:
     if not (isinstance(prefill, dict) and isinstance(decode, dict)):
         return False
     p_meta, d_meta = prefill.get("meta_info"), decode.get("meta_info")

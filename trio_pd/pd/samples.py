@@ -34,10 +34,12 @@ import attrs
 import orjson
 import trio
 
+from trio_pd.pd.budget import Account
 from trio_pd.pd.cancel import RequestCancel
 from trio_pd.pd.payload import CHAT, COMPLETIONS, GENERATE
 from trio_pd.pd.relay import DONE_FRAME, event_data
 from trio_pd.pd.relay import parse_json as parse
+from trio_pd.pd.sse import EventReader, EventTooLarge
 from trio_pd.respond import JSON_HEADERS, Reply, Responder
 
 log = logging.getLogger("trio_pd.samples")
@@ -52,9 +54,12 @@ class Sample:
 
     index: int
     cancel: RequestCancel
+    reader: EventReader  # its stream's events, each byte scanned once, each event bounded
     status: int | None = None
     headers: list[tuple[bytes, bytes]] = attrs.Factory(list)
-    body: bytearray = attrs.Factory(bytearray)  # a whole answer, or stream bytes not yet split
+    body: bytearray = attrs.Factory(bytearray)  # a whole (non-stream) answer
+    held: list[bytes] = attrs.Factory(list)  # events before every sample had started
+    held_bytes: int = 0
     done: bool = False  # its response ended
     failed: bool = False  # not a 2xx, or its stream ended with an error frame
 
@@ -77,28 +82,31 @@ class SampleStreams:
             self.started.set()
 
     async def on_bytes(self, sample: Sample, chunk: bytes) -> bool:
-        """Relay a sample's bytes once every sample started; False: it sent too much while the
-        others had not (a first event is a few hundred bytes), so it failed."""
-        sample.body += chunk
+        """Relay a sample's events once every sample started; False: it sent an event past
+        the bound, or too much while the others had not started (a first event is a few
+        hundred bytes), so it failed."""
+        try:
+            events = sample.reader.feed(chunk)
+        except EventTooLarge:
+            return False
         if not self.started.is_set():
-            if len(sample.body) > MAX_HELD_BYTES:
+            sample.held += events
+            sample.held_bytes += sum(len(e) for e in events)
+            if sample.held_bytes + len(sample.reader.pending) > MAX_HELD_BYTES:
                 return False
             await self.started.wait()
+            events, sample.held = sample.held, []
         async with self.lock:
-            out = self.reindex(sample)
+            out = self.rewrite(sample, events)
             if out:
                 await self.responder.send(out)
         return True
 
-    def reindex(self, sample: Sample) -> bytes:
-        """The complete events of `sample` buffered so far, rewritten for the client."""
+    def rewrite(self, sample: Sample, events: list[bytes]) -> bytes:
+        """`sample`'s events as the client gets them: indexed by sample, `[DONE]` and usage
+        chunks held back for the end."""
         out = bytearray()
-        while True:
-            cut = sample.body.find(b"\n\n")
-            if cut == -1:
-                return bytes(out)
-            event = bytes(sample.body[: cut + 2])
-            del sample.body[: cut + 2]
+        for event in events:
             data = event_data(event)
             if data is None or data == b"[DONE]":
                 continue  # one [DONE] ends the merged stream
@@ -118,6 +126,7 @@ class SampleStreams:
                         if isinstance(choice, dict):
                             choice["index"] = sample.index
             out += b"data: " + orjson.dumps(parsed) + b"\n\n"
+        return bytes(out)
 
     def final_frames(self) -> bytes:
         """One usage chunk (when the samples sent any) and the one `[DONE]`."""
@@ -163,11 +172,17 @@ async def dispatch_samples(
     responder: Responder,
     cancel: RequestCancel,
     dispatch_one: Dispatch,
+    event_limit: int,
+    account: Account | None = None,
 ) -> None:
     """Answer a request of `count` samples through `dispatch_one(i, responder, cancel)`, one
-    PD request each (see the module docstring)."""
+    PD request each (see the module docstring); `event_limit` bounds an SSE event
+    (`--max-sse-event-bytes`), `account` is the request's memory budget."""
     assert path in (GENERATE, COMPLETIONS, CHAT)
-    samples = [Sample(i, RequestCancel(parent=cancel)) for i in range(count)]
+    samples = [
+        Sample(i, RequestCancel(parent=cancel), EventReader(event_limit, account))
+        for i in range(count)
+    ]
     merge = SampleStreams(path, responder, samples) if stream else None
     failure: list[Sample] = []
 
@@ -197,8 +212,10 @@ async def dispatch_samples(
                 if ending and body.strip():
                     fail(sample)  # a stream ends with bytes only with its error frame
                 if not await merge.on_bytes(sample, body):
-                    log.warning("sample %d sent more than %d bytes before every sample started",
-                                sample.index, MAX_HELD_BYTES)  # fmt: skip
+                    log.warning(
+                        "sample %d sent an event past the bound, or more than %d bytes before "
+                        "every sample started", sample.index, MAX_HELD_BYTES,
+                    )  # fmt: skip
                     sample.status = 502
                     sample.headers = list(JSON_HEADERS)
                     sample.body = bytearray(error_json("a sample's stream misbehaved"))
@@ -216,9 +233,13 @@ async def dispatch_samples(
         if sample.index == 0:
             responder.route_info.update(sub.route_info)
 
-    async with trio.open_nursery() as nursery:
+    try:
+        async with trio.open_nursery() as nursery:
+            for sample in samples:
+                nursery.start_soon(run, sample)
+    finally:
         for sample in samples:
-            nursery.start_soon(run, sample)
+            sample.reader.close()  # gives its budget back
     responder.route_info["samples"] = count
     await answer(path, responder, samples, merge, failure)
 

@@ -80,6 +80,7 @@ def process_config(child: RouterConfig, config: RouterConfig, index: int) -> Rou
     workers = config.workers
     limit = config.max_concurrent_requests
     rate = config.rate_limit_tokens_per_second
+    child = attrs.evolve(child, max_buffered_bytes=share(config.max_buffered_bytes, index, workers))
     if limit <= 0:
         return attrs.evolve(child, queue_size=share(config.queue_size, index, workers))
     mine = share(limit, index, workers)
