@@ -1,0 +1,1 @@
+"""Test infrastructure shared by the test tiers, the demos and the benchmarks."""
