@@ -22,9 +22,13 @@ def start_main(log_dir: Path = LOG_DIR) -> SGLangPair:
 
 
 def start_admin(log_dir: Path = LOG_DIR) -> SGLangPair:
-    """Both engines with --api-key and --admin-api-key."""
+    """Both engines with --api-key and --admin-api-key (prefill context as the main pair's)."""
     return SGLangPair.start(
-        api_key=API_KEY, admin_api_key=ADMIN_API_KEY, log_dir=log_dir, name="admin"
+        api_key=API_KEY,
+        admin_api_key=ADMIN_API_KEY,
+        prefill_context_length=PREFILL_CONTEXT_LENGTH,
+        log_dir=log_dir,
+        name="admin",
     )
 
 
