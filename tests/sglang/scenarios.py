@@ -161,9 +161,7 @@ class Answer:
         return "none"
 
 
-async def post(
-    client: httpx2.AsyncClient, url: str, body: dict, key: str | None = None
-) -> Answer:
+async def post(client: httpx2.AsyncClient, url: str, body: dict, key: str | None = None) -> Answer:
     t0 = time.monotonic()
     response = await client.post(url, json=body, headers=headers(key))
     return Answer.of(response, t0)
@@ -198,9 +196,7 @@ async def post_sse(
     return answer, events
 
 
-async def pd(
-    t: Target, client: httpx2.AsyncClient, path: str, body: dict
-) -> tuple[Answer, Answer]:
+async def pd(t: Target, client: httpx2.AsyncClient, path: str, body: dict) -> tuple[Answer, Answer]:
     """The same body to both legs at once, as a PD router sends it."""
     body = {**body, **bootstrap(t)}
     out: dict[str, Answer] = {}
@@ -268,9 +264,7 @@ async def wait_idle(
     return time.monotonic() - t0
 
 
-async def abort(
-    client: httpx2.AsyncClient, url: str, body: dict, key: str | None = None
-) -> Answer:
+async def abort(client: httpx2.AsyncClient, url: str, body: dict, key: str | None = None) -> Answer:
     return await post(client, url + "/abort_request", body, key)
 
 
@@ -447,7 +441,7 @@ async def v1_loads(t: Target, client: httpx2.AsyncClient) -> Observables:
         core = await loads(client, url, "?include=core")
         disagg = await loads(client, url, "?include=disagg")
         out[role] = {
-            "shape": shape(full, 3),
+            "shape": shape(full, 4),
             "num_ranks": len(full["loads"]),
             "disaggregation_mode": full["loads"][0]["disaggregation"]["mode"],
             "include_core_keys": sorted(core["loads"][0]),
@@ -525,7 +519,9 @@ async def abort_list_rid(t: Target, client: httpx2.AsyncClient) -> Observables:
 
 
 async def abort_unknown_rid(t: Target, client: httpx2.AsyncClient) -> Observables:
-    a = await abort(client, t.decode_url, {"rid": fresh_rid("nobody")}, t.admin_api_key or t.api_key)
+    a = await abort(
+        client, t.decode_url, {"rid": fresh_rid("nobody")}, t.admin_api_key or t.api_key
+    )
     return {"status": a.status, "body": a.text}
 
 
@@ -651,7 +647,7 @@ async def waiting_abort_openai(t: Target, client: httpx2.AsyncClient) -> Observa
 async def _disconnect(t: Target, client: httpx2.AsyncClient, stream: bool) -> float:
     """Seconds from the client closing a decode waiting for KV to /v1/loads idle."""
     body = {**GEN, **bootstrap(t), "rid": fresh_rid("disc"), "stream": stream}
-    async with httpx2.AsyncClient(timeout=httpx2.Timeout(30.0)) as leaving:
+    async with httpx2.AsyncClient(timeout=httpx2.Timeout(30.0)) as leaving:  # noqa: SIM117
         async with trio.open_nursery() as nursery:
 
             async def request() -> None:

@@ -4,12 +4,10 @@ router relies on, each naming the SGLang 0.5.23 source it comes from (package-re
 
 from __future__ import annotations
 
-import httpx2
 import pytest
 import trio
 
 from tests.sglang import scenarios
-from tests.sglang.scenarios import Target
 from trio_pd.testing.sglang import SGLangPair
 from trio_pd.testing.sglang.launcher import (
     EngineStartError,
@@ -69,7 +67,9 @@ async def test_decode_waiting_for_kv_counts_as_waiting_and_in_transfer_queue(mai
     rid = scenarios.fresh_rid("wait")
     url = main_target.decode_url
     async with trio.open_nursery() as nursery:
-        scenarios.waiting_decode(main_target, client, nursery, "/generate", {**scenarios.GEN, "rid": rid})
+        scenarios.waiting_decode(
+            main_target, client, nursery, "/generate", {**scenarios.GEN, "rid": rid}
+        )
         await scenarios.wait_busy(client, url, 1)
         load = (await scenarios.loads(client, url))["loads"][0]
         assert load["num_waiting_reqs"] == 1
@@ -230,7 +230,3 @@ async def test_generate_text_input_ids_and_stream(main_target, client):
     stream = await scenarios.generate_stream(main_target, client)
     assert stream["status"] == [200, 200] and stream["ends_with_done"]
     assert stream["decode_content_type"] == "text/event-stream"
-
-
-def _unused(_: Target, __: httpx2.AsyncClient) -> None:  # keeps the imports honest for ruff
-    return None

@@ -44,7 +44,9 @@ async def test_generate_text_and_input_ids(client, engines, main_pair):
     r = await client.post("/generate", json=scenarios.GEN)
     assert r.status_code == 200, r.text
     assert r.json()["meta_info"]["completion_tokens"] == 4
-    r = await client.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3}})
+    r = await client.post(
+        "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3}}
+    )
     assert r.status_code == 200, r.text
     assert r.json()["meta_info"]["prompt_tokens"] == 3
     assert len(r.json()["output_ids"]) == 3
@@ -84,7 +86,15 @@ async def test_real_prefill_400_while_decode_waits(client, engines, main_pair):
     its body byte for byte; the decode (waiting for KV) is freed by the router's abort."""
     body = {"text": "word " * scenarios.LONG_PROMPT_WORDS, "sampling_params": {"max_new_tokens": 4}}
     direct = await engines.post(
-        main_pair.prefill_url + "/generate", json={**body, **scenarios.bootstrap(scenarios.Target(main_pair.prefill_url, main_pair.decode_url, main_pair.bootstrap_port))}
+        main_pair.prefill_url + "/generate",
+        json={
+            **body,
+            **scenarios.bootstrap(
+                scenarios.Target(
+                    main_pair.prefill_url, main_pair.decode_url, main_pair.bootstrap_port
+                )
+            ),
+        },
     )
     assert direct.status_code == 400
     t0 = time.monotonic()
@@ -96,8 +106,11 @@ async def test_real_prefill_400_while_decode_waits(client, engines, main_pair):
     t1 = time.monotonic()
     await scenarios.wait_idle(engines, main_pair.decode_url, timeout=5.0)
     freed = time.monotonic() - t1
-    print(f"\nprefill 400 through the router: client answered in {answered * 1000:.0f} ms, "
-          f"decode idle {freed * 1000:.0f} ms after", file=sys.stderr)
+    print(
+        f"\nprefill 400 through the router: client answered in {answered * 1000:.0f} ms, "
+        f"decode idle {freed * 1000:.0f} ms after",
+        file=sys.stderr,
+    )
     assert "Aborted by AbortReq" in main_pair.decode.log_text() or freed < 5.0
 
 
@@ -113,7 +126,11 @@ async def test_client_leaves_mid_request(router, engines, main_pair):
 
 
 async def test_client_leaves_mid_stream(router, engines, main_pair):
-    body = {"text": "go", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}, "stream": True}
+    body = {
+        "text": "go",
+        "sampling_params": {"max_new_tokens": 400, "ignore_eos": True},
+        "stream": True,
+    }
     async with httpx2.AsyncClient(base_url=router.url, timeout=30) as leaving:
         async with leaving.stream("POST", "/generate", json=body) as r:
             assert r.status_code == 200
@@ -124,4 +141,7 @@ async def test_client_leaves_mid_stream(router, engines, main_pair):
         assert (await scenarios.busy_count(engines, main_pair.decode_url)) >= 0
     t0 = time.monotonic()
     await scenarios.wait_idle(engines, main_pair.decode_url, timeout=5.0)
-    print(f"\nmid-stream leave: decode idle after {(time.monotonic() - t0) * 1000:.0f} ms", file=sys.stderr)
+    print(
+        f"\nmid-stream leave: decode idle after {(time.monotonic() - t0) * 1000:.0f} ms",
+        file=sys.stderr,
+    )

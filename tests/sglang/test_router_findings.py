@@ -25,9 +25,12 @@ async def test_abort_of_one_request_spares_a_live_rid_it_prefixes(main_pair, sta
     router = start_router(main_pair, *ROUTER_FLAGS)
     base = scenarios.fresh_rid("R")
     long = {"text": "go", "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
-    async with httpx2.AsyncClient(base_url=router.url, timeout=60) as client:
+    async with httpx2.AsyncClient(base_url=router.url, timeout=60) as client:  # noqa: SIM117
         async with trio.open_nursery() as nursery:
-            kept = scenarios.start(nursery, scenarios.post(client, router.url + "/generate", {**long, "rid": base + "-retry1"}))
+            kept = scenarios.start(
+                nursery,
+                scenarios.post(client, router.url + "/generate", {**long, "rid": base + "-retry1"}),
+            )
             await scenarios.wait_busy(engines, main_pair.decode_url, 1)
             async with httpx2.AsyncClient(base_url=router.url, timeout=60) as leaving:
                 with trio.move_on_after(0.5):
@@ -56,10 +59,18 @@ async def test_get_loads_reads_v1_loads(main_pair, start_router, engines):
     """Finding 2: `/get_load` is gone (404); the router's `GET /get_loads` must read
     `/v1/loads` and report each worker's load. Today every worker is reported failed."""
     router = start_router(main_pair, *ROUTER_FLAGS)
-    async with httpx2.AsyncClient(base_url=router.url, timeout=30) as client:
+    async with httpx2.AsyncClient(base_url=router.url, timeout=30) as client:  # noqa: SIM117
         async with trio.open_nursery() as nursery:
             rid = scenarios.fresh_rid("load")
-            scenarios.waiting_decode(scenarios.Target(main_pair.prefill_url, main_pair.decode_url, main_pair.bootstrap_port), engines, nursery, "/generate", {**scenarios.GEN, "rid": rid})
+            scenarios.waiting_decode(
+                scenarios.Target(
+                    main_pair.prefill_url, main_pair.decode_url, main_pair.bootstrap_port
+                ),
+                engines,
+                nursery,
+                "/generate",
+                {**scenarios.GEN, "rid": rid},
+            )
             await scenarios.wait_busy(engines, main_pair.decode_url, 1)
             r = await client.get("/get_loads")
             await scenarios.abort(engines, main_pair.decode_url, {"rid": rid})

@@ -24,9 +24,7 @@ async def test_router_aborts_with_the_admin_key(admin_pair, start_router):
         r = await client.post("/generate", json=body)
     assert r.status_code == 400, r.text
     async with scenarios.client() as engines:
-        await scenarios.wait_idle(
-            engines, admin_pair.decode_url, timeout=2.0, key=pairs.API_KEY
-        )
+        await scenarios.wait_idle(engines, admin_pair.decode_url, timeout=2.0, key=pairs.API_KEY)
     await trio.sleep(0.5)
     assert '"POST /abort_request HTTP/1.1" 401' not in admin_pair.decode.log_text()
     assert '"POST /abort_request HTTP/1.1" 200' in admin_pair.decode.log_text()
