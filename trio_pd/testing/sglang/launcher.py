@@ -326,8 +326,42 @@ class SGLangPair:
         """Start both engines at once and wait until both answer `/ready`.
 
         Logs go to `log_dir/<name>-prefill.log` and `-decode.log` (appended). On any failure
-        whatever was started is killed before the error propagates.
+        whatever was started is killed before the error propagates. A port taken between
+        choosing it and the engine binding it (other engines open many sockets at start-up;
+        measured once in a full tier run) gets new ports, up to three tries.
         """
+        for attempt in range(3):
+            try:
+                return cls._start_once(
+                    prefill_args=prefill_args,
+                    decode_args=decode_args,
+                    api_key=api_key,
+                    admin_api_key=admin_api_key,
+                    prefill_context_length=prefill_context_length,
+                    decode_context_length=decode_context_length,
+                    log_dir=log_dir,
+                    name=name,
+                    timeout=timeout,
+                )
+            except EngineStartError as e:
+                if "address already in use" not in str(e) or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    @classmethod
+    def _start_once(
+        cls,
+        *,
+        prefill_args: Sequence[str],
+        decode_args: Sequence[str],
+        api_key: str | None,
+        admin_api_key: str | None,
+        prefill_context_length: int | None,
+        decode_context_length: int | None,
+        log_dir: Path | str,
+        name: str,
+        timeout: float,
+    ) -> SGLangPair:
         check_environment()
         model = ensure_model()
         log_dir = Path(log_dir)
