@@ -4,7 +4,8 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint format demo bench bench-peers bench-router-bound clean
+.PHONY: install test lint format demo bench bench-peers bench-router-bound clean sglang-env test-sglang \
+	demo-sglang
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -52,5 +53,34 @@ bench-router-bound: $(STAMP)
 	$(PEERS_INSTALL)
 	$(BIN)/python -m bench run --peers --scenarios router-bound $(BENCH_ARGS)
 
+# The real-engine tier (docs/sglang-tier.md): a real SGLang 0.5.23 prefill/decode pair on this
+# CPU-only machine, from its own venv. `make test` never needs it.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_REQS := trio_pd/testing/sglang/requirements.txt
+SGLANG_MODEL ?= .cache/sglang-tiny-model
+# Mooncake's library links libibverbs even on its TCP transport.
+IBVERBS_INSTALL = dpkg -s libibverbs1 >/dev/null 2>&1 || apt-get install -y -qq libibverbs1 >/dev/null 2>&1 \
+	|| (apt-get update -qq && apt-get install -y -qq libibverbs1) >/dev/null
+
+$(SGLANG_STAMP): $(SGLANG_REQS) trio_pd/testing/sglang/make_model.py
+	@$(IBVERBS_INSTALL)
+	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SGLANG_VENV)/bin/python -m pip install -q -r $(SGLANG_REQS)
+	# Without its CUDA dependencies (requirements.txt says why).
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps sglang==0.5.23
+	$(SGLANG_VENV)/bin/python trio_pd/testing/sglang/make_model.py $(SGLANG_MODEL)
+	touch $(SGLANG_STAMP)
+
+sglang-env: $(SGLANG_STAMP)
+
+# TRIO_PD_SGLANG_TIER makes tests/conftest.py collect tests/sglang (ignored by `make test`).
+test-sglang: $(STAMP) $(SGLANG_STAMP)
+	TRIO_PD_SGLANG_TIER=1 $(BIN)/python -m pytest -q tests/sglang $(SGLANG_TEST_ARGS)
+
+demo-sglang: $(STAMP) $(SGLANG_STAMP)
+	$(BIN)/python -m trio_pd.testing.sglang.demo
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(SGLANG_VENV) build *.egg-info

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -15,6 +16,10 @@ from trio_pd.edge.router import Router
 from trio_pd.serve.process import serve
 from trio_pd.spec import WorkerSpec
 from trio_pd.testing.engine import EngineConfig, EngineHandle, serve_engine
+
+# The real-engine tier (tests/sglang, docs/sglang-tier.md) needs .venv-sglang and real SGLang
+# engines; only `make test-sglang` (which sets TRIO_PD_SGLANG_TIER) collects it.
+collect_ignore = [] if os.environ.get("TRIO_PD_SGLANG_TIER") else ["sglang"]
 
 # Engines poll for disconnects every half second here (SGLang: 4 s) so slot frees are quick to
 # observe; their KV waiting timeout stays long, so a decode nobody cancels would visibly hang.

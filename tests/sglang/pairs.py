@@ -1,0 +1,46 @@
+"""The tier's pairs: how they are started, shared by the fixtures and the recording script."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.sglang.scenarios import Target
+from trio_pd.testing.sglang import SGLangPair
+
+# The main pair's prefill accepts 1024 tokens, its decode 4096 (the model's): a prompt between
+# the two gets a real prefill 400 while its decode waits for KV.
+PREFILL_CONTEXT_LENGTH = 1024
+API_KEY = "tier-generation-key"
+ADMIN_API_KEY = "tier-admin-key"
+LOG_DIR = Path(__file__).resolve().parents[2] / ".cache" / "sglang-logs"
+
+
+def start_main(log_dir: Path = LOG_DIR) -> SGLangPair:
+    return SGLangPair.start(
+        prefill_context_length=PREFILL_CONTEXT_LENGTH, log_dir=log_dir, name="main"
+    )
+
+
+def start_admin(log_dir: Path = LOG_DIR) -> SGLangPair:
+    """Both engines with --api-key and --admin-api-key (prefill context as the main pair's)."""
+    return SGLangPair.start(
+        api_key=API_KEY,
+        admin_api_key=ADMIN_API_KEY,
+        prefill_context_length=PREFILL_CONTEXT_LENGTH,
+        log_dir=log_dir,
+        name="admin",
+    )
+
+
+def target(pair: SGLangPair) -> Target:
+    return Target(
+        pair.prefill_url,
+        pair.decode_url,
+        pair.bootstrap_port,
+        api_key=pair.api_key,
+        admin_api_key=pair.admin_api_key,
+    )
+
+
+def main_flags() -> list[str]:
+    return [f"--context-length {PREFILL_CONTEXT_LENGTH} (prefill only)"]

@@ -1,0 +1,70 @@
+"""Record the engine's observables: `python -m tests.sglang.record` (under `.venv`).
+
+Starts the tier's two pairs (main, then admin-keyed), runs every scenario of
+`tests.sglang.scenarios` against them and writes `tests/data/sglang_0.5.23_observables.json`
+with its provenance. `--main URL,URL,PORT` uses a running pair instead (by-hand exploration).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import trio
+
+from tests.sglang import pairs, scenarios
+from trio_pd.testing.sglang import SGLANG_VERSION, launcher
+
+OUT = Path(__file__).resolve().parents[1] / "data" / f"sglang_{SGLANG_VERSION}_observables.json"
+
+
+async def run_all(target: scenarios.Target, table: dict) -> dict:
+    out = {}
+    async with scenarios.client() as client:
+        for name, scenario in table.items():
+            t0 = time.monotonic()
+            out[name] = await scenario(target, client)
+            print(f"{name}: {time.monotonic() - t0:.1f} s", file=sys.stderr)
+    return out
+
+
+def provenance() -> dict:
+    return {
+        "sglang_version": SGLANG_VERSION,
+        "recorded": datetime.date.today().isoformat(),
+        "model": "tiny random-weight Llama (trio_pd/testing/sglang/make_model.py), "
+        "--load-format dummy",
+        "engine_env": launcher.ENGINE_ENV,
+        "common_args": list(launcher.COMMON_ARGS),
+        "decode_args": list(launcher.DECODE_ARGS),
+        "main_pair": pairs.main_flags(),
+        "admin_pair": ["--api-key <key>", "--admin-api-key <key>"],
+        "recorded_by": "python -m tests.sglang.record",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.sglang.record")
+    parser.add_argument("--main", help="prefill_url,decode_url,bootstrap_port of a running pair")
+    parser.add_argument("--out", default=str(OUT))
+    args = parser.parse_args(argv)
+    record: dict = {"provenance": provenance()}
+    if args.main:
+        p, d, b = args.main.split(",")
+        record["main"] = trio.run(run_all, scenarios.Target(p, d, int(b)), scenarios.SCENARIOS)
+    else:
+        with pairs.start_main() as pair:
+            record["main"] = trio.run(run_all, pairs.target(pair), scenarios.SCENARIOS)
+        with pairs.start_admin() as pair:
+            record["admin"] = trio.run(run_all, pairs.target(pair), scenarios.ADMIN_SCENARIOS)
+    Path(args.out).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""The recorded observables (`tests/data/sglang_0.5.23_observables.json`, written by
+`python -m tests.sglang.record`) re-run live: the real engine still behaves as recorded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.sglang import scenarios
+from tests.sglang.record import OUT
+
+RECORDED = json.loads(OUT.read_text())
+
+
+@pytest.fixture
+async def client():
+    async with scenarios.client() as c:
+        yield c
+
+
+@pytest.mark.parametrize("name", sorted(scenarios.SCENARIOS))
+async def test_live_matches_recording(name, main_target, client):
+    live = await scenarios.SCENARIOS[name](main_target, client)
+    recorded = RECORDED["main"][name]
+    diffs = scenarios.differences(
+        scenarios.comparable(recorded), scenarios.comparable(json.loads(json.dumps(live)))
+    )
+    assert not diffs, diffs
+
+
+async def test_admin_live_matches_recording(admin_target, client):
+    live = await scenarios.admin_key_abort(admin_target, client)
+    diffs = scenarios.differences(
+        scenarios.comparable(RECORDED["admin"]["admin_key_abort"]), scenarios.comparable(live)
+    )
+    assert not diffs, diffs

@@ -1,0 +1,147 @@
+"""trio_pd in front of a real SGLang pair: what passes with today's router.
+
+Each router is a real `trio-pd serve` subprocess from the router's venv (the CLI as users run
+it, real sockets; a sync fixture can start it while the pair is session-scoped). What the
+engines saw is read from their own `/v1/loads`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import httpx2
+import pytest
+import trio
+
+from tests.sglang import scenarios
+from tests.sglang.conftest import ROUTER_FLAGS
+
+
+@pytest.fixture
+async def engines():
+    async with scenarios.client() as c:
+        yield c
+
+
+@pytest.fixture
+def router(main_pair, start_router):
+    return start_router(main_pair, *ROUTER_FLAGS)
+
+
+@pytest.fixture
+async def client(router):
+    async with httpx2.AsyncClient(base_url=router.url, timeout=httpx2.Timeout(60.0)) as c:
+        yield c
+
+
+async def _idle_both(engines, main_pair, timeout=10.0):
+    for url in (main_pair.prefill_url, main_pair.decode_url):
+        await scenarios.wait_idle(engines, url, timeout)
+
+
+async def test_generate_text_and_input_ids(client, engines, main_pair):
+    r = await client.post("/generate", json=scenarios.GEN)
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["completion_tokens"] == 4
+    r = await client.post(
+        "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3}}
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["prompt_tokens"] == 3
+    assert len(r.json()["output_ids"]) == 3
+    await _idle_both(engines, main_pair)
+
+
+async def test_generate_stream(client, engines, main_pair):
+    events = []
+    async with client.stream("POST", "/generate", json={**scenarios.GEN, "stream": True}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        async for line in r.aiter_lines():
+            if line.startswith("data:"):
+                events.append(line[5:].strip())
+    assert events[-1] == "[DONE]" and len(events) >= 2
+    await _idle_both(engines, main_pair)
+
+
+async def test_chat_and_completions(client, engines, main_pair):
+    r = await client.post("/v1/chat/completions", json=scenarios.CHAT)
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "chat.completion" and len(r.json()["choices"]) == 1
+    r = await client.post("/v1/completions", json={"prompt": "once", "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "text_completion"
+    await _idle_both(engines, main_pair)
+
+
+async def test_v1_models(client):
+    r = await client.get("/v1/models")
+    assert r.status_code == 200, r.text
+    assert r.json()["data"], r.text
+
+
+async def test_real_prefill_400_while_decode_waits(client, engines, main_pair):
+    """A prompt over the prefill's --context-length: the client gets the prefill's 400 with
+    its body byte for byte; the decode (waiting for KV) is freed by the router's abort."""
+    body = {"text": "word " * scenarios.LONG_PROMPT_WORDS, "sampling_params": {"max_new_tokens": 4}}
+    direct = await engines.post(
+        main_pair.prefill_url + "/generate",
+        json={
+            **body,
+            **scenarios.bootstrap(
+                scenarios.Target(
+                    main_pair.prefill_url, main_pair.decode_url, main_pair.bootstrap_port
+                )
+            ),
+        },
+    )
+    assert direct.status_code == 400
+    t0 = time.monotonic()
+    r = await client.post("/generate", json=body)
+    answered = time.monotonic() - t0
+    assert r.status_code == 400
+    assert r.content == direct.content
+    # The decode held the request (it registered the room) and is idle again.
+    t1 = time.monotonic()
+    await scenarios.wait_idle(engines, main_pair.decode_url, timeout=5.0)
+    freed = time.monotonic() - t1
+    print(
+        f"\nprefill 400 through the router: client answered in {answered * 1000:.0f} ms, "
+        f"decode idle {freed * 1000:.0f} ms after",
+        file=sys.stderr,
+    )
+    assert "Aborted by AbortReq" in main_pair.decode.log_text() or freed < 5.0
+
+
+async def test_client_leaves_mid_request(router, engines, main_pair):
+    """The client goes away right after sending (prefill running or decode waiting for KV):
+    both engines end up idle."""
+    body = {"text": "word " * 300, "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
+    for _ in range(3):
+        async with httpx2.AsyncClient(base_url=router.url, timeout=30) as leaving:
+            with trio.move_on_after(0.05):
+                await leaving.post("/generate", json=body)
+        await _idle_both(engines, main_pair, timeout=10.0)
+
+
+async def test_client_leaves_mid_stream(router, engines, main_pair):
+    body = {
+        "text": "go",
+        "sampling_params": {"max_new_tokens": 400, "ignore_eos": True},
+        "stream": True,
+    }
+    async with httpx2.AsyncClient(base_url=router.url, timeout=30) as leaving:
+        async with leaving.stream("POST", "/generate", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data:"):
+                    break
+        # Left after the first event, mid-stream.
+        assert (await scenarios.busy_count(engines, main_pair.decode_url)) >= 0
+    t0 = time.monotonic()
+    await scenarios.wait_idle(engines, main_pair.decode_url, timeout=5.0)
+    print(
+        f"\nmid-stream leave: decode idle after {(time.monotonic() - t0) * 1000:.0f} ms",
+        file=sys.stderr,
+    )

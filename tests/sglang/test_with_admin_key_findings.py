@@ -1,0 +1,30 @@
+"""Finding 5 through today's router: FAILS on today's main (`--worker-admin-api-key` does not
+exist yet; it is the name the fix is expected to use: the key the router sends on
+`/abort_request`, SMG-style global flag)."""
+
+from __future__ import annotations
+
+import httpx2
+import trio
+
+from tests.sglang import pairs, scenarios
+
+
+async def test_router_aborts_with_the_admin_key(admin_pair, start_router):
+    """A prefill 400 while the decode waits for KV: the router's abort must carry the admin
+    key, so the engine accepts it (no 401 in the decode's log) and frees the decode in ms."""
+    router = start_router(
+        admin_pair,
+        "--policy", "round_robin", "--disable-retries",
+        "--api-key", pairs.API_KEY,
+        "--worker-admin-api-key", pairs.ADMIN_API_KEY,
+    )  # fmt: skip
+    body = {"text": "word " * scenarios.LONG_PROMPT_WORDS, "sampling_params": {"max_new_tokens": 4}}
+    async with httpx2.AsyncClient(base_url=router.url, timeout=60) as client:
+        r = await client.post("/generate", json=body)
+    assert r.status_code == 400, r.text
+    async with scenarios.client() as engines:
+        await scenarios.wait_idle(engines, admin_pair.decode_url, timeout=2.0, key=pairs.API_KEY)
+    await trio.sleep(0.5)
+    assert '"POST /abort_request HTTP/1.1" 401' not in admin_pair.decode.log_text()
+    assert '"POST /abort_request HTTP/1.1" 200' in admin_pair.decode.log_text()
