@@ -93,6 +93,7 @@ class RouterProcess:
             "--prefill", pair.prefill_url, str(pair.bootstrap_port),
             "--decode", pair.decode_url,
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
+            "--admin-port", "0",
             "--log-level", "info",
             *extra,
         ]  # fmt: skip
@@ -111,7 +112,7 @@ class RouterProcess:
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + ROUTER_READY_SECS
-        while http_status(self.url + "/health") != 200:
+        while http_status(self.url + "/readiness") != 200:
             if self.process.poll() is not None:
                 raise AssertionError(f"trio-pd serve exited early:\n{self.log()}")
             if time.monotonic() > deadline:

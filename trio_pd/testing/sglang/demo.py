@@ -55,14 +55,14 @@ def start_router(pair: SGLangPair) -> tuple[subprocess.Popen, str, Path]:
         "--host", "127.0.0.1", "--port", str(port),
         "--prefill", pair.prefill_url, str(pair.bootstrap_port),
         "--decode", pair.decode_url,
-        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics),
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics), "--admin-port", "0",
         "--policy", "round_robin", "--disable-retries",
     ]  # fmt: skip
     with open(log_path, "ab") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
-    while http_status(url + "/health") != 200:
+    while http_status(url + "/readiness") != 200:
         if process.poll() is not None or time.monotonic() > deadline:
             raise SystemExit(f"trio-pd serve did not become ready; see {log_path}")
         time.sleep(0.2)
