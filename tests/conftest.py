@@ -25,10 +25,9 @@ collect_ignore = [] if os.environ.get("TRIO_PD_SGLANG_TIER") else ["sglang"]
 # observe; their KV waiting timeout stays long, so a decode nobody cancels would visibly hang.
 ENGINE_DEFAULTS: dict[str, Any] = {"disconnect_poll_secs": 0.5, "waiting_timeout": 60.0}
 ROUTER_DEFAULTS: dict[str, Any] = {
-    # Teardown is checked as engines see it: the connection closed, then the slot freed at the
-    # next poll. Aborts (on by default in production) race with that; tests/router/test_aborts
-    # turns them on and checks them.
-    "abort_on_cancel": False,
+    # The production setting: a leg the router gives up on is aborted in its engine. A test of
+    # teardown by the connection alone (the engine's disconnect poll) turns it off itself.
+    "abort_on_cancel": True,
     "host": "127.0.0.1",
     "port": 0,
     # The control plane's own door, on a free loopback port: without keys, changes go there.

@@ -78,3 +78,23 @@ def test_dp_width_is_dp_size_times_attn_dp_size() -> None:
     for bad in (b"[]", b'{"dp_size": 0}', b'{"dp_size": 2048}', b'{"attn_dp_size": "2"}'):
         with pytest.raises(EngineInfoError):
             parse_server_info(bad)
+
+
+def test_server_info_relayed_to_clients_never_carries_a_workers_secret() -> None:
+    """SGLang's /server_info lists its resolved server args, `api_key` and `admin_api_key`
+    among them; the router's /get_server_info and /server_info are open without keys."""
+    from trio_pd.control.fanout import REDACTED, redacted
+
+    body = orjson.dumps({
+        "dp_size": 1, "api_key": "SECRET-1", "admin_api_key": "SECRET-2", "hf_token": "SECRET-3",
+        "tokenizer_path": "/models/x", "nested": [{"ssl_password": "SECRET-4"}], "api_key_file": None,
+    })  # fmt: skip
+    shown = orjson.loads(redacted(body))
+    assert "SECRET" not in redacted(body).decode()
+    assert shown["api_key"] == shown["admin_api_key"] == shown["hf_token"] == REDACTED
+    assert shown["nested"][0]["ssl_password"] == REDACTED
+    assert shown["tokenizer_path"] == "/models/x" and shown["dp_size"] == 1
+    assert shown["api_key_file"] is None
+    plain = orjson.dumps({"dp_size": 2})
+    assert redacted(plain) is plain  # nothing to hide: the worker's bytes as they came
+    assert b"not JSON" in redacted(b"<html>")

@@ -159,13 +159,51 @@ async def proxy_from_prefill(
         call = await call_worker(ctx, worker, "GET", scope["path"], headers)
         if call.status is not None:
             content_type = call.content_type.encode("latin-1")
-            await responder.reply(Reply(call.status, [(b"content-type", content_type)], call.body))
+            body = redacted(call.body) if scope["path"] in INFO_PATHS else call.body
+            await responder.reply(Reply(call.status, [(b"content-type", content_type)], body))
             return
         log.info("%s from %s (%s) failed: %s", scope["path"], worker.id, worker.url, call.error)
         failures.append(f"{worker.id}: {call.error}")
     raise RouterError(
         502, f"no prefill worker answered {scope['path']}: {'; '.join(failures)}", "upstream_error"
     )
+
+
+# The engine's server info lists its resolved server args: its `api_key` and `admin_api_key`
+# among them. They are the workers' secrets, and these routes are open without control-plane
+# keys: a string value under a secret's name is replaced before the answer leaves the router.
+INFO_PATHS = frozenset(("/get_server_info", "/server_info"))
+SECRET_SUFFIXES = ("api_key", "_secret", "password", "_token", "_credentials")
+REDACTED = "<redacted by trio-pd>"
+
+
+def redacted(body: bytes) -> bytes:
+    """`body` with every string value under a secret's name replaced (any depth); a body that
+    is not JSON is replaced whole (it cannot be checked)."""
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return orjson.dumps({"error": {"message": "the worker's answer is not JSON",
+                                       "type": "upstream_error", "code": 502}})  # fmt: skip
+    changed = _redact(parsed)
+    return orjson.dumps(parsed) if changed else body
+
+
+def _redact(value: Any, depth: int = 0) -> bool:
+    changed = False
+    if depth > 32:
+        return changed
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(item, str) and item and str(key).lower().endswith(SECRET_SUFFIXES):
+                value[key] = REDACTED
+                changed = True
+            else:
+                changed = _redact(item, depth + 1) or changed
+    elif isinstance(value, list):
+        for item in value:
+            changed = _redact(item, depth + 1) or changed
+    return changed
 
 
 async def handle_models(

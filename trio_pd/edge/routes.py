@@ -58,6 +58,9 @@ def route_table(
         "/health_generate": {"GET": ctl(handle_health_generate, "read")},
         "/get_model_info": {"GET": ctl(proxy_from_prefill, "read")},
         "/get_server_info": {"GET": ctl(proxy_from_prefill, "read")},
+        # SGLang 0.5.23's names of the two (the get_ ones are its deprecated aliases).
+        "/server_info": {"GET": ctl(proxy_from_prefill, "read")},
+        "/model_info": {"GET": ctl(proxy_from_prefill, "read")},
         "/v1/models": {"GET": ctl(handle_models, "data")},
         **{path: {"POST": generation} for path in GENERATION_PATHS},
         # SMG's meanings: /health is liveness (its Helm chart probes it so), /readiness readiness.
