@@ -71,3 +71,19 @@ async def eventually(predicate: Callable[[], bool], timeout: float = 2.0) -> Non
     with trio.fail_after(timeout):
         while not predicate():
             await trio.sleep(0.01)
+
+
+class Background:
+    """POSTs running in a nursery; their responses land in `results[name]`."""
+
+    def __init__(self, nursery: trio.Nursery, client: httpx2.AsyncClient) -> None:
+        self.nursery, self.client = nursery, client
+        self.results: dict[str, httpx2.Response] = {}
+
+    def post(self, name: str, engine: EngineHandle, body: dict[str, Any], rid: str) -> None:
+        async def run() -> None:
+            self.results[name] = await self.client.post(
+                engine.url + "/generate", json=body, headers={"x-request-id": rid}
+            )
+
+        self.nursery.start_soon(run)

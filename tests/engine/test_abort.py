@@ -10,23 +10,7 @@ import trio
 
 from trio_pd.testing.engine import EngineHandle
 
-from .helpers import eventually, new_room, pd_body, sse_events, start_engine
-
-
-class Background:
-    """POSTs running in a nursery; their responses land in `results[name]`."""
-
-    def __init__(self, nursery: trio.Nursery, client: httpx2.AsyncClient) -> None:
-        self.nursery, self.client = nursery, client
-        self.results: dict[str, httpx2.Response] = {}
-
-    def post(self, name: str, engine: EngineHandle, body: dict[str, Any], rid: str) -> None:
-        async def run() -> None:
-            self.results[name] = await self.client.post(
-                engine.url + "/generate", json=body, headers={"x-request-id": rid}
-            )
-
-        self.nursery.start_soon(run)
+from .helpers import Background, eventually, new_room, pd_body, sse_events, start_engine
 
 
 async def abort(client: httpx2.AsyncClient, engine: EngineHandle, body: dict[str, Any]) -> None:

@@ -18,16 +18,12 @@ async def test_info_endpoints(pair, client):
         assert (await client.get(engine.url + "/health_generate")).status_code == 200
         assert (await client.post(engine.url + "/flush_cache")).status_code == 200
         info = (await client.get(engine.url + "/get_model_info")).json()
-        assert info == {
-            "model_path": "sim-model",
-            "tokenizer_path": "sim-model",
-            "is_generation": True,
-        }
-        assert (await client.get(engine.url + "/v1/models")).json()["data"][0]["id"] == "sim-model"
+        assert info["model_path"] == "sim-model"
+        models = (await client.get(engine.url + "/v1/models")).json()
+        assert models["data"][0]["id"] == "sim-model"
         server = (await client.get(engine.url + "/get_server_info")).json()
         assert server["disaggregation_mode"] == engine.role
-        load = (await client.get(engine.url + "/get_load")).json()
-        assert load == {"num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+        assert (await client.get(engine.url + "/get_load")).status_code == 404
     assert prefill.bootstrap_port and decode.bootstrap_port is None
     assert prefill.url == f"http://127.0.0.1:{prefill.port}"
 

@@ -101,12 +101,19 @@ async def test_slots_are_per_rank(nursery, client):
         await decode.events.wait_for("slot_acquired", room=c)  # rank 1 is free: no wait
         await eventually(lambda: decode.queued == 1)
         assert decode.running == 2 and not decode.events.find("slot_acquired", room=b)
-        load = (await client.get(decode.url + "/get_load")).json()
-        assert load["num_reqs"] == 3 and load["num_waiting_reqs"] == 1
-        assert [(r["dp_rank"], r["num_reqs"], r["num_waiting_reqs"]) for r in load["dp_loads"]] == [
-            (0, 2, 1),
-            (1, 1, 0),
-        ]
+        loads = (await client.get(decode.url + "/v1/loads")).json()["loads"]
+        # every one waits for its KV: per rank, the slot holders in the transfer queue and the
+        # one without a slot in the prealloc queue
+        assert [
+            (
+                x["dp_rank"],
+                x["num_running_reqs"],
+                x["num_waiting_reqs"],
+                x["disaggregation"]["decode_transfer_queue_reqs"],
+                x["disaggregation"]["decode_prealloc_queue_reqs"],
+            )
+            for x in loads
+        ] == [(0, 0, 2, 1, 1), (1, 0, 1, 1, 0)]
         for room in (a, b, c):
             inner.start_soon(leg, f"p{room}", prefill, bodies[room])
     assert all(r.status_code == 200 for r in results.values())
@@ -158,8 +165,8 @@ async def test_out_of_range_ranks(nursery, client):
     assert decode.running == 0
 
 
-async def test_get_load_has_no_rank_list_without_dp(pair, client):
+async def test_one_rank_without_dp(pair, client):
     for engine in pair:
-        load = (await client.get(engine.url + "/get_load")).json()
-        assert "dp_loads" not in load
-        assert (await client.get(engine.url + "/get_server_info")).json()["dp_size"] == 1
+        assert len((await client.get(engine.url + "/v1/loads")).json()["loads"]) == 1
+        info = (await client.get(engine.url + "/get_server_info")).json()
+        assert info["dp_size"] == 1

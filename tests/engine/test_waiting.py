@@ -61,8 +61,9 @@ async def test_slot_queueing_fifo(nursery, client):
         await trio.testing.wait_all_tasks_blocked()
         assert decode.running == 1 and decode.queued == 1
         assert not decode.events.find("slot_acquired", room=room_b)
-        load = (await client.get(decode.url + "/get_load")).json()
-        assert load["num_reqs"] == 2 and load["num_waiting_reqs"] == 1
+        (load,) = (await client.get(decode.url + "/v1/loads")).json()["loads"]
+        assert load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 2
+        assert load["disaggregation"]["decode_prealloc_queue_reqs"] == 1
         inner.start_soon(post, "pa", prefill, room_a)
         got_b = await decode.events.wait_for("slot_acquired", room=room_b)
         freed_a = decode.events.find("slot_freed", room=room_a)[0]

@@ -17,11 +17,11 @@ from typing import Any
 
 import trio
 
+from trio_pd.testing.engine import loads
 from trio_pd.testing.engine.abort import ABORTED, answer_aborted, handle_abort
 from trio_pd.testing.engine.asgi import Responder
 from trio_pd.testing.engine.decode import run_decode
 from trio_pd.testing.engine.intake import admit
-from trio_pd.testing.engine.load import load_report
 from trio_pd.testing.engine.prefill import run_prefill
 from trio_pd.testing.engine.state import Call, EngineState
 from trio_pd.testing.engine.workload import ENDPOINTS
@@ -32,6 +32,8 @@ log = logging.getLogger("trio_pd.testing.engine")
 class EngineApp:
     def __init__(self, engine: EngineState) -> None:
         self.engine = engine
+        self.http_port: int | None = None  # set once the listeners are bound
+        self.bootstrap_port: int | None = None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -49,32 +51,31 @@ class EngineApp:
         if path == "/abort_request":
             await handle_abort(self.engine, scope, receive, send)
             return
-        await self.info(path, method, send)
+        await self.info(scope, path, method, send)
 
     # ---- info endpoints --------------------------------------------------------------------
-    async def info(self, path: str, method: str, send: Any) -> None:
+    async def info(self, scope: dict[str, Any], path: str, method: str, send: Any) -> None:
         engine, cfg = self.engine, self.engine.config
         resp = Responder(send)
         routes: dict[tuple[str, str], Any] = {
             ("GET", "/health"): None,
             ("GET", "/health_generate"): None,
             ("POST", "/flush_cache"): None,
-            ("GET", "/get_model_info"): {
+            ("GET", "/get_model_info"): lambda: {
                 "model_path": cfg.model,
                 "tokenizer_path": cfg.model,
                 "is_generation": True,
             },
-            ("GET", "/v1/models"): {
+            ("GET", "/v1/models"): lambda: {
                 "object": "list",
                 "data": [{"id": cfg.model, "object": "model", "created": 0, "owned_by": "trio_pd"}],
             },
-            ("GET", "/get_load"): load_report(engine),
-            ("GET", "/get_server_info"): {
+            ("GET", "/get_server_info"): lambda: {
                 "model_path": cfg.model,
                 "disaggregation_mode": cfg.role,
                 "disaggregation_bootstrap_port": cfg.bootstrap_port,
                 "max_running_requests": cfg.max_running,  # per rank
-                "dp_size": cfg.dp_size,
+                "dp_size": cfg.num_dp_ranks,
                 "simulator": "trio_pd.testing.engine",
                 "waiting_timeout": cfg.waiting_timeout,
                 "bootstrap_timeout": cfg.bootstrap_timeout,
@@ -82,14 +83,27 @@ class EngineApp:
                 "faults": [f.spec for f in engine.faults],
             },
         }
+        if engine.config.legacy_load_endpoint:
+            routes["GET", "/get_load"] = lambda: loads.legacy_get_load(engine)
         key = (method, path)
-        if key in routes:
+        if key == ("GET", "/v1/loads"):
+            engine.events.emit("info_request", method=method, path=path)
+            status, body = loads.v1_loads(engine, scope.get("query_string", b""))
+            if isinstance(body, str):
+                kind = b"text/plain; version=0.0.4; charset=utf-8" if status == 200 else None
+                await resp.text(status, body, kind or b"text/plain; charset=utf-8")
+            else:
+                await resp.json(status, body)
+        elif key in routes:
             engine.events.emit("info_request", method=method, path=path)  # probes, polls
-            body = routes[key]
+            make = routes[key]
             if path == "/health" and engine.health_status != 200:
                 await resp.error(engine.health_status, "the engine is not ready")
                 return
-            await (resp.empty() if body is None else resp.json(200, body))
+            await (resp.empty() if make is None else resp.json(200, make()))
+        elif path == "/get_load":  # gone in SGLang 0.5.23: FastAPI's 404
+            engine.events.emit("info_request", method=method, path=path, status=404)
+            await resp.json(404, {"detail": "Not Found"})
         elif any(p == path for _, p in routes):
             await resp.error(405, f"method {method} not allowed on {path}")
         else:

@@ -81,10 +81,16 @@ class Responder:
         self.completed = True  # before the send: hypercorn reports the stream closed inside it
         await self._send({"type": "http.response.body", "body": data, "more_body": False})
 
-    async def empty(self, status: int = 200) -> None:
-        await self._start(status, b"text/plain; charset=utf-8", [(b"content-length", b"0")])
+    async def text(
+        self, status: int, text: str, content_type: bytes = b"text/plain; charset=utf-8"
+    ):
+        data = text.encode()
+        await self._start(status, content_type, [(b"content-length", str(len(data)).encode())])
         self.completed = True
-        await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+        await self._send({"type": "http.response.body", "body": data, "more_body": False})
+
+    async def empty(self, status: int = 200) -> None:
+        await self.text(status, "")
 
     async def error(self, status: int, message: str) -> None:
         """A JSON error answer, or an in-band SSE error frame if a stream already started."""

@@ -8,7 +8,12 @@ import sys
 
 import trio
 
-from trio_pd.testing.engine.config import ROLES, EngineConfig
+from trio_pd.testing.engine.config import (
+    LOAD_BALANCE_METHODS,
+    ROLES,
+    TRANSFER_BACKENDS,
+    EngineConfig,
+)
 from trio_pd.testing.engine.faults import FaultError, parse_many
 from trio_pd.testing.engine.serve import serve_engine
 
@@ -45,8 +50,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dp-size",
         type=int,
         default=defaults.dp_size,
-        help="data-parallel ranks behind this URL; a request's rank is its routed_dp_rank, "
-        "else bootstrap_room %% dp-size",
+        help="data-parallel replicas (with --enable-dp-attention: attention-DP groups); a "
+        "request's rank is its routed_dp_rank, else bootstrap_room %% ranks",
+    )
+    parser.add_argument("--attn-dp-size", type=int, default=defaults.attn_dp_size)
+    parser.add_argument(
+        "--enable-dp-attention",
+        action="store_true",
+        help="deprecated SGLang spelling: --dp-size N --enable-dp-attention is "
+        "dp_size=1, attn_dp_size=N (N ranks either way)",
+    )
+    parser.add_argument("--tp-size", type=int, default=None)
+    parser.add_argument("--load-balance-method", choices=LOAD_BALANCE_METHODS, default="auto")
+    parser.add_argument(
+        "--disaggregation-transfer-backend",
+        dest="transfer_backend",
+        choices=TRANSFER_BACKENDS,
+        default=defaults.transfer_backend,
+    )
+    parser.add_argument("--max-total-tokens", type=int, default=defaults.max_total_tokens)
+    parser.add_argument("--context-length", type=int, default=defaults.context_length)
+    parser.add_argument("--enable-dynamic-batch-tokenizer", action="store_true")
+    parser.add_argument("--tokenizer-worker-num", type=int, default=1)
+    parser.add_argument(
+        "--legacy-load-endpoint",
+        action="store_true",
+        help="also serve GET /get_load (gone in SGLang 0.5.23), for a router's fallback",
     )
     parser.add_argument(
         "--disconnect-poll-secs",
@@ -96,6 +125,16 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         inter_token_ms=args.inter_token_ms,
         max_running=args.max_running,
         dp_size=args.dp_size,
+        attn_dp_size=args.attn_dp_size,
+        enable_dp_attention=args.enable_dp_attention,
+        tp_size=args.tp_size,
+        load_balance_method=args.load_balance_method,
+        transfer_backend=args.transfer_backend,
+        max_total_tokens=args.max_total_tokens,
+        context_length=args.context_length,
+        enable_dynamic_batch_tokenizer=args.enable_dynamic_batch_tokenizer,
+        tokenizer_worker_num=args.tokenizer_worker_num,
+        legacy_load_endpoint=args.legacy_load_endpoint,
         api_key=args.api_key,
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,

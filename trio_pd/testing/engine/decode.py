@@ -109,6 +109,7 @@ class _Generation:
         room = w.rooms[index]
         slots = call.engine.slots[call.dp_ranks[index] or 0]
         await slots.acquire()
+        call.stages[index] = "transfer"
         call.emit("slot_acquired", room=room, running=slots.running, queued=slots.queued)
         reason = "error"
         try:
@@ -123,6 +124,7 @@ class _Generation:
                 )
                 return
             call.emit("kv_ready", room=room)
+            call.stages[index] = "running"
             await trio.sleep(call.plan.slow)
             await self._generate(index, room)
             reason = "finished"
@@ -130,6 +132,7 @@ class _Generation:
             reason = call.cancel_reason or "error"
             raise
         finally:
+            call.stages[index] = "done"
             slots.release()
             call.emit("slot_freed", room=room, reason=reason)
 

@@ -92,8 +92,9 @@ def _build(
     faults = parse_many(body.get("sim_fault"))
     sglang_rids = parse_rids(body.get("rid"), workload.size, workload.is_batch)
     pins = parse_pins(body)
-    ranks = serving_ranks(workload.rooms, workload.size, pins, engine.config.dp_size)
+    ranks = serving_ranks(workload.rooms, workload.size, pins, engine.config.num_dp_ranks)
     given = body.get("rid")
+    first = "prealloc" if engine.role == "decode" else "bootstrap"
     return Call(
         engine=engine,
         rid=rid,
@@ -108,4 +109,5 @@ def _build(
         sglang_rids=sglang_rids,
         pins=pins,
         dp_ranks=ranks,
+        stages=[first] * workload.size,
     )

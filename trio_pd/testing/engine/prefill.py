@@ -58,9 +58,11 @@ async def run_prefill(call: Call) -> None:
                 f"within {call.config.bootstrap_timeout}s",
             )
             return
+        call.stages[:] = ["running"] * w.size
         await trio.sleep(call.plan.slow)
         tokens = sum(len(i) for i in w.inputs)
         await trio.sleep(call.config.prefill_ms_per_token * tokens / 1000.0)
+        call.stages[:] = ["done"] * w.size
         for room, state in zip(rooms, states, strict=True):
             state.kv.set()
             call.emit("kv_sent", room=room)

@@ -94,15 +94,18 @@ async def serve_engine(
         async with trio.open_nursery() as nursery:
             bootstrap_port = None
             if config.role == "prefill" and config.bootstrap_port is not None:
-                bootstrap = BootstrapApp(state.rooms, events, config.dp_size)
+                bootstrap = BootstrapApp(state.rooms, events, config.num_dp_ranks)
                 bootstrap_port = await nursery.start(_serve_bootstrap, bootstrap, config)
             else:
                 state.bootstrap_client = bootstrap_client()
             state.ticker = type(state.ticker)(config.disconnect_poll_secs)
-            app: ASGIApp = EngineApp(state)
+            engine_app = EngineApp(state)
+            engine_app.bootstrap_port = bootstrap_port
+            app: ASGIApp = engine_app
             if config.api_key:  # like SGLang, an empty key means none
                 app = ApiKeyGate(app, config.api_key, events)
             port = await nursery.start(_serve_http, app, config, state.connections, not refuse)
+            engine_app.http_port = port
             log.info(
                 "%s engine on %s://%s:%s%s%s",
                 config.role,

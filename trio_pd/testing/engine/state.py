@@ -28,7 +28,7 @@ class EngineState:
         self.role = config.role
         self.events = events
         self.faults: tuple[Fault, ...] = parse_many(config.faults)
-        self.slots = [SlotPool(config.max_running) for _ in range(config.dp_size)]  # per rank
+        self.slots = [SlotPool(config.max_running) for _ in range(config.num_dp_ranks)]  # per rank
         self.rooms = RoomTable()
         self.rids: RidTable[Call] = RidTable()  # body rids of the requests held (abort, dups)
         self.ticker = DisconnectTicker(config.disconnect_poll_secs)
@@ -77,6 +77,9 @@ class Call:
     buffered: list[Any] = attrs.Factory(list)  # stream events held while headers are deferred
     defer_headers: bool = False
     disconnected: bool = False  # the client went away (nothing more can be sent)
+    # per item, the scheduler queue it is in (GET /v1/loads): decode prealloc -> transfer (slot
+    # held, waiting for the KV) -> running -> done; prefill bootstrap -> running -> done
+    stages: list[str] = attrs.Factory(list)
 
     @property
     def config(self) -> EngineConfig:
