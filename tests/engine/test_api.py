@@ -17,11 +17,14 @@ async def test_info_endpoints(pair, client):
         assert (await client.get(engine.url + "/health")).status_code == 200
         assert (await client.get(engine.url + "/health_generate")).status_code == 200
         assert (await client.post(engine.url + "/flush_cache")).status_code == 200
-        info = (await client.get(engine.url + "/get_model_info")).json()
-        assert info["model_path"] == "sim-model"
+        info = (await client.get(engine.url + "/model_info")).json()
+        assert info["model_path"] == info["served_model_name"] == "sim-model"
+        assert info["disaggregation_mode"] == engine.role and info["is_generation"] is True
+        assert (await client.get(engine.url + "/get_model_info")).json() == info
         models = (await client.get(engine.url + "/v1/models")).json()
         assert models["data"][0]["id"] == "sim-model"
-        server = (await client.get(engine.url + "/get_server_info")).json()
+        assert models["data"][0]["owned_by"] == "sglang"
+        server = (await client.get(engine.url + "/server_info")).json()
         assert server["disaggregation_mode"] == engine.role
         assert (await client.get(engine.url + "/get_load")).status_code == 404
     assert prefill.bootstrap_port and decode.bootstrap_port is None

@@ -32,7 +32,7 @@ async def dp_pair(nursery: trio.Nursery, **decode: Any) -> tuple[EngineHandle, E
 async def test_unpinned_requests_land_on_room_mod_dp_size(nursery, client):
     prefill, decode = await dp_pair(nursery)
     for engine in (prefill, decode):
-        assert (await client.get(engine.url + "/get_server_info")).json()["dp_size"] == 2
+        assert (await client.get(engine.url + "/server_info")).json()["dp_size"] == 2
     for rank in (0, 1, 0, 1):
         room = room_on(rank)
         p, d = await pd_post(client, prefill, decode, "/generate", pd_body(prefill, room, text="a"))
@@ -168,5 +168,5 @@ async def test_out_of_range_ranks(nursery, client):
 async def test_one_rank_without_dp(pair, client):
     for engine in pair:
         assert len((await client.get(engine.url + "/v1/loads")).json()["loads"]) == 1
-        info = (await client.get(engine.url + "/get_server_info")).json()
-        assert info["dp_size"] == 1
+        info = (await client.get(engine.url + "/server_info")).json()
+        assert info["dp_size"] == info["attn_dp_size"] == 1

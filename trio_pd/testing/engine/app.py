@@ -17,7 +17,7 @@ from typing import Any
 
 import trio
 
-from trio_pd.testing.engine import loads
+from trio_pd.testing.engine import info, loads
 from trio_pd.testing.engine.abort import ABORTED, answer_aborted, handle_abort
 from trio_pd.testing.engine.asgi import Responder
 from trio_pd.testing.engine.decode import run_decode
@@ -27,6 +27,9 @@ from trio_pd.testing.engine.state import Call, EngineState
 from trio_pd.testing.engine.workload import ENDPOINTS
 
 log = logging.getLogger("trio_pd.testing.engine")
+
+
+DEPRECATED = {"/get_server_info": "/server_info", "/get_model_info": "/model_info"}
 
 
 class EngineApp:
@@ -55,33 +58,21 @@ class EngineApp:
 
     # ---- info endpoints --------------------------------------------------------------------
     async def info(self, scope: dict[str, Any], path: str, method: str, send: Any) -> None:
-        engine, cfg = self.engine, self.engine.config
+        engine = self.engine
         resp = Responder(send)
         routes: dict[tuple[str, str], Any] = {
             ("GET", "/health"): None,
             ("GET", "/health_generate"): None,
             ("POST", "/flush_cache"): None,
-            ("GET", "/get_model_info"): lambda: {
-                "model_path": cfg.model,
-                "tokenizer_path": cfg.model,
-                "is_generation": True,
-            },
-            ("GET", "/v1/models"): lambda: {
-                "object": "list",
-                "data": [{"id": cfg.model, "object": "model", "created": 0, "owned_by": "trio_pd"}],
-            },
-            ("GET", "/get_server_info"): lambda: {
-                "model_path": cfg.model,
-                "disaggregation_mode": cfg.role,
-                "disaggregation_bootstrap_port": cfg.bootstrap_port,
-                "max_running_requests": cfg.max_running,  # per rank
-                "dp_size": cfg.num_dp_ranks,
-                "simulator": "trio_pd.testing.engine",
-                "waiting_timeout": cfg.waiting_timeout,
-                "bootstrap_timeout": cfg.bootstrap_timeout,
-                "disconnect_poll_secs": cfg.disconnect_poll_secs,
-                "faults": [f.spec for f in engine.faults],
-            },
+            ("GET", "/model_info"): lambda: info.model_info(engine),
+            ("GET", "/get_model_info"): lambda: info.model_info(engine),
+            ("GET", "/v1/models"): lambda: info.models(engine),
+            ("GET", "/server_info"): lambda: info.server_info(
+                engine, self.http_port, self.bootstrap_port
+            ),
+            ("GET", "/get_server_info"): lambda: info.server_info(
+                engine, self.http_port, self.bootstrap_port
+            ),
         }
         if engine.config.legacy_load_endpoint:
             routes["GET", "/get_load"] = lambda: loads.legacy_get_load(engine)
@@ -96,6 +87,8 @@ class EngineApp:
                 await resp.json(status, body)
         elif key in routes:
             engine.events.emit("info_request", method=method, path=path)  # probes, polls
+            if path in DEPRECATED:  # SGLang logs a deprecation warning on every call
+                engine.events.emit("deprecated_endpoint", path=path, use=DEPRECATED[path])
             make = routes[key]
             if path == "/health" and engine.health_status != 200:
                 await resp.error(engine.health_status, "the engine is not ready")
