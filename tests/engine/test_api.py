@@ -32,17 +32,30 @@ async def test_info_endpoints(pair, client):
 
 
 async def test_error_answers(pair, client):
+    """In FastAPI's and SGLang's shapes: 404/405 `detail`, 400 validation `ErrorResponse`."""
     prefill, decode = pair
     r = await client.get(decode.url + "/nope")
-    assert r.status_code == 404 and r.json()["error"]["code"] == 404
+    assert r.status_code == 404 and r.json() == {"detail": "Not Found"}
     r = await client.post(decode.url + "/generate", content=b"{not json")
-    assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "JSON decode error" in r.json()["message"]
+    assert r.json()["object"] == "error" and r.json()["type"] == "Bad Request"
     r = await client.post(decode.url + "/generate", content=b"[1, 2]")
-    assert r.status_code == 400
+    assert r.status_code == 400 and r.json()["code"] == 400
     r = await client.get(decode.url + "/generate")
-    assert r.status_code == 405
+    assert r.status_code == 405 and r.json() == {"detail": "Method Not Allowed"}
     r = await client.post(prefill.url + "/v1/chat/completions", json=pd_body(prefill, 1))
-    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "messages" in r.json()["message"]
+    # the OpenAI routes want a JSON content type (validate_json_request)
+    r = await client.post(
+        prefill.url + "/v1/completions",
+        content=b'{"prompt": "a"}',
+        headers={"content-type": "text/plain"},
+    )
+    assert r.status_code == 400 and "Unsupported Media Type" in r.json()["message"]
+    r = await client.get(decode.url + "/v1/models/sim-model")
+    assert r.status_code == 200 and r.json()["id"] == "sim-model"
+    r = await client.get(decode.url + "/v1/models/other")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 async def test_event_log_file_and_queries(nursery, client, tmp_path):

@@ -30,7 +30,8 @@ async def dp_pair(nursery: trio.Nursery, **decode: Any) -> tuple[EngineHandle, E
 
 
 async def test_unpinned_requests_land_on_room_mod_dp_size(nursery, client):
-    prefill, decode = await dp_pair(nursery)
+    """A decode balancing by follow_bootstrap_room (the PD prefill's default) too."""
+    prefill, decode = await dp_pair(nursery, load_balance_method="follow_bootstrap_room")
     for engine in (prefill, decode):
         assert (await client.get(engine.url + "/server_info")).json()["dp_size"] == 2
     for rank in (0, 1, 0, 1):
@@ -57,8 +58,9 @@ async def test_unpinned_requests_land_on_room_mod_dp_size(nursery, client):
 async def test_pinned_ranks_land_where_pinned(nursery, client):
     prefill, decode = await dp_pair(nursery)
     room = room_on(0)
-    # what a DP-aware router sends: the prefill rank to both, the decode rank to decode
-    p_body = pd_body(prefill, room, text="a", routed_dp_rank=1)
+    # what a DP-aware router sends: the prefill rank to both, the decode rank to decode (the
+    # prefill needs disagg_prefill_dp_rank too, else its follow_bootstrap_room refuses the pin)
+    p_body = pd_body(prefill, room, text="a", routed_dp_rank=1, disagg_prefill_dp_rank=1)
     d_body = pd_body(prefill, room, text="a", routed_dp_rank=1, disagg_prefill_dp_rank=1)
     d_body["routed_dp_rank"] = 0
     async with trio.open_nursery() as inner:
@@ -74,6 +76,7 @@ async def test_pinned_ranks_land_where_pinned(nursery, client):
     assert decode.events.find("slot_acquired", room=room)[0]["dp_rank"] == 0
     assert decode.events.find("room_registered", room=room)[0]["prefill_dp_rank"] == 1
     assert not prefill.events.find("rank_mismatch")
+    assert not prefill.events.find("rank_conflict")
     # the deprecated alias pins too
     room = room_on(0)
     body = pd_body(prefill, room, text="a", data_parallel_rank=1, disagg_prefill_dp_rank=1)
@@ -124,11 +127,41 @@ async def test_slots_are_per_rank(nursery, client):
     assert decode.running == decode.queued == 0
 
 
+async def test_decode_round_robins_by_default(nursery, client):
+    prefill, decode = await dp_pair(nursery)
+    ranks = []
+    for _ in range(4):
+        room = room_on(0)  # every room on prefill rank 0
+        p, d = await pd_post(client, prefill, decode, "/generate", pd_body(prefill, room, text="a"))
+        assert p.status_code == d.status_code == 200
+        ranks.append(decode.events.find("slot_acquired", room=room)[0]["dp_rank"])
+        assert decode.events.find("room_registered", room=room)[0]["prefill_dp_rank"] == 0
+    assert ranks == [0, 1, 0, 1]
+
+
+async def test_pin_off_the_room_fails_the_prefill_at_once(nursery, client):
+    """follow_bootstrap_room conflict (disaggregation/common/conn.py): a prefill pinned to
+    another rank than room % N, not told disagg_prefill_dp_rank, fails the room at once; its
+    decode registered room % N and waits for a KV nobody sends."""
+    prefill, decode = await dp_pair(nursery, waiting_timeout=0.5)
+    room = room_on(0)
+    start = trio.current_time()
+    body = pd_body(prefill, room, text="a", routed_dp_rank=1)
+    p, d = await pd_post(client, prefill, decode, "/generate", body)
+    assert p.status_code == 500 and "follow_bootstrap_room conflict" in p.json()["message"]
+    conflict = prefill.events.find("rank_conflict", room=room)[0]
+    assert conflict["t"] - start < 0.3 and conflict["dp_rank"] == 1 and conflict["implied"] == 0
+    assert not prefill.events.find("room_registered", room=room)
+    assert d.status_code == 500 and "timed out" in d.json()["message"]
+    assert decode.events.find("kv_wait_timeout", room=room)
+
+
 async def test_rank_mismatch_makes_the_decode_wait(nursery, client):
     prefill, decode = await dp_pair(nursery, waiting_timeout=0.5)
     for prefill_first in (True, False):
         room = room_on(0)
-        p_body = pd_body(prefill, room, text="a", routed_dp_rank=1)  # pinned to rank 1 ...
+        # pinned to rank 1 and told so (no conflict) ...
+        p_body = pd_body(prefill, room, text="a", routed_dp_rank=1, disagg_prefill_dp_rank=1)
         d_body = pd_body(prefill, room, text="a")  # ... but decode registers rank 0
         results: dict[str, httpx2.Response] = {}
 
@@ -142,9 +175,11 @@ async def test_rank_mismatch_makes_the_decode_wait(nursery, client):
             await eventually(lambda room=room: room in prefill.rooms)
             inner.start_soon(leg, second.role, second, d_body if prefill_first else p_body)
         assert results["decode"].status_code == 500  # the KV never came
-        assert "timed out" in results["decode"].json()["error"]["message"]
-        assert decode.events.find("slot_freed", room=room)[0]["reason"] == "kv_wait_timeout"
+        assert "timed out" in results["decode"].json()["message"]
+        freed = await decode.events.wait_for("slot_freed", room=room)
+        assert freed["reason"] == "kv_wait_timeout"
         assert results["prefill"].status_code == 500  # nobody registered its rank either
+        assert "KVPoll.Bootstrapping" in results["prefill"].json()["message"]
         assert prefill.events.find("bootstrap_timeout", room=room)
         mismatch = prefill.events.find("rank_mismatch", room=room)[0]
         assert (mismatch["dp_rank"], mismatch["registered_rank"]) == (1, 0)
@@ -155,12 +190,13 @@ async def test_out_of_range_ranks(nursery, client):
     prefill, decode = await dp_pair(nursery)
     for engine in (prefill, decode):
         r = await post(client, engine, pd_body(prefill, new_room(), text="a", routed_dp_rank=2))
-        assert r.status_code == 400 and "routed_dp_rank" in r.json()["error"]["message"]
+        assert r.status_code == 400
+        assert r.json() == {"error": {"message": "routed_dp_rank=2 out of range [0, 2)"}}
         r = await post(client, engine, pd_body(prefill, new_room(), text="a", routed_dp_rank=-1))
         assert r.status_code == 400
     room = new_room()
     d = await post(client, decode, pd_body(prefill, room, text="a", disagg_prefill_dp_rank=5))
-    assert d.status_code == 500 and "out of range" in d.json()["error"]["message"]
+    assert d.status_code == 500 and "out of range" in d.json()["message"]
     assert decode.events.find("bootstrap_failed", room=room)
     assert decode.running == 0
 

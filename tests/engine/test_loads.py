@@ -93,7 +93,7 @@ async def test_decode_counts_requests_waiting_for_kv(nursery, client):
         (load,) = (await loads(client, decode))["loads"]
         assert load["num_running_reqs"] == 1 and load["num_waiting_reqs"] == 1
         assert load["disaggregation"]["decode_transfer_queue_reqs"] == 0
-        assert load["token_usage"] > 0
+        assert load["num_used_tokens"] > 4  # its prompt and the tokens generated so far
         await client.post(decode.url + "/abort_request", json={"abort_all": True})
     await eventually(lambda: decode.running == 0)
 

@@ -8,12 +8,19 @@
 - GET /get_server_info: the deprecated alias; SGLang logs a warning on every call, the
   simulator logs a `deprecated_endpoint` event.
 - GET /model_info (and deprecated /get_model_info, same event), GET /v1/models.
+- GET /health and /health_generate: one handler; 503 while starting (health_status) or
+  stopping, else a 1-token generation that answers after >= 1 s on SGLang (it sleeps a second
+  before looking for the scheduler's output): `health_generate_secs` here.
+- GET /ready: cheap, 200 when up and not stopping, else 503.
+- GET|POST /flush_cache: 200.
 """
 
 from __future__ import annotations
 
 import time
 from typing import Any
+
+import trio
 
 from trio_pd.testing.engine.config import SGLANG_VERSION
 from trio_pd.testing.engine.state import EngineState
@@ -44,6 +51,7 @@ def server_info(engine: EngineState, http_port: int | None, bootstrap_port: int 
         ),
         "disaggregation_transfer_backend": cfg.transfer_backend,
         "enable_dynamic_batch_tokenizer": cfg.enable_dynamic_batch_tokenizer,
+        "dynamic_batch_tokenizer_batch_timeout": cfg.dynamic_batch_tokenizer_batch_timeout,
         "tokenizer_worker_num": cfg.tokenizer_worker_num,
         "skip_server_warmup": True,
         "ssl_certfile": cfg.ssl_certfile,
@@ -64,6 +72,10 @@ def server_info(engine: EngineState, http_port: int | None, bootstrap_port: int 
             "waiting_timeout": cfg.waiting_timeout,
             "bootstrap_timeout": cfg.bootstrap_timeout,
             "disconnect_poll_secs": cfg.disconnect_poll_secs,
+            "tokenize_window": cfg.tokenize_window,
+            "health_generate_secs": cfg.health_generate_secs,
+            "heartbeat_interval": cfg.heartbeat_interval,
+            "deferred_kv_release_timeout": cfg.deferred_kv_release_timeout,
             "legacy_load_endpoint": cfg.legacy_load_endpoint,
             "faults": [f.spec for f in engine.faults],
         },
@@ -102,3 +114,15 @@ def models(engine: EngineState) -> dict[str, Any]:
         "max_model_len": cfg.context_length,
     }
     return {"object": "list", "data": [card]}
+
+
+async def health_status(engine: EngineState) -> int:
+    """What GET /health and /health_generate answer (after the 1-token generation)."""
+    if engine.stopping or engine.health_status != 200:
+        return 503 if engine.stopping else engine.health_status
+    await trio.sleep(engine.config.health_generate_secs)
+    return 503 if engine.stopping else 200
+
+
+def ready_status(engine: EngineState) -> int:
+    return 503 if engine.stopping or engine.health_status != 200 else 200

@@ -15,8 +15,9 @@ The figures, per rank, as `scheduler_components/load_inquirer.py` computes them 
 scheduler's queues (state.py stages):
 - decode: num_running_reqs = generating; num_waiting_reqs = prealloc + transfer (+ retracted,
   never here), i.e. on a PD decode the requests still WAITING FOR THEIR KV CACHE;
-  num_used_tokens = KV held (transfer + running); num_total_tokens adds the prealloc queue's
-  tokens; num_active_tokens takes away those of prealloc + transfer (KV not arrived).
+  num_used_tokens = KV held (transfer + running + aborted transfers whose pages are still held,
+  see decode.py); num_total_tokens adds the prealloc queue's tokens; num_active_tokens takes
+  away those of prealloc + transfer (KV not arrived).
 - prefill: num_running_reqs = computing; num_waiting_reqs = bootstrap queue (waiting for the
   decode's registration); num_used_tokens = KV of the requests computing.
 """
@@ -28,10 +29,8 @@ import time
 from typing import Any
 from urllib.parse import parse_qs
 
-import attrs
-
 from trio_pd.testing.engine.config import SGLANG_VERSION
-from trio_pd.testing.engine.state import EngineState
+from trio_pd.testing.engine.state import EngineState, Item
 
 SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})
 
@@ -92,33 +91,8 @@ def _validation_error(name: str, value: str) -> dict[str, Any]:
     }
 
 
-@attrs.frozen
-class _Item:
-    """One engine request of a held request, as the load figures see it."""
-
-    rank: int
-    stage: str
-    seqlen: int  # prompt tokens (+ output tokens once it runs)
-    waiting_for_input: bool
-
-    @property
-    def held_tokens(self) -> int:
-        return self.seqlen
-
-
-def _all_items(engine: EngineState) -> list[_Item]:
-    items = []
-    for call in engine.rids.owners():
-        w = call.workload
-        for index, stage in enumerate(call.stages):
-            rank = call.dp_ranks[index] if index < len(call.dp_ranks) else None
-            seqlen = len(w.inputs[index]) + (w.max_new_tokens if stage == "running" else 0)
-            items.append(_Item(rank or 0, stage, seqlen, False))
-    return items
-
-
-def _items(engine: EngineState, rank: int, *stages: str) -> list[_Item]:
-    return [i for i in _all_items(engine) if i.rank == rank and i.stage in stages]
+def _items(engine: EngineState, rank: int, *stages: str) -> list[Item]:
+    return [i for i in engine.live if i.rank == rank and i.stage in stages]
 
 
 def snapshot(engine: EngineState, rank: int) -> dict[str, Any]:
@@ -130,7 +104,8 @@ def snapshot(engine: EngineState, rank: int) -> dict[str, Any]:
         prealloc = _items(engine, rank, "prealloc")
         transfer = _items(engine, rank, "transfer")
         waiting = prealloc + transfer
-        used = sum(i.held_tokens for i in (*transfer, *running))
+        held = [i for i in engine.deferred if i.rank == rank]
+        used = sum(i.held_tokens for i in (*transfer, *running, *held))
         total = used + sum(i.seqlen for i in prealloc)
         active = max(0, total - sum(i.seqlen for i in (*prealloc, *transfer)))
         ready = [i for i in prealloc if i.waiting_for_input]
@@ -159,8 +134,8 @@ def snapshot(engine: EngineState, rank: int) -> dict[str, Any]:
         "gen_throughput": 0.0,
         "cache_hit_rate": 0.0,
         "utilization": round(len(running) / max_running, 4),
-        "total_prefill_uncached_tokens": 0,
-        "total_prefill_busy_us": 0,
+        "total_prefill_uncached_tokens": 0 if decode else engine.prefill_uncached_tokens,
+        "total_prefill_busy_us": 0 if decode else engine.prefill_busy_us,
         "decode_moments": None,
         "memory": {
             "weight_gb": 0.0,
