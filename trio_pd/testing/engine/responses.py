@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from trio_pd.testing.engine.asgi import Responder
+from trio_pd.testing.engine.asgi import error_body as error_body  # (router tests import it here)
 from trio_pd.testing.engine.failures import abort_failure_body, stream_error
 from trio_pd.testing.engine.workload import Workload, output_id, output_text
 
