@@ -371,7 +371,7 @@ async def test_a_refused_duplicate_stream_aborts_the_original_two_seconds_later(
         refused = await client.post(decode.url + "/generate", json=dup)
         assert "Duplicate" in sse_events(refused.text)[0]["error"]["message"]
         at = time.monotonic()
-        event = await decode.events.wait_for("abort_request", source="background", timeout=4)
+        event = await decode.events.wait_for("engine_abort", source="background", timeout=4)
     assert event["matched"] is True and event["rid"] == "h1"
     assert 1.5 < event["t"] - at < 3.0
     assert bg.results["d"].status_code == 500
@@ -393,7 +393,7 @@ async def test_batch_rids_and_per_item_aborts(pair, client):
     assert bg.results["d"].status_code == 500  # an aborted transfer fails the whole batch
     first_abort = decode.events.find("abort_request", sglang_rid="b1")[0]
     assert first_abort["aborted_rid"] == "b1" and first_abort["source"] == "http"
-    cleanup = decode.events.find("abort_request", sglang_rid="b0")[0]
+    cleanup = decode.events.find("engine_abort", sglang_rid="b0")[0]
     assert cleanup["source"] == "cleanup"
     for room in rooms:
         await decode.events.wait_for("slot_freed", room=room)

@@ -22,7 +22,7 @@ async def test_a_stream_is_aborted_at_once(nursery, role):
     await trio.sleep(0.2)
     await stream.aclose()
     closed = await engine.events.wait_for("connection_closed", room=room)
-    abort = await engine.events.wait_for("abort_request", room=room, source="disconnect")
+    abort = await engine.events.wait_for("engine_abort", room=room, source="disconnect")
     assert abort["matched"] is True and abort["t"] - closed["t"] < 0.1
     end = await engine.events.wait_for("request_end", room=room)
     assert end["ended"] == "aborted_disconnect" and end["t"] - closed["t"] < 0.5
@@ -47,13 +47,13 @@ async def test_a_non_stream_request_notices_at_its_next_poll(nursery, role):
     await stream.aclose()
     closed = await engine.events.wait_for("connection_closed", room=room, timeout=0.5)
     await trio.sleep(0.3)
-    assert not engine.events.find("abort_request", room=room)  # not yet: it polls
+    assert not engine.events.find("engine_abort", room=room)  # not yet: it polls
     if role == "decode":
         assert decode.running == 1
     noticed = await engine.events.wait_for("disconnect_noticed", room=room, timeout=3)
     assert 0.5 < noticed["t"] - closed["t"] < 1.5
     assert 0.9 < noticed["t"] - dispatched["t"] < 1.3  # the first poll after its dispatch
-    abort = engine.events.find("abort_request", room=room, source="disconnect")[0]
+    abort = engine.events.find("engine_abort", room=room, source="disconnect")[0]
     assert abort["matched"] is True
     end = await engine.events.wait_for("request_end", room=room)
     assert end["ended"] == "aborted_disconnect"
@@ -91,5 +91,5 @@ async def test_a_stream_that_leaves_before_dispatch_never_reaches_the_scheduler(
     assert end["ended"] == "aborted_disconnect"
     await trio.sleep(0.6)
     assert not prefill.events.find("dispatched", room=room)
-    assert not prefill.events.find("abort_request")  # dropped locally, nothing to abort
+    assert not prefill.events.find("engine_abort")  # dropped locally, nothing to abort
     assert "early" not in prefill.state.rids

@@ -36,7 +36,7 @@ async def test_an_abort_in_the_tokenize_window_is_lost_and_latches(nursery, clie
     latched = decode.events.find("abort_request", sglang_rid="L")[1]
     assert (latched["matched"], latched["dropped"]) == (False, "latched")
     await stream.aclose()  # the client leaves: the engine's own abort is dropped too
-    own = await decode.events.wait_for("abort_request", source="disconnect", timeout=2)
+    own = await decode.events.wait_for("engine_abort", source="disconnect", timeout=2)
     assert (own["matched"], own["dropped"]) == (False, "latched")
     # the rid stays registered while the engine still works on it
     dup = await client.post(

@@ -89,7 +89,7 @@ async def test_a_batch_with_samples_gives_each_prompt_its_room(nursery, client):
         assert len(decode.events.find("kv_ready", room=room)) == 1
     # the first hung sample to time out fails the request; the other is aborted with it
     assert len(decode.events.find("kv_wait_timeout")) == 1
-    assert len(decode.events.find("abort_request", source="cleanup", matched=True)) == 1
+    assert len(decode.events.find("engine_abort", source="cleanup", matched=True)) == 1
     # a scalar room expands to room + i per prompt
     room = new_room()
     body = pd_body(prefill, room, text=["a", "b"], sampling_params={"max_new_tokens": 1})

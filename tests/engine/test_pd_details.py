@@ -107,3 +107,44 @@ async def test_health_generates_and_ready_is_cheap(nursery, client):
     decode.state.stopping = True  # shutting down
     for path in ("/health", "/ready"):
         assert (await client.get(decode.url + path)).status_code == 503
+
+
+async def test_an_abort_in_the_waiting_queue_is_graceful_and_at_once(nursery, client):
+    """KV arrived, not yet running (the `slow` fault holds it there): scheduler.abort_request
+    pops it from the waiting queue, the answer is 'Abort in waiting queue' without a status."""
+    prefill = await start_engine(nursery, "prefill")
+    decode = await start_engine(nursery, "decode")
+    room = new_room()
+    body = pd_body(prefill, room, text="a", rid="w", sim_fault="decode:slow:5000")
+    async with trio.open_nursery() as inner:
+        bg = Background(inner, client)
+        bg.post("d", decode, body, rid="h")
+        bg.post("p", prefill, body, rid="h")
+        await decode.events.wait_for("kv_ready", room=room)
+        (load,) = (await client.get(decode.url + "/v1/loads")).json()["loads"]
+        assert load["queues"]["waiting"] == 1 and load["num_waiting_reqs"] == 1
+        with trio.fail_after(1):
+            await client.post(decode.url + "/abort_request", json={"rid": "w"})
+            await decode.events.wait_for("request_end", room=room)
+    d = bg.results["d"]
+    assert d.status_code == 200
+    finish = d.json()["meta_info"]["finish_reason"]
+    assert finish == {"type": "abort", "message": "Abort in waiting queue"}
+    assert not decode.events.find("first_token", room=room)
+    freed = decode.events.find("slot_freed", room=room)[0]
+    assert freed["reason"] == "aborted_request" and "deferred" not in freed
+
+
+async def test_a_prompt_longer_than_the_context_is_refused(nursery, client):
+    prefill = await start_engine(nursery, "prefill", context_length=4)
+    decode = await start_engine(nursery, "decode", waiting_timeout=0.3)
+    body = pd_body(prefill, new_room(), text="one two three four five")
+    p, d = await pd_post(client, prefill, decode, "/generate", body)
+    assert p.status_code == 400
+    assert p.json() == {
+        "error": {
+            "message": "The input (5 tokens) is longer than the model's context length (4 tokens)."
+        }
+    }
+    assert d.status_code == 500  # its decode waits in vain (a router must abort it)
+    assert not prefill.events.find("dispatched")

@@ -131,3 +131,27 @@ async def test_open_connections_tracks_client_connections(pair):
         assert decode.open_connections == 1  # kept alive by the client pool
     await decode.wait_open_connections(0, timeout=2)
     assert decode.total_connections == 1
+
+
+async def test_the_waiting_timeout_counts_from_the_slot(nursery, client):
+    """SGLang's waiting timeout starts when the decode publishes its KV metadata (after the
+    preallocation), not when the request arrived: a request queued for a slot waits longer."""
+    prefill = await start_engine(nursery, "prefill")
+    decode = await start_engine(nursery, "decode", max_running=1, waiting_timeout=0.5)
+    first, second = new_room(), new_room()
+    async with trio.open_nursery() as inner:
+        results = {}
+
+        async def post(name, room):
+            body = pd_body(prefill, room, text="a")
+            results[name] = await client.post(decode.url + "/generate", json=body)
+
+        inner.start_soon(post, "first", first)
+        await decode.events.wait_for("slot_acquired", room=first)
+        inner.start_soon(post, "second", second)
+        arrived = await decode.events.wait_for("room_registered", room=second)
+    timed_out = decode.events.find("kv_wait_timeout", room=second)[0]
+    acquired = decode.events.find("slot_acquired", room=second)[0]
+    assert acquired["t"] - arrived["t"] > 0.3  # it queued behind the first one's timeout
+    assert 0.45 < timed_out["t"] - acquired["t"] < 0.8
+    assert timed_out["t"] - arrived["t"] > 0.8

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import orjson
+import trio
 
 MAX_BODY = 64 * 1024 * 1024
 
@@ -61,7 +62,9 @@ class Responder:
 
     `on_start` may be replaced before the response starts (once the request's Call exists).
     Once `closed` (the client went away) sends are dropped: the engine's work may go on (an
-    abort it could not deliver), but nothing reaches the client any more.
+    abort it could not deliver), but nothing reaches the client any more. Several items of one
+    request may send at once: messages go out one at a time, in call order, and nothing after
+    the last one.
     """
 
     def __init__(
@@ -77,13 +80,19 @@ class Responder:
         self.streaming = False
         self.completed = False
         self.closed = False
+        self._lock = trio.StrictFIFOLock()
+        self._ended = False  # the final body message went out
 
     @property
     def started(self) -> bool:
         return self.status is not None
 
     async def _send_message(self, message: dict[str, Any]) -> None:
-        if not self.closed:
+        async with self._lock:
+            if self.closed or self._ended:
+                return
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                self._ended = True
             await self._send(message)
 
     async def _start(self, status: int, content_type: bytes, extra: list[tuple[bytes, bytes]]):

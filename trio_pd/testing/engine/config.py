@@ -61,7 +61,9 @@ class EngineConfig:
     inter_token_ms: float = 0.0
     max_running: int = 64  # decode slots (KV preallocations) per data-parallel rank
     max_total_tokens: int = 262_144  # KV pool size per rank (/v1/loads token_usage)
-    context_length: int = 32_768  # a longer prompt is refused with SGLang's 400
+    # a prompt this long or longer is refused with SGLang's 400 (SGLang: the model's context;
+    # large here unless a test sets it, e.g. a prefill with a shorter context than its decode)
+    context_length: int = 1 << 24
     # A non-stream request notices its client left at the next poll of this period, counted
     # from when it reached the scheduler (SGLANG_REQUEST_STATE_WAIT_TIMEOUT, 4 s).
     disconnect_poll_secs: float = 4.0

@@ -9,7 +9,9 @@ Per item (`disaggregation/decode.py`, `disaggregation/common/conn.py`):
    `waiting_timeout`, counted from here. Room 0 is the decode's "metadata not yet written"
    sentinel (`disaggregation/utils.py` `_apply_metadata_gate`): a real request with room 0
    gets its KV but is never committed, and waits until it is aborted (no timeout applies).
-3. running: one token per `inter_token_ms`; an abort here stops after one more token.
+3. waiting (the scheduler's waiting queue, the `slow` fault's delay here): an abort pops it at
+   once, a graceful abort "Abort in waiting queue" (no status);
+4. running: one token per `inter_token_ms`; an abort here stops after one more token.
 
 Several items waiting on ONE room (the n samples of a prompt, parallel sampling): SGLang's PD
 path hands the KV to all but one; the last waits for a KV that never comes, until the waiting
@@ -48,6 +50,10 @@ from trio_pd.testing.engine.state import Call, EngineState, Item
 from trio_pd.testing.engine.workload import DEFAULT_BOOTSTRAP_PORT
 
 log = logging.getLogger("trio_pd.testing.engine")
+
+
+# tokenizer_manager._handle_abort_req: what an abort of a waiting-queue request answers
+WAITING_QUEUE_ABORT = {"type": "abort", "message": "Abort in waiting queue"}
 
 
 def handshake_failed(item: Item, detail: str) -> str:
@@ -208,7 +214,13 @@ async def _item(call: Call, item: Item, room: Room, shadowed: bool) -> None:
             await call.output.fail(item, 500, transfer_failed(item, detail))
             return
         item.emit("kv_ready")
-        await trio.sleep(call.plan.slow)
+        item.stage = "waiting"  # the scheduler's waiting queue: KV here, not yet running
+        with item.new_scope():
+            await trio.sleep(call.plan.slow)
+        if item.interrupted is not None:  # scheduler.py: popped from the waiting queue
+            reason = item.abort_reason or "error"
+            await call.output.finish(item, WAITING_QUEUE_ABORT)
+            return
         item.stage = "running"
         await _generate(call, item)
         reason = item.abort_reason if item.to_finish else "finished"

@@ -13,8 +13,9 @@ a bare 500 "Internal Server Error". The simulator answers that too (the code is 
 
 The figures, per rank, as `scheduler_components/load_inquirer.py` computes them from the
 scheduler's queues (state.py stages):
-- decode: num_running_reqs = generating; num_waiting_reqs = prealloc + transfer (+ retracted,
-  never here), i.e. on a PD decode the requests still WAITING FOR THEIR KV CACHE;
+- decode: num_running_reqs = generating; num_waiting_reqs = waiting queue + prealloc +
+  transfer (+ retracted, never here), i.e. on a PD decode mostly the requests still WAITING
+  FOR THEIR KV CACHE;
   num_used_tokens = KV held (transfer + running + aborted transfers whose pages are still held,
   see decode.py); num_total_tokens adds the prealloc queue's tokens; num_active_tokens takes
   away those of prealloc + transfer (KV not arrived).
@@ -103,16 +104,17 @@ def snapshot(engine: EngineState, rank: int) -> dict[str, Any]:
     if decode:
         prealloc = _items(engine, rank, "prealloc")
         transfer = _items(engine, rank, "transfer")
-        waiting = prealloc + transfer
+        queue = _items(engine, rank, "waiting")  # KV arrived, not yet running
+        waiting = queue + prealloc + transfer
         held = [i for i in engine.deferred if i.rank == rank]
-        used = sum(i.held_tokens for i in (*transfer, *running, *held))
+        used = sum(i.held_tokens for i in (*transfer, *queue, *running, *held))
         total = used + sum(i.seqlen for i in prealloc)
         active = max(0, total - sum(i.seqlen for i in (*prealloc, *transfer)))
         ready = [i for i in prealloc if i.waiting_for_input]
         bootstrap_q, inflight = 0, 0
     else:
         bootstrap = _items(engine, rank, "bootstrap")
-        waiting, transfer, prealloc, ready = bootstrap, [], [], []
+        waiting, transfer, prealloc, ready, queue = bootstrap, [], [], [], []
         used = sum(i.held_tokens for i in running)
         total = used + sum(i.seqlen for i in bootstrap)
         active = total
@@ -154,7 +156,7 @@ def snapshot(engine: EngineState, rank: int) -> dict[str, Any]:
             "kv_transfer_latency_ms": 0.0,
         },
         "queues": {
-            "waiting": 0,  # the scheduler's waiting queue (KV arrived, not yet running): empty
+            "waiting": len(queue),
             "grammar": 0,
             "paused": 0,
             "retracted": 0,

@@ -8,6 +8,8 @@ It matches by PREFIX: every live request whose rid starts with the abort's rid i
   failed ..." / "Prefill bootstrap failed ... Aborted by AbortReq.");
 - decode transfer: it leaves at once (500 "Decode transfer failed ... Aborted by AbortReq."),
   but its KV pages stay held until the prefill acknowledges the abort, or 30 s (decode.py);
+- decode waiting (KV arrived, not yet running): popped at once, a graceful abort ("Abort in
+  waiting queue", no status);
 - running (decode generating, prefill computing): one more step, then it finishes with
   finish_reason abort "Aborted" and no status (a 200 answer).
 

@@ -7,6 +7,7 @@ does to it, see scheduler.py):
 - prealloc (decode): bootstrapping with the prefill, or waiting for a slot (KV memory);
 - bootstrap (prefill): waiting for the decode's KV registration;
 - transfer (decode): slot held, KV metadata published, waiting for the KV;
+- waiting (decode): the KV arrived, not yet running (the scheduler's waiting queue);
 - running: generating tokens (decode), computing the prefill (prefill);
 - done: finished, failed or aborted.
 """
@@ -32,7 +33,7 @@ from trio_pd.testing.engine.rids import RidTable
 from trio_pd.testing.engine.slots import SlotPool
 from trio_pd.testing.engine.workload import Workload
 
-STAGES = ("queued", "prealloc", "bootstrap", "transfer", "running", "done")
+STAGES = ("queued", "prealloc", "bootstrap", "transfer", "waiting", "running", "done")
 END = "done"
 
 
@@ -60,6 +61,13 @@ class Item:
     @property
     def seqlen(self) -> int:
         return self.prompt_tokens + self.generated
+
+    def new_scope(self) -> trio.CancelScope:
+        """A fresh scope for the next waiting stage (one already interrupted is cancelled)."""
+        self.scope = trio.CancelScope()
+        if self.interrupted is not None:
+            self.scope.cancel()
+        return self.scope
 
     def interrupt(self, kind: str, detail: str) -> None:
         """Stop its waiting at once (an abort in a queue, a lost prefill)."""

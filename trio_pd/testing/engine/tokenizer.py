@@ -67,34 +67,37 @@ def start_samples(call: Call) -> None:
 def abort_request(
     engine: EngineState, rid: str, abort_all: bool = False, *, source: str = "http"
 ) -> list[Item]:
-    """TokenizerManager.abort_request: the items it aborted (logged as `abort_request`)."""
+    """TokenizerManager.abort_request: the items it aborted.
+
+    Logged as `abort_request` when it came as POST /abort_request (source "http"), else as
+    `engine_abort` (the engine's own: "disconnect", "background", "cleanup").
+    """
     reason = "aborted_request" if source == "http" else f"aborted_{source}"
+    name = "abort_request" if source == "http" else "engine_abort"
     common = {"sglang_rid": rid or None, "abort_all": abort_all, "source": source}
     if not abort_all and not rid:
-        engine.events.emit("abort_request", matched=False, dropped="empty", dp_rank=None, **common)
+        engine.events.emit(name, matched=False, dropped="empty", dp_rank=None, **common)
         return []
     state = None if abort_all else engine.rids.get(rid)
     if not abort_all:
         if state is not None:
             if state.abort_sent:
-                state.owner.emit("abort_request", matched=False, dropped="latched", **common)
+                state.owner.emit(name, matched=False, dropped="latched", **common)
                 return []
             state.abort_sent = True
         elif engine.config.tokenizer_worker_num == 1:
-            engine.events.emit(
-                "abort_request", matched=False, dropped="unregistered", dp_rank=None, **common
-            )
+            engine.events.emit(name, matched=False, dropped="unregistered", dp_rank=None, **common)
             return []
     matched = abort_matching(engine, rid, abort_all, reason)
     for item in matched:
-        item.emit("abort_request", matched=True, aborted_rid=item.rid, **common)
+        item.emit(name, matched=True, aborted_rid=item.rid, **common)
     if not matched:
         lost = state is not None and not state.dispatched
         fields = {"dropped": "not_dispatched" if lost else "no_match", **common}
         if state is not None:
-            state.owner.emit("abort_request", matched=False, **fields)
+            state.owner.emit(name, matched=False, **fields)
         else:
-            engine.events.emit("abort_request", matched=False, dp_rank=None, **fields)
+            engine.events.emit(name, matched=False, dp_rank=None, **fields)
     return matched
 
 
