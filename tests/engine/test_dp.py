@@ -206,3 +206,28 @@ async def test_one_rank_without_dp(pair, client):
         assert len((await client.get(engine.url + "/v1/loads")).json()["loads"]) == 1
         info = (await client.get(engine.url + "/server_info")).json()
         assert info["dp_size"] == info["attn_dp_size"] == 1
+
+
+async def test_the_openai_header_pins_the_rank(nursery, client):
+    """serving_base.extract_routed_dp_rank_from_header: X-Data-Parallel-Rank wins over the
+    body's routed_dp_rank on the OpenAI routes."""
+    prefill, decode = await dp_pair(nursery)
+    room = room_on(0)
+    body = pd_body(prefill, room, prompt="a", max_tokens=1, routed_dp_rank=0)
+    headers = {"x-data-parallel-rank": "1"}
+    async with trio.open_nursery() as inner:
+        results = {}
+
+        async def leg(name, engine, extra):
+            results[name] = await client.post(
+                engine.url + "/v1/completions", json=body, headers=extra
+            )
+
+        inner.start_soon(leg, "d", decode, headers)
+        inner.start_soon(leg, "p", prefill, {})
+    assert results["d"].status_code == results["p"].status_code == 200
+    assert decode.events.find("slot_acquired", room=room)[0]["dp_rank"] == 1
+    r = await client.post(
+        decode.url + "/v1/completions", json=body, headers={"x-data-parallel-rank": "x"}
+    )
+    assert r.status_code == 400 and "X-Data-Parallel-Rank" in r.json()["message"]

@@ -51,7 +51,8 @@ class EngineHandle:
 
     @property
     def running(self) -> int:
-        """Decode: slots in use. Prefill: requests in flight."""
+        """Decode: slots in use (KV still held by an aborted transfer included). Prefill: engine
+        requests at the scheduler, not yet done."""
         return self.state.running
 
     @property
