@@ -71,3 +71,38 @@ async def eventually(predicate: Callable[[], bool], timeout: float = 2.0) -> Non
     with trio.fail_after(timeout):
         while not predicate():
             await trio.sleep(0.01)
+
+
+class Background:
+    """POSTs running in a nursery; their responses land in `results[name]`."""
+
+    def __init__(self, nursery: trio.Nursery, client: httpx2.AsyncClient) -> None:
+        self.nursery, self.client = nursery, client
+        self.results: dict[str, httpx2.Response] = {}
+
+    def post(
+        self,
+        name: str,
+        engine: EngineHandle,
+        body: dict[str, Any],
+        rid: str,
+        path: str = "/generate",
+    ) -> None:
+        async def run() -> None:
+            self.results[name] = await self.client.post(
+                engine.url + path, json=body, headers={"x-request-id": rid}
+            )
+
+        self.nursery.start_soon(run)
+
+
+async def raw_request(engine, path: str, body: dict) -> trio.SocketStream:
+    """Send a request over a raw socket (so the test decides exactly when it closes)."""
+    stream = await trio.open_tcp_stream("127.0.0.1", engine.port)
+    data = orjson.dumps(body)
+    head = (
+        f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(data)}\r\n\r\n"
+    ).encode()
+    await stream.send_all(head + data)
+    return stream

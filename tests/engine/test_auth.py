@@ -18,7 +18,7 @@ async def test_api_key_guards_every_route_but_health_and_metrics(nursery, client
         assert (await client.get(engine.url + "/health_generate")).status_code == 200
         assert (await client.get(engine.url + "/metrics")).status_code == 404  # open, absent
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": KEY}):
-            r = await client.get(engine.url + "/get_model_info", headers=headers)
+            r = await client.get(engine.url + "/model_info", headers=headers)
             assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}
         r = await client.get(engine.url + "/get_model_info", headers=AUTH)
         assert r.status_code == 200
@@ -47,3 +47,38 @@ async def test_no_api_key_means_open(pair, client):
     prefill, _ = pair
     assert (await client.get(prefill.url + "/get_model_info")).status_code == 200
     assert not prefill.events.find("unauthorized")
+
+
+async def test_abort_request_is_admin_optional(nursery, client):
+    """utils/auth.py ADMIN_OPTIONAL: open without keys; with only --api-key it needs that key;
+    with --admin-api-key it needs THAT key and refuses the ordinary one (NORMAL routes keep
+    needing the api key, and the admin key does not open them)."""
+    admin = {"authorization": "Bearer boss"}
+    both = await start_engine(nursery, "decode", api_key=KEY, admin_api_key="boss")
+    r = await client.post(both.url + "/abort_request", json={"abort_all": True}, headers=AUTH)
+    assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}
+    r = await client.post(both.url + "/abort_request", json={"abort_all": True}, headers=admin)
+    assert r.status_code == 200
+    assert (await client.get(both.url + "/model_info", headers=admin)).status_code == 401
+    assert (await client.get(both.url + "/model_info", headers=AUTH)).status_code == 200
+    lower = {"authorization": f"bearer {KEY}"}  # the scheme is case-insensitive
+    assert (await client.get(both.url + "/model_info", headers=lower)).status_code == 200
+    admin_only = await start_engine(nursery, "decode", admin_api_key="boss")
+    assert (await client.get(admin_only.url + "/model_info")).status_code == 200  # open
+    r = await client.post(admin_only.url + "/abort_request", json={"abort_all": True})
+    assert r.status_code == 401
+    r = await client.post(
+        admin_only.url + "/abort_request", json={"abort_all": True}, headers=admin
+    )
+    assert r.status_code == 200
+    key_only = await start_engine(nursery, "decode", api_key=KEY)
+    r = await client.post(key_only.url + "/abort_request", json={"abort_all": True})
+    assert r.status_code == 401
+    r = await client.post(key_only.url + "/abort_request", json={"abort_all": True}, headers=AUTH)
+    assert r.status_code == 200
+    assert (await client.get(key_only.url + "/ready")).status_code == 200  # probes stay open
+    open_engine = await start_engine(nursery, "decode")
+    r = await client.post(open_engine.url + "/abort_request", json={"abort_all": True})
+    assert r.status_code == 200
+    refused = [e["path"] for e in both.events.find("unauthorized")]
+    assert refused == ["/abort_request", "/model_info"]

@@ -30,9 +30,10 @@ async def dp_pair(nursery: trio.Nursery, **decode: Any) -> tuple[EngineHandle, E
 
 
 async def test_unpinned_requests_land_on_room_mod_dp_size(nursery, client):
-    prefill, decode = await dp_pair(nursery)
+    """A decode balancing by follow_bootstrap_room (the PD prefill's default) too."""
+    prefill, decode = await dp_pair(nursery, load_balance_method="follow_bootstrap_room")
     for engine in (prefill, decode):
-        assert (await client.get(engine.url + "/get_server_info")).json()["dp_size"] == 2
+        assert (await client.get(engine.url + "/server_info")).json()["dp_size"] == 2
     for rank in (0, 1, 0, 1):
         room = room_on(rank)
         p, d = await pd_post(client, prefill, decode, "/generate", pd_body(prefill, room, text="a"))
@@ -57,8 +58,9 @@ async def test_unpinned_requests_land_on_room_mod_dp_size(nursery, client):
 async def test_pinned_ranks_land_where_pinned(nursery, client):
     prefill, decode = await dp_pair(nursery)
     room = room_on(0)
-    # what a DP-aware router sends: the prefill rank to both, the decode rank to decode
-    p_body = pd_body(prefill, room, text="a", routed_dp_rank=1)
+    # what a DP-aware router sends: the prefill rank to both, the decode rank to decode (the
+    # prefill needs disagg_prefill_dp_rank too, else its follow_bootstrap_room refuses the pin)
+    p_body = pd_body(prefill, room, text="a", routed_dp_rank=1, disagg_prefill_dp_rank=1)
     d_body = pd_body(prefill, room, text="a", routed_dp_rank=1, disagg_prefill_dp_rank=1)
     d_body["routed_dp_rank"] = 0
     async with trio.open_nursery() as inner:
@@ -74,6 +76,7 @@ async def test_pinned_ranks_land_where_pinned(nursery, client):
     assert decode.events.find("slot_acquired", room=room)[0]["dp_rank"] == 0
     assert decode.events.find("room_registered", room=room)[0]["prefill_dp_rank"] == 1
     assert not prefill.events.find("rank_mismatch")
+    assert not prefill.events.find("rank_conflict")
     # the deprecated alias pins too
     room = room_on(0)
     body = pd_body(prefill, room, text="a", data_parallel_rank=1, disagg_prefill_dp_rank=1)
@@ -101,12 +104,19 @@ async def test_slots_are_per_rank(nursery, client):
         await decode.events.wait_for("slot_acquired", room=c)  # rank 1 is free: no wait
         await eventually(lambda: decode.queued == 1)
         assert decode.running == 2 and not decode.events.find("slot_acquired", room=b)
-        load = (await client.get(decode.url + "/get_load")).json()
-        assert load["num_reqs"] == 3 and load["num_waiting_reqs"] == 1
-        assert [(r["dp_rank"], r["num_reqs"], r["num_waiting_reqs"]) for r in load["dp_loads"]] == [
-            (0, 2, 1),
-            (1, 1, 0),
-        ]
+        loads = (await client.get(decode.url + "/v1/loads")).json()["loads"]
+        # every one waits for its KV: per rank, the slot holders in the transfer queue and the
+        # one without a slot in the prealloc queue
+        assert [
+            (
+                x["dp_rank"],
+                x["num_running_reqs"],
+                x["num_waiting_reqs"],
+                x["disaggregation"]["decode_transfer_queue_reqs"],
+                x["disaggregation"]["decode_prealloc_queue_reqs"],
+            )
+            for x in loads
+        ] == [(0, 0, 2, 1, 1), (1, 0, 1, 1, 0)]
         for room in (a, b, c):
             inner.start_soon(leg, f"p{room}", prefill, bodies[room])
     assert all(r.status_code == 200 for r in results.values())
@@ -117,11 +127,41 @@ async def test_slots_are_per_rank(nursery, client):
     assert decode.running == decode.queued == 0
 
 
+async def test_decode_round_robins_by_default(nursery, client):
+    prefill, decode = await dp_pair(nursery)
+    ranks = []
+    for _ in range(4):
+        room = room_on(0)  # every room on prefill rank 0
+        p, d = await pd_post(client, prefill, decode, "/generate", pd_body(prefill, room, text="a"))
+        assert p.status_code == d.status_code == 200
+        ranks.append(decode.events.find("slot_acquired", room=room)[0]["dp_rank"])
+        assert decode.events.find("room_registered", room=room)[0]["prefill_dp_rank"] == 0
+    assert ranks == [0, 1, 0, 1]
+
+
+async def test_pin_off_the_room_fails_the_prefill_at_once(nursery, client):
+    """follow_bootstrap_room conflict (disaggregation/common/conn.py): a prefill pinned to
+    another rank than room % N, not told disagg_prefill_dp_rank, fails the room at once; its
+    decode registered room % N and waits for a KV nobody sends."""
+    prefill, decode = await dp_pair(nursery, waiting_timeout=0.5)
+    room = room_on(0)
+    start = trio.current_time()
+    body = pd_body(prefill, room, text="a", routed_dp_rank=1)
+    p, d = await pd_post(client, prefill, decode, "/generate", body)
+    assert p.status_code == 500 and "follow_bootstrap_room conflict" in p.json()["message"]
+    conflict = prefill.events.find("rank_conflict", room=room)[0]
+    assert conflict["t"] - start < 0.3 and conflict["dp_rank"] == 1 and conflict["implied"] == 0
+    assert not prefill.events.find("room_registered", room=room)
+    assert d.status_code == 500 and "timed out" in d.json()["message"]
+    assert decode.events.find("kv_wait_timeout", room=room)
+
+
 async def test_rank_mismatch_makes_the_decode_wait(nursery, client):
     prefill, decode = await dp_pair(nursery, waiting_timeout=0.5)
     for prefill_first in (True, False):
         room = room_on(0)
-        p_body = pd_body(prefill, room, text="a", routed_dp_rank=1)  # pinned to rank 1 ...
+        # pinned to rank 1 and told so (no conflict) ...
+        p_body = pd_body(prefill, room, text="a", routed_dp_rank=1, disagg_prefill_dp_rank=1)
         d_body = pd_body(prefill, room, text="a")  # ... but decode registers rank 0
         results: dict[str, httpx2.Response] = {}
 
@@ -135,9 +175,11 @@ async def test_rank_mismatch_makes_the_decode_wait(nursery, client):
             await eventually(lambda room=room: room in prefill.rooms)
             inner.start_soon(leg, second.role, second, d_body if prefill_first else p_body)
         assert results["decode"].status_code == 500  # the KV never came
-        assert "timed out" in results["decode"].json()["error"]["message"]
-        assert decode.events.find("slot_freed", room=room)[0]["reason"] == "kv_wait_timeout"
+        assert "timed out" in results["decode"].json()["message"]
+        freed = await decode.events.wait_for("slot_freed", room=room)
+        assert freed["reason"] == "kv_wait_timeout"
         assert results["prefill"].status_code == 500  # nobody registered its rank either
+        assert "KVPoll.Bootstrapping" in results["prefill"].json()["message"]
         assert prefill.events.find("bootstrap_timeout", room=room)
         mismatch = prefill.events.find("rank_mismatch", room=room)[0]
         assert (mismatch["dp_rank"], mismatch["registered_rank"]) == (1, 0)
@@ -148,18 +190,44 @@ async def test_out_of_range_ranks(nursery, client):
     prefill, decode = await dp_pair(nursery)
     for engine in (prefill, decode):
         r = await post(client, engine, pd_body(prefill, new_room(), text="a", routed_dp_rank=2))
-        assert r.status_code == 400 and "routed_dp_rank" in r.json()["error"]["message"]
+        assert r.status_code == 400
+        assert r.json() == {"error": {"message": "routed_dp_rank=2 out of range [0, 2)"}}
         r = await post(client, engine, pd_body(prefill, new_room(), text="a", routed_dp_rank=-1))
         assert r.status_code == 400
     room = new_room()
     d = await post(client, decode, pd_body(prefill, room, text="a", disagg_prefill_dp_rank=5))
-    assert d.status_code == 500 and "out of range" in d.json()["error"]["message"]
+    assert d.status_code == 500 and "out of range" in d.json()["message"]
     assert decode.events.find("bootstrap_failed", room=room)
     assert decode.running == 0
 
 
-async def test_get_load_has_no_rank_list_without_dp(pair, client):
+async def test_one_rank_without_dp(pair, client):
     for engine in pair:
-        load = (await client.get(engine.url + "/get_load")).json()
-        assert "dp_loads" not in load
-        assert (await client.get(engine.url + "/get_server_info")).json()["dp_size"] == 1
+        assert len((await client.get(engine.url + "/v1/loads")).json()["loads"]) == 1
+        info = (await client.get(engine.url + "/server_info")).json()
+        assert info["dp_size"] == info["attn_dp_size"] == 1
+
+
+async def test_the_openai_header_pins_the_rank(nursery, client):
+    """serving_base.extract_routed_dp_rank_from_header: X-Data-Parallel-Rank wins over the
+    body's routed_dp_rank on the OpenAI routes."""
+    prefill, decode = await dp_pair(nursery)
+    room = room_on(0)
+    body = pd_body(prefill, room, prompt="a", max_tokens=1, routed_dp_rank=0)
+    headers = {"x-data-parallel-rank": "1"}
+    async with trio.open_nursery() as inner:
+        results = {}
+
+        async def leg(name, engine, extra):
+            results[name] = await client.post(
+                engine.url + "/v1/completions", json=body, headers=extra
+            )
+
+        inner.start_soon(leg, "d", decode, headers)
+        inner.start_soon(leg, "p", prefill, {})
+    assert results["d"].status_code == results["p"].status_code == 200
+    assert decode.events.find("slot_acquired", room=room)[0]["dp_rank"] == 1
+    r = await client.post(
+        decode.url + "/v1/completions", json=body, headers={"x-data-parallel-rank": "x"}
+    )
+    assert r.status_code == 400 and "X-Data-Parallel-Rank" in r.json()["message"]

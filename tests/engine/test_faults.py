@@ -49,7 +49,8 @@ async def test_prefill_status_faults(quick_pair, client, status):
     assert not prefill.events.find("kv_sent", room=room)
     # the prefill fault never sent the KV: the decode hits its waiting timeout
     assert d.status_code == 500
-    assert decode.events.find("slot_freed", room=room)[0]["reason"] == "kv_wait_timeout"
+    freed = await decode.events.wait_for("slot_freed", room=room)
+    assert freed["reason"] == "kv_wait_timeout"
 
 
 @pytest.mark.parametrize("status", [500, 503, 400, 429])
@@ -89,20 +90,49 @@ async def test_sse_error(quick_pair, client, role):
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 async def test_abort(quick_pair, client, role):
+    """`abort` is what SGLang sends for an aborted request: graceful (no status) in-band."""
     prefill, decode = quick_pair
     idx = 0 if role == "prefill" else 1
     body = pd_body(prefill, new_room(), text="a", sim_fault=f"{role}:abort")
     r = (await pd_post(client, prefill, decode, "/generate", body))[idx]
     assert r.status_code == 200
-    assert r.json()["meta_info"]["finish_reason"]["type"] == "abort"
+    finish = r.json()["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort" and finish["status_code"] is None
     body = pd_body(prefill, new_room(), text="a", stream=True, sim_fault=f"{role}:abort")
     r = (await pd_post(client, prefill, decode, "/generate", body))[idx]
     first = sse_events(r.text)[0]
     assert first["meta_info"]["finish_reason"]["type"] == "abort"
-    body = pd_body(prefill, new_room(), prompt="a", sim_fault=f"{role}:abort")
-    r = (await pd_post(client, prefill, decode, "/v1/completions", body))[idx]
-    assert r.json()["choices"][0]["finish_reason"] == "abort"
-    assert r.json()["meta_info"]["finish_reason"]["type"] == "abort"
+    for stream in (False, True):
+        body = pd_body(prefill, new_room(), prompt="a", stream=stream, sim_fault=f"{role}:abort")
+        r = (await pd_post(client, prefill, decode, "/v1/completions", body))[idx]
+        assert r.status_code == 200
+        doc = sse_events(r.text)[0] if stream else r.json()
+        assert doc["choices"][0]["finish_reason"] == "abort"
+        assert "meta_info" not in doc  # OpenAI routes: the finish reason is all there is
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_abort_with_a_status(quick_pair, client, stream):
+    """An abort with a status is an HTTP error without a stream, in-band in one."""
+    prefill, _ = quick_pair
+    body = pd_body(prefill, new_room(), text="a", stream=stream, sim_fault="prefill:abort:422")
+    r = await client.post(prefill.url + "/generate", json=body)
+    if stream:
+        assert r.status_code == 200
+        finish = sse_events(r.text)[0]["meta_info"]["finish_reason"]
+        assert finish["type"] == "abort" and finish["status_code"] == 422
+    else:
+        assert r.status_code == 422 and r.json()["object"] == "error"
+        assert r.json()["type"] == "422" and r.json()["code"] == 422
+    body = pd_body(prefill, new_room(), prompt="a", stream=stream, sim_fault="prefill:abort:422")
+    r = await client.post(prefill.url + "/v1/completions", json=body)
+    if stream:
+        events = sse_events(r.text)
+        assert r.status_code == 200 and events[-1] == "[DONE]"
+        assert events[0]["error"]["code"] == 422
+        assert events[0]["error"]["type"] == "UNPROCESSABLE_ENTITY"
+    else:
+        assert r.status_code == 422 and r.json()["code"] == 422
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -200,11 +230,12 @@ async def test_refuse_keeps_bootstrap_running(nursery, client):
     d = await client.post(decode.url + "/generate", json=pd_body(prefill, room, text="a"))
     assert d.status_code == 500  # registered fine, then no KV ever came
     assert decode.events.find("room_registered", room=room)
-    assert decode.events.find("slot_freed", room=room, reason="kv_wait_timeout")
+    freed = await decode.events.wait_for("slot_freed", room=room)
+    assert freed["reason"] == "kv_wait_timeout" and freed["acked"] is True
 
 
 async def test_bad_sim_fault_is_400(quick_pair, client):
     prefill, _ = quick_pair
     body = pd_body(prefill, new_room(), text="a", sim_fault="prefill:explode")
     r = await client.post(prefill.url + "/generate", json=body)
-    assert r.status_code == 400 and "explode" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "explode" in r.json()["message"]

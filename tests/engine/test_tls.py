@@ -91,7 +91,7 @@ async def test_mutual_tls_requires_a_client_certificate(nursery, ca, tls_files):
     context = client_context(ca, ca.issue_cert("router@example.com"))
     async with httpx2.AsyncClient(verify=context, trust_env=False) as client:
         assert (await client.get(decode.url + "/health")).status_code == 200
-        info = (await client.get(decode.url + "/get_server_info")).json()
+        info = (await client.get(decode.url + "/server_info")).json()
         assert info["disaggregation_mode"] == "decode"
 
 

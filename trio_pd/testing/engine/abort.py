@@ -1,20 +1,15 @@
-"""POST /abort_request (SGLang's way to stop a request at once) and an aborted request's answer.
+"""POST /abort_request (SGLang's way to stop a request at once).
 
-Body: `{"rid": "<rid>"}` (or a list of rids) or `{"abort_all": true}`; rids are the body rids of
-generation requests (rids.py), not x-request-id values. A matching request is cancelled at once:
-its decode slots are freed with reason `aborted_request` without waiting for the disconnect-poll
-tick, a queued decode item leaves its queue, a prefill request stops waiting for its registration
-or computing. The engine answers 200 whether or not anything matched, because SGLang silently
-drops an abort for a rid it does not (yet) hold. Every named rid logs `abort_request` with
-`sglang_rid`, `matched` and, when matched, the request's event key (`rid`, its x-request-id),
-room and dp_rank.
+The body is SGLang's `AbortReq` (`managers/io_struct.py`), validated by FastAPI: `rid` a
+string (a list, or any other type, is refused with the engine's validation error: 400), or
+absent/null (then ""); `abort_all` a bool; `abort_message` a string, accepted and not used by
+the HTTP handler (it passes only rid and abort_all on); other fields ignored. The answer is 200
+with an empty body whether or not anything matched (`entrypoints/http_server.py`).
 
-The aborted request, if its client is still connected, ends as an aborted SGLang request does:
-200 with `finish_reason` `{"type": "abort", "message": ...}` (OpenAI routes: `"abort"` in each
-choice), or on a stream one such event then `data: [DONE]`.
-
-A batch is held as one request: aborting any of its item rids aborts every item (SGLang would
-stop only that item; a router aborts whole requests).
+What happens then is tokenizer.abort_request (the tokenizer manager's drop and latch rules) and
+scheduler.abort_matching (the prefix match); every abort logs `abort_request` events. Auth is
+ADMIN_OPTIONAL (auth.py). An aborted request answers as SGLang does (responses.py,
+scheduler.py: depending on the queue it was in).
 """
 
 from __future__ import annotations
@@ -24,19 +19,22 @@ from typing import Any
 import orjson
 
 from trio_pd.testing.engine.asgi import BodyTooLarge, Responder, read_body
-from trio_pd.testing.engine.state import Call, EngineState
+from trio_pd.testing.engine.failures import method_not_allowed, validation_error
+from trio_pd.testing.engine.state import EngineState
+from trio_pd.testing.engine.tokenizer import abort_request
 
-ABORTED = "aborted_request"  # slot_freed reason, request_end `ended`
+_TRUE = {"1", "true", "t", "yes", "y", "on"}
+_FALSE = {"0", "false", "f", "no", "n", "off"}
 
 
-class _BadAbort(ValueError):
+class _Invalid(ValueError):
     pass
 
 
 async def handle_abort(engine: EngineState, scope: dict[str, Any], receive: Any, send: Any):
     resp = Responder(send)
     if scope["method"] != "POST":
-        await resp.error(405, "/abort_request takes POST")
+        await method_not_allowed(resp)
         return
     try:
         raw = await read_body(receive)
@@ -46,58 +44,46 @@ async def handle_abort(engine: EngineState, scope: dict[str, Any], receive: Any,
     if raw is None:
         return
     try:
-        names, abort_all = _parse(raw)
-    except (orjson.JSONDecodeError, _BadAbort) as exc:
-        await resp.error(400, f"bad /abort_request body: {exc}")
+        rid, abort_all = parse_abort(raw)
+    except _Invalid as exc:
+        engine.events.emit("abort_refused", error=str(exc), dp_rank=None)
+        await validation_error(resp, str(exc))
         return
-    if abort_all:
-        _abort_all(engine)
-    for name in names:
-        call = engine.rids.get(name)
-        if call is None:
-            engine.events.emit("abort_request", sglang_rid=name, matched=False, dp_rank=None)
-        else:
-            call.emit("abort_request", sglang_rid=name, matched=True)
-            call.cancel(ABORTED)
+    abort_request(engine, rid, abort_all, source="http")
     await resp.empty()
 
 
-def _parse(raw: bytes) -> tuple[list[str], bool]:
-    body = orjson.loads(raw) if raw.strip() else {}
+def _error(kind: str, loc: str, msg: str, value: Any) -> _Invalid:
+    return _Invalid(
+        f"[{{'type': '{kind}', 'loc': ('body'{loc}), 'msg': '{msg}', 'input': {value!r}}}]"
+    )
+
+
+def parse_abort(raw: bytes) -> tuple[str, bool]:
+    """(rid, abort_all) of an AbortReq body, or _Invalid with pydantic's complaint."""
+    if not raw.strip():
+        raise _error("missing", "", "Field required", None)
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise _error("json_invalid", ", 0", "JSON decode error", str(exc)) from None
     if not isinstance(body, dict):
-        raise _BadAbort("not a JSON object")
-    rid, abort_all = body.get("rid"), body.get("abort_all", False)
-    if not isinstance(abort_all, bool):
-        raise _BadAbort("abort_all must be a boolean")
-    if rid is None or rid == "":  # SGLang's AbortReq defaults rid to ""
-        return [], abort_all
-    if isinstance(rid, str):
-        return [rid], abort_all
-    if isinstance(rid, list) and all(isinstance(r, str) for r in rid):
-        return [r for r in rid if r], abort_all
-    raise _BadAbort("rid must be a string or a list of strings")
+        raise _error("model_attributes_type", "", "Input should be a valid dictionary", body)
+    rid = body.get("rid")
+    if rid is not None and not isinstance(rid, str):
+        raise _error("string_type", ", 'rid'", "Input should be a valid string", rid)
+    message = body.get("abort_message")
+    if message is not None and not isinstance(message, str):
+        raise _error("string_type", ", 'abort_message'", "Input should be a valid string", message)
+    return rid or "", _bool(body.get("abort_all", False))
 
 
-def _abort_all(engine: EngineState) -> None:
-    calls = engine.rids.owners()
-    if not calls:
-        engine.events.emit(
-            "abort_request", sglang_rid=None, matched=False, abort_all=True, dp_rank=None
-        )
-    for call in calls:
-        call.emit("abort_request", sglang_rid=call.sglang_rids[0], matched=True, abort_all=True)
-        call.cancel(ABORTED)
-
-
-async def answer_aborted(call: Call) -> None:
-    """End an aborted request's response, unless it is complete or its client is gone."""
-    call.ended = ABORTED
-    if call.resp.completed or call.disconnected:
-        return
-    message = "Aborted by POST /abort_request"
-    call.buffered.clear()  # deferred stream events: the abort replaces them
-    if call.workload.stream:
-        await call.resp.event(call.shaper.abort_event(message))
-        await call.resp.done()
-    else:
-        await call.resp.json(200, call.shaper.full(abort=message))
+def _bool(value: Any) -> bool:
+    """pydantic's lax bool."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+        return value.lower() in _TRUE
+    raise _error("bool_parsing", ", 'abort_all'", "Input should be a valid boolean", value)

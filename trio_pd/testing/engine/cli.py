@@ -1,4 +1,10 @@
-"""Command line of the simulator: `trio-pd engine ...` / `python -m trio_pd.testing.engine ...`."""
+"""Command line of the simulator: `trio-pd engine ...` / `python -m trio_pd.testing.engine ...`.
+
+Flag names follow SGLang's (`--dp-size`, `--attn-dp-size`, `--enable-dp-attention`,
+`--load-balance-method`, `--api-key`, `--admin-api-key`, `--enable-dynamic-batch-tokenizer`,
+`--tokenizer-worker-num`, `--disaggregation-transfer-backend`, `--context-length`,
+`--max-running-requests`, `--max-total-tokens`) where the simulator models the setting.
+"""
 
 from __future__ import annotations
 
@@ -8,53 +14,80 @@ import sys
 
 import trio
 
-from trio_pd.testing.engine.config import ROLES, EngineConfig
+from trio_pd.testing.engine.config import (
+    LOAD_BALANCE_METHODS,
+    ROLES,
+    TRANSFER_BACKENDS,
+    EngineConfig,
+)
 from trio_pd.testing.engine.faults import FaultError, parse_many
 from trio_pd.testing.engine.serve import serve_engine
+
+CLI_HEALTH_GENERATE_SECS = 1.0  # SGLang's /health takes >= 1 s; in-process test engines: 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig(role="prefill")
-    parser.add_argument("--role", choices=ROLES, required=True)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000, help="HTTP API port (0: ephemeral)")
-    parser.add_argument(
-        "--bootstrap-port", type=int, default=8998, help="prefill: bootstrap server port"
-    )
-    parser.add_argument(
+    add = parser.add_argument
+    add("--role", choices=ROLES, required=True)
+    add("--host", default="127.0.0.1")
+    add("--port", type=int, default=30000, help="HTTP API port (0: ephemeral)")
+    add("--bootstrap-port", type=int, default=8998, help="prefill: bootstrap server port")
+    add(
         "--waiting-timeout",
         type=float,
         default=defaults.waiting_timeout,
-        help="decode: seconds to wait for the KV (SGLANG_DISAGGREGATION_WAITING_TIMEOUT)",
+        help="decode: seconds to wait for the KV once a slot is held "
+        "(SGLANG_DISAGGREGATION_WAITING_TIMEOUT)",
     )
-    parser.add_argument(
+    add(
         "--bootstrap-timeout",
         type=float,
         default=defaults.bootstrap_timeout,
-        help="prefill: seconds to wait for the decode's registration",
+        help="prefill: seconds to wait for the decode's registration "
+        "(SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT)",
     )
-    parser.add_argument("--prefill-ms-per-token", type=float, default=0.0)
-    parser.add_argument("--inter-token-ms", type=float, default=0.0)
-    parser.add_argument(
+    add("--prefill-ms-per-token", type=float, default=0.0)
+    add("--inter-token-ms", type=float, default=0.0)
+    add(
         "--max-running",
+        "--max-running-requests",
+        dest="max_running",
         type=int,
         default=defaults.max_running,
         help="decode slots per data-parallel rank (a FIFO queue beyond them)",
     )
-    parser.add_argument(
+    add("--max-total-tokens", type=int, default=defaults.max_total_tokens)
+    add("--context-length", type=int, default=defaults.context_length)
+    add(
         "--dp-size",
         type=int,
         default=defaults.dp_size,
-        help="data-parallel ranks behind this URL; a request's rank is its routed_dp_rank, "
-        "else bootstrap_room %% dp-size",
+        help="data-parallel replicas (with --enable-dp-attention: attention-DP groups)",
     )
-    parser.add_argument(
+    add("--attn-dp-size", type=int, default=defaults.attn_dp_size)
+    add(
+        "--enable-dp-attention",
+        action="store_true",
+        help="deprecated SGLang spelling: --dp-size N --enable-dp-attention is "
+        "dp_size=1, attn_dp_size=N",
+    )
+    add("--tp-size", type=int, default=None)
+    add("--load-balance-method", choices=LOAD_BALANCE_METHODS, default="auto")
+    add(
+        "--disaggregation-transfer-backend",
+        dest="transfer_backend",
+        choices=TRANSFER_BACKENDS,
+        default=defaults.transfer_backend,
+    )
+    add(
         "--disconnect-poll-secs",
         type=float,
         default=defaults.disconnect_poll_secs,
-        help="a disconnected request is aborted at the next tick of this period",
+        help="a non-stream request notices its client left at the next poll of this period "
+        "(SGLANG_REQUEST_STATE_WAIT_TIMEOUT)",
     )
-    parser.add_argument(
+    add(
         "--fault",
         action="append",
         default=[],
@@ -62,26 +95,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="[ROLE:]KIND[:ARG][@MS], repeatable; KIND: status code, sse_error, abort, close, "
         "hang, slow:MS, refuse",
     )
-    parser.add_argument(
+    add(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on every route but /health* and /metrics*",
+        help="require 'Authorization: Bearer KEY' on every route but /health*, /ready*, /metrics*",
     )
-    parser.add_argument(
-        "--ssl-certfile", default=None, metavar="FILE", help="serve the HTTP API over HTTPS"
+    add("--admin-api-key", default=None, help="the key /abort_request and /flush_cache need")
+    add("--enable-dynamic-batch-tokenizer", action="store_true")
+    add("--dynamic-batch-tokenizer-batch-timeout", type=float, default=0.002)
+    add(
+        "--tokenize-delay-ms",
+        type=float,
+        default=0.0,
+        help="simulator: widen the registration-to-dispatch window of text prompts",
     )
-    parser.add_argument(
+    add("--tokenizer-worker-num", type=int, default=1)
+    add(
+        "--legacy-load-endpoint",
+        action="store_true",
+        help="also serve GET /get_load (gone in SGLang 0.5.23)",
+    )
+    add("--health-generate-secs", type=float, default=CLI_HEALTH_GENERATE_SECS)
+    add("--heartbeat-interval", type=float, default=defaults.heartbeat_interval)
+    add("--heartbeat-max-failures", type=int, default=defaults.heartbeat_max_failures)
+    add("--deferred-kv-release-timeout", type=float, default=defaults.deferred_kv_release_timeout)
+    add("--ssl-certfile", default=None, metavar="FILE", help="serve the HTTP API over HTTPS")
+    add(
         "--ssl-keyfile", default=None, metavar="FILE", help="its private key (else in the certfile)"
     )
-    parser.add_argument(
+    add(
         "--ssl-ca-certs",
         default=None,
         metavar="FILE",
         help="require client certificates signed by these CAs (mutual TLS)",
     )
-    parser.add_argument("--events", default=None, metavar="FILE", help="JSON-lines event log")
-    parser.add_argument("--model", default=defaults.model)
-    parser.add_argument("--log-level", default="info")
+    add("--events", default=None, metavar="FILE", help="JSON-lines event log")
+    add("--model", default=defaults.model)
+    add("--log-level", default="info")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -95,8 +145,16 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         prefill_ms_per_token=args.prefill_ms_per_token,
         inter_token_ms=args.inter_token_ms,
         max_running=args.max_running,
+        max_total_tokens=args.max_total_tokens,
+        context_length=args.context_length,
         dp_size=args.dp_size,
+        attn_dp_size=args.attn_dp_size,
+        enable_dp_attention=args.enable_dp_attention,
+        tp_size=args.tp_size,
+        load_balance_method=args.load_balance_method,
+        transfer_backend=args.transfer_backend,
         api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
         ssl_ca_certs=args.ssl_ca_certs,
@@ -104,6 +162,15 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         faults=tuple(args.fault),
         events_path=args.events,
         model=args.model,
+        enable_dynamic_batch_tokenizer=args.enable_dynamic_batch_tokenizer,
+        dynamic_batch_tokenizer_batch_timeout=args.dynamic_batch_tokenizer_batch_timeout,
+        tokenize_delay_ms=args.tokenize_delay_ms,
+        tokenizer_worker_num=args.tokenizer_worker_num,
+        legacy_load_endpoint=args.legacy_load_endpoint,
+        health_generate_secs=args.health_generate_secs,
+        heartbeat_interval=args.heartbeat_interval,
+        heartbeat_max_failures=args.heartbeat_max_failures,
+        deferred_kv_release_timeout=args.deferred_kv_release_timeout,
     )
 
 

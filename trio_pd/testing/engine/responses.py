@@ -1,30 +1,47 @@
 """Response bodies in SGLang's native (/generate) and OpenAI shapes, whole and streamed.
 
-Logprobs are deterministic fakes. Prefill answers carry `meta_info.input_token_logprobs` for every
-input token; decode answers carry an empty list there (a PD router merges prefill's in front).
-OpenAI bodies get the same `meta_info` (input logprobs, abort reason) as a simulator extension,
-so a router's merge and in-band abort detection can be exercised on every endpoint.
+`Output` is one request's answer, fed by its items (state.Item) as they produce tokens, finish
+or fail; it renders what SGLang 0.5.23 sends for each route:
+
+- /generate (`entrypoints/http_server.py`, `managers/tokenizer_manager.py`): one object per
+  item (a list for a batch) with `text`, `output_ids`, `meta_info` (`id` = the item's rid,
+  `finish_reason`, token counts, logprobs). A stream sends its 200 and SSE headers before any
+  work, then one event per generated token (with `index` on a batch) and `data: [DONE]`. An
+  abort WITHOUT a status (POST /abort_request of a running request) is a normal answer whose
+  finish_reason is `{"type": "abort", "message", "status_code": null, "err_type": null}`; an
+  abort WITH a status (a KV transfer that failed, a handshake aborted) fails a non-stream
+  request (failures.abort_failure_body) and is one abort event in a stream.
+- OpenAI (`entrypoints/openai/serving_chat.py`, `serving_completions.py`, `protocol.py`): NO
+  top-level `meta_info`; a graceful abort shows only as `choices[*].finish_reason == "abort"`,
+  an abort with a status as an HTTP status (non-stream) or a `data: {"error": {...}}` chunk
+  after which the stream stops. Logprobs are in the OpenAI shape in `choices[].logprobs`. A
+  stream's headers go out with its first chunk (SGLang kick-starts the generator first), so on
+  a PD decode a chat or completions stream answers nothing until the KV has arrived.
+
+Logprobs are deterministic fakes. /generate prefill answers carry
+`meta_info.input_token_logprobs` for every input token, decode answers an empty list there (a PD
+router merges prefill's in front).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
+from trio_pd.testing.engine.asgi import Responder
+from trio_pd.testing.engine.asgi import error_body as error_body  # (router tests import it here)
+from trio_pd.testing.engine.failures import abort_failure_body, stream_error
 from trio_pd.testing.engine.workload import Workload, output_id, output_text
 
-ERROR_TYPES = {
-    400: "BadRequestError",
-    404: "NotFoundError",
-    405: "MethodNotAllowed",
-    429: "RateLimitError",
-    500: "InternalServerError",
-    503: "ServiceUnavailable",
-}
 
+class Item(Protocol):
+    """What an answer needs of an engine request (state.Item)."""
 
-def error_body(message: str, code: int) -> dict[str, Any]:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(code, "Error"), "code": code}}
+    index: int
+    rid: str
+    prompt_tokens: int
+    generated: int
 
 
 def logprob(token_id: int) -> float:
@@ -39,125 +56,272 @@ def top_triples(ids: list[int] | tuple[int, ...], k: int) -> list[list[list[Any]
     return [[[logprob(t + j), t + j, None] for j in range(k)] for t in ids]
 
 
-class Shaper:
-    """Builds every body of one request; `role` decides whose input logprobs are reported.
+def length_finish(count: int) -> dict[str, Any]:
+    return {"type": "length", "length": count}
 
-    Ids (`meta_info.id`, the OpenAI `id`): the body's rids when the client sent some (one per
-    item, as SGLang reports them), else the x-request-id (`<id>-<index>` for batch items).
-    """
 
-    def __init__(
-        self,
-        workload: Workload,
-        rid: str,
-        model: str,
-        role: str,
-        item_ids: tuple[str, ...] | None = None,
-    ) -> None:
+def abort_finish(message: str = "Aborted", status_code: int | None = None) -> dict[str, Any]:
+    """FINISH_ABORT.to_json() (`managers/schedule_batch.py`)."""
+    return {"type": "abort", "message": message, "status_code": status_code, "err_type": None}
+
+
+def piece(k: int) -> str:
+    return f"tok{k}" if k == 1 else f" tok{k}"
+
+
+class Output:
+    """The answer of one request; its items call token() / finish() / fail()."""
+
+    def __init__(self, workload: Workload, resp: Responder, model: str, role: str) -> None:
         self.w = workload
-        self.item_ids = item_ids
-        self.rid = item_ids[0] if item_ids else rid
+        self.resp = resp
         self.model = workload.model or model
         self.role = role
         self.created = int(time.time())
-        self.out_tokens = 1 if role == "prefill" else workload.max_new_tokens
+        self.items: list[Item] = []
+        self.finished: dict[int, dict[str, Any]] = {}  # index -> finish reason, in finish order
+        self.failure: tuple[int, str] | None = None  # (status, message): the first abort error
+        self.failed: set[int] = set()  # indexes of the items that aborted with a status
+        self.stopped = False  # an OpenAI stream ended at an error chunk
+        self.chat_opened: set[int] = set()
+        self.last_id: str | None = None
+        self.defer_headers = False  # a planned status fault holds a stream's headers back
+        self.on_decided: Callable[[], None] | None = None
+        self.held: list[Any] = []  # stream events held while headers are deferred
 
-    # ---- helpers -------------------------------------------------------------------------
-    def item_id(self, index: int) -> str:
-        if self.item_ids:
-            return self.item_ids[index]
-        return f"{self.rid}-{index}" if self.w.is_batch else self.rid
+    @property
+    def out_tokens(self) -> int:
+        return 1 if self.role == "prefill" else self.w.max_new_tokens
 
-    def _input_meta(self, index: int) -> dict[str, Any]:
-        meta: dict[str, Any] = {}
-        if not self.w.logprobs:
-            return meta
-        ids = self.w.inputs[index] if self.role == "prefill" else ()
-        meta["input_token_logprobs"] = triples(ids)
-        if self.w.top_logprobs:
-            meta["input_top_logprobs"] = top_triples(ids, self.w.top_logprobs)
-        return meta
+    @property
+    def complete(self) -> bool:
+        """Nothing more will be rendered (all items ended, or the answer is already decided)."""
+        if self.resp.completed or self.stopped:
+            return True
+        if self.failure is not None and not self.w.stream:
+            return True
+        return len(self.finished) + len(self.failed) >= len(self.items)
 
-    def meta_info(self, index: int, done: int, finish: dict[str, Any] | None) -> dict[str, Any]:
+    def bind(self, items: list[Item]) -> None:
+        self.items = items
+
+    # ---- item callbacks -------------------------------------------------------------------
+    async def token(self, item: Item, k: int, finish: dict[str, Any] | None = None) -> None:
+        """Item produced its k-th token (`finish`: it is the last one, and why)."""
+        item.generated = k
+        if finish is not None:
+            self.finished[item.index] = finish
+        if not self.w.stream or self.stopped:
+            return
+        self.last_id = item.rid
+        if self.w.api == "generate":
+            await self._send(self._generate_event(item, k, finish))
+        elif self.w.api == "chat":
+            if item.index not in self.chat_opened:
+                self.chat_opened.add(item.index)
+                await self._send(self._chat_chunk(item.rid, item.index, _role_delta()))
+            lp = self._chat_logprobs(k, k) if self.w.logprobs else None
+            await self._send(self._chat_chunk(item.rid, item.index, _delta(piece(k)), lp))
+        else:
+            lp = self._completion_logprobs(k, k) if self.w.logprobs else None
+            reason = finish["type"] if finish else None
+            await self._send(self._completion_chunk(item.rid, item.index, piece(k), lp, reason))
+
+    async def finish(self, item: Item, finish: dict[str, Any]) -> None:
+        """Item ended without a further token (e.g. aborted before its first)."""
+        self.finished[item.index] = finish
+        if not self.w.stream or self.stopped:
+            return
+        self.last_id = item.rid
+        if self.w.api == "generate":
+            await self._send(self._generate_event(item, item.generated, finish))
+        elif self.w.api == "chat":
+            if item.index not in self.chat_opened:
+                self.chat_opened.add(item.index)
+                await self._send(self._chat_chunk(item.rid, item.index, _role_delta()))
+        else:
+            chunk = self._completion_chunk(item.rid, item.index, "", None, finish["type"])
+            await self._send(chunk)
+
+    async def fail(self, item: Item, status: int, message: str) -> None:
+        """Item aborted with a status: SGLang's FINISH_ABORT(message, status_code).
+
+        Without a stream, or on an OpenAI stream, the first such failure decides the answer at
+        once (SGLang raises it out of the request's handler, whose other engine requests are
+        then aborted: `on_decided`); a /generate stream carries on with its other items.
+        """
+        self.failed.add(item.index)
+        first = self.failure is None
+        if first:
+            self.failure = (status, message)
+        if self.w.stream and self.w.api == "generate":
+            self.last_id = item.rid
+            finish = abort_finish(message, status)
+            await self._send(self._generate_event(item, item.generated, finish))
+            return
+        if not first or self.stopped:
+            return
+        if self.on_decided is not None:  # the handler's cleanup runs before its answer goes
+            self.on_decided()
+        if self.w.stream:
+            self.stopped = True
+            await self._send(stream_error(message, status))
+        await self.close()
+
+    # ---- the end of the answer ------------------------------------------------------------
+    async def close(self) -> None:
+        """Send what remains once the items are done (or the answer was decided)."""
+        if self.resp.completed:
+            return
+        if not self.w.stream:
+            if self.failure is not None:
+                status, message = self.failure
+                await self.resp.json(status, abort_failure_body(self.w.api, status, message))
+            else:
+                await self.resp.json(200, self.full())
+            return
+        if self.w.api == "chat":
+            for index, finish in self.finished.items():
+                await self._send(
+                    self._chat_chunk(
+                        self.last_id or "", index, _finish_delta(), None, finish["type"]
+                    )
+                )
+        if self.w.api != "generate" and self.w.include_usage:
+            await self._send(self._usage_chunk())
+        await self.flush()
+        await self.resp.done()
+
+    async def _send(self, obj: Any) -> None:
+        if self.defer_headers and not self.resp.started:
+            self.held.append(obj)
+        else:
+            await self.resp.event(obj)
+
+    async def flush(self) -> None:
+        for obj in self.held:
+            await self.resp.event(obj)
+        self.held.clear()
+
+    # ---- /generate ------------------------------------------------------------------------
+    def meta_info(self, item: Item, done: int, finish: dict[str, Any] | None) -> dict[str, Any]:
         ids = [output_id(i) for i in range(1, done + 1)]
         meta: dict[str, Any] = {
-            "id": self.item_id(index),
+            "id": item.rid,
             "finish_reason": finish,
-            "prompt_tokens": len(self.w.inputs[index]),
+            "prompt_tokens": item.prompt_tokens,
             "completion_tokens": done,
             "cached_tokens": 0,
             "weight_version": "default",
         }
         if self.w.logprobs:
-            meta.update(self._input_meta(index))
+            inputs = self.w.prompts[self.w.prompt_of(item.index)] if self.role == "prefill" else ()
+            meta["input_token_logprobs"] = triples(inputs)
+            if self.w.top_logprobs:
+                meta["input_top_logprobs"] = top_triples(inputs, self.w.top_logprobs)
             meta["output_token_logprobs"] = triples(ids)
             if self.w.top_logprobs:
                 meta["output_top_logprobs"] = top_triples(ids, self.w.top_logprobs)
         return meta
 
-    def length_finish(self) -> dict[str, Any]:
-        return {"type": "length", "length": self.out_tokens}
+    def _generate_event(self, item: Item, k: int, finish: dict[str, Any] | None) -> dict[str, Any]:
+        event: dict[str, Any] = {
+            "text": output_text(k),
+            "output_ids": [output_id(i) for i in range(1, k + 1)],
+            "meta_info": self.meta_info(item, k, finish),
+        }
+        if self.w.is_batch:
+            event["index"] = item.index
+        return event
 
-    @staticmethod
-    def abort_finish(message: str, status_code: int | None = None) -> dict[str, Any]:
-        finish: dict[str, Any] = {"type": "abort", "message": message}
-        if status_code is not None:  # SGLang's way of saying whose fault the abort was
-            finish["status_code"] = status_code
-        return finish
-
-    def _usage(self, completion: int | None = None) -> dict[str, Any]:
-        prompt = sum(len(i) for i in self.w.inputs)
-        if self.w.api == "chat":
-            prompt = len(self.w.inputs[0])  # n choices share one prompt
-        done = self.out_tokens * self.w.size if completion is None else completion
+    # ---- whole bodies ---------------------------------------------------------------------
+    def full(self) -> Any:
+        """The non-stream answer of finished items (graceful aborts included)."""
+        items = sorted(self.items, key=lambda i: i.index)
+        if self.w.api == "generate":
+            outs = [
+                {
+                    "text": output_text(i.generated),
+                    "output_ids": [output_id(k) for k in range(1, i.generated + 1)],
+                    "meta_info": self.meta_info(i, i.generated, self.finished.get(i.index)),
+                }
+                for i in items
+            ]
+            return outs if self.w.is_batch else outs[0]
+        choices: list[dict[str, Any]] = []
+        for item in items:
+            done, finish = item.generated, self.finished.get(item.index) or {}
+            choice: dict[str, Any] = {"index": item.index}
+            if self.w.api == "chat":
+                choice["message"] = {
+                    "role": "assistant",
+                    "content": output_text(done),
+                    "reasoning_content": None,
+                }
+                lp = self._chat_logprobs(1, done) if self.w.logprobs else None
+            else:
+                choice["text"] = output_text(done)
+                lp = self._completion_logprobs(1, done) if self.w.logprobs else None
+            choice.update(
+                {"logprobs": lp, "finish_reason": finish.get("type"), "matched_stop": None}
+            )
+            choices.append(choice)
         return {
-            "prompt_tokens": prompt,
-            "completion_tokens": done,
-            "total_tokens": prompt + done,
-            "prompt_tokens_details": None,
+            "id": items[0].rid,
+            "object": "chat.completion" if self.w.api == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self._usage(),
+            "metadata": None,
         }
 
-    def _openai_meta(self, abort: str | None = None, code: int | None = None) -> dict[str, Any]:
-        meta: dict[str, Any] = {}
-        if self.w.logprobs:
-            meta.update(self._input_meta(0))
-        if abort is not None:
-            meta["finish_reason"] = self.abort_finish(abort, code)
-        return meta
+    def _usage(self) -> dict[str, Any]:
+        """UsageProcessor: prompt tokens once per prompt (its first sample), all completions."""
+        prompt = sum(len(p) for p in self.w.prompts)
+        completion = sum(item.generated for item in self.items)
+        return {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": None,
+            "reasoning_tokens": 0,
+            "completion_tokens_details": None,
+        }
 
     def _completion_logprobs(self, start: int, stop: int) -> dict[str, Any]:
-        tokens = [f"tok{i}" if i == 1 else f" tok{i}" for i in range(start, stop + 1)]
+        tokens = [piece(i) for i in range(start, stop + 1)]
         offsets, pos = [], len(output_text(start - 1)) if start > 1 else 0
         for tok in tokens:
             offsets.append(pos)
             pos += len(tok)
-        top = None
+        top: list[Any] = []
         if self.w.top_logprobs:
             top = [
                 {f"tok{i}+{j}": logprob(output_id(i) + j) for j in range(self.w.top_logprobs)}
                 for i in range(start, stop + 1)
             ]
         return {
-            "tokens": tokens,
-            "token_logprobs": [logprob(output_id(i)) for i in range(start, stop + 1)],
-            "top_logprobs": top,
             "text_offset": offsets,
+            "token_logprobs": [logprob(output_id(i)) for i in range(start, stop + 1)],
+            "tokens": tokens,
+            "top_logprobs": top,
         }
 
     def _chat_logprobs(self, start: int, stop: int) -> dict[str, Any]:
         content = []
         for i in range(start, stop + 1):
-            tok = f"tok{i}" if i == 1 else f" tok{i}"
+            tok = piece(i)
             content.append(
                 {
                     "token": tok,
-                    "logprob": logprob(output_id(i)),
                     "bytes": list(tok.encode()),
+                    "logprob": logprob(output_id(i)),
                     "top_logprobs": [
                         {
                             "token": f"{tok}+{j}",
-                            "logprob": logprob(output_id(i) + j),
                             "bytes": list(f"{tok}+{j}".encode()),
+                            "logprob": logprob(output_id(i) + j),
                         }
                         for j in range(self.w.top_logprobs)
                     ],
@@ -165,135 +329,72 @@ class Shaper:
             )
         return {"content": content}
 
-    # ---- whole bodies ----------------------------------------------------------------------
-    def full(self, abort: str | None = None, abort_code: int | None = None) -> Any:
-        """The non-stream body: a completed answer, or an in-band abort."""
-        done = 0 if abort is not None else self.out_tokens
-        if self.w.api == "generate":
-            if abort is not None:
-                finish = self.abort_finish(abort, abort_code)
-            else:
-                finish = self.length_finish()
-            items = [
-                {
-                    "text": output_text(done),
-                    "output_ids": [output_id(i) for i in range(1, done + 1)],
-                    "meta_info": self.meta_info(i, done, finish),
-                }
-                for i in range(self.w.size)
-            ]
-            return items if self.w.is_batch else items[0]
-        finish_s = "abort" if abort is not None else "length"
-        choices: list[dict[str, Any]] = []
-        for i in range(self.w.size):
-            choice: dict[str, Any] = {"index": i}
-            if self.w.api == "chat":
-                choice["message"] = {
-                    "role": "assistant",
-                    "content": output_text(done),
-                    "reasoning_content": None,
-                    "tool_calls": None,
-                }
-                lp = self._chat_logprobs(1, done) if self.w.logprobs else None
-            else:
-                choice["text"] = output_text(done)
-                lp = self._completion_logprobs(1, done) if self.w.logprobs else None
-            choice.update({"logprobs": lp, "finish_reason": finish_s, "matched_stop": None})
-            choices.append(choice)
-        body: dict[str, Any] = {
-            "id": self.rid,
-            "object": "chat.completion" if self.w.api == "chat" else "text_completion",
+    # ---- OpenAI stream chunks -------------------------------------------------------------
+    def _chat_chunk(
+        self,
+        chunk_id: str,
+        index: int,
+        delta: dict[str, Any],
+        logprobs: Any = None,
+        finish: str | None = None,
+    ) -> dict[str, Any]:
+        """sse_utils.build_sse_content: no `usage` key (omitted as a default)."""
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+            "matched_stop": None,
+        }
+        return {
+            "id": chunk_id,
+            "object": "chat.completion.chunk",
             "created": self.created,
             "model": self.model,
-            "choices": choices,
-            "usage": self._usage(done * self.w.size),
+            "choices": [choice],
         }
-        meta = self._openai_meta(abort, abort_code)
-        if meta:
-            body["meta_info"] = meta
-        return body
 
-    # ---- stream events ---------------------------------------------------------------------
-    def stream_start(self) -> list[Any]:
-        """Events sent before the first token (OpenAI chat: the role delta)."""
-        if self.w.api != "chat":
-            return []
-        events = []
-        for i in range(self.w.size):
-            chunk = self._chunk(i, {"role": "assistant", "content": ""}, None, None)
-            if i == 0:
-                meta = self._openai_meta()
-                if meta:
-                    chunk["meta_info"] = meta
-            events.append(chunk)
-        return events
-
-    def token_event(self, index: int, k: int) -> Any:
-        """The event carrying item `index`'s k-th token (1-based)."""
-        last = k == self.out_tokens
-        if self.w.api == "generate":
-            event: dict[str, Any] = {
-                "text": output_text(k),
-                "output_ids": [output_id(i) for i in range(1, k + 1)],
-                "meta_info": self.meta_info(index, k, self.length_finish() if last else None),
-            }
-            if self.w.is_batch:
-                event["index"] = index
-            return event
-        piece = f"tok{k}" if k == 1 else f" tok{k}"
-        if self.w.api == "chat":
-            lp = self._chat_logprobs(k, k) if self.w.logprobs else None
-            return self._chunk(index, {"content": piece}, lp, None)
-        lp = self._completion_logprobs(k, k) if self.w.logprobs else None
-        chunk = self._chunk(index, None, lp, "length" if last else None, text=piece)
-        if k == 1 and index == 0:
-            meta = self._openai_meta()
-            if meta:
-                chunk["meta_info"] = meta
-        return chunk
-
-    def stream_end(self) -> list[Any]:
-        """Events after the last token (chat: finish chunks; OpenAI: optional usage chunk)."""
-        events: list[Any] = []
-        if self.w.api == "chat":
-            events += [self._chunk(i, {}, None, "length") for i in range(self.w.size)]
-        if self.w.api != "generate" and self.w.include_usage:
-            usage_chunk = self._chunk(0, None, None, None)
-            usage_chunk["choices"] = []
-            usage_chunk["usage"] = self._usage()
-            events.append(usage_chunk)
-        return events
-
-    def abort_event(self, message: str, code: int | None = None) -> Any:
-        if self.w.api == "generate":
-            return {
-                "text": "",
-                "output_ids": [],
-                "meta_info": self.meta_info(0, 0, self.abort_finish(message, code)),
-            }
-        chunk = self._chunk(0, {} if self.w.api == "chat" else None, None, "abort", text="")
-        chunk["meta_info"] = self._openai_meta(message, code)
-        return chunk
-
-    def _chunk(
-        self,
-        index: int,
-        delta: dict[str, Any] | None,
-        logprobs: Any,
-        finish: str | None,
-        text: str | None = None,
+    def _completion_chunk(
+        self, chunk_id: str, index: int, text: str, logprobs: Any, finish: str | None
     ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": index}
-        if self.w.api == "chat":
-            choice["delta"] = delta if delta is not None else {}
-        else:
-            choice["text"] = text or ""
-        choice.update({"logprobs": logprobs, "finish_reason": finish, "matched_stop": None})
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+            "matched_stop": None,
+        }
         return {
-            "id": self.rid,
-            "object": "chat.completion.chunk" if self.w.api == "chat" else "text_completion",
+            "id": chunk_id,
+            "object": "text_completion",
             "created": self.created,
             "model": self.model,
             "choices": [choice],
             "usage": None,
         }
+
+    def _usage_chunk(self) -> dict[str, Any]:
+        usage = self._usage()
+        chunk: dict[str, Any] = {
+            "id": self.last_id or (self.items[0].rid if self.items else ""),
+            "object": "chat.completion.chunk" if self.w.api == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage,
+        }
+        if self.w.api == "completions":  # model_dump_json(exclude_none=True)
+            chunk["usage"] = {k: v for k, v in usage.items() if v is not None}
+        return chunk
+
+
+def _role_delta() -> dict[str, Any]:
+    return {"reasoning_content": None, "role": "assistant", "content": ""}
+
+
+def _delta(text: str) -> dict[str, Any]:
+    return {"reasoning_content": None, "content": text}
+
+
+def _finish_delta() -> dict[str, Any]:
+    return {"reasoning_content": None}

@@ -1,78 +1,116 @@
-"""SGLang request ids (the body field `rid`) and the table of the ids an engine holds.
+"""SGLang request ids (the body field `rid`): how the engine normalizes them, and the table of
+the ids its tokenizer manager holds.
 
-SGLang names each request by `rid`: the client's (a string, or a list for a batch: one per item)
-or one the engine generates. The engine refuses a new request whose rid it already holds
-("Duplicate request ID: ...", 400), and POST /abort_request finds requests by it. It is not the
-`x-request-id` header, which stays the simulator's event key (the `rid` field of events).
+Normalization (`managers/io_struct.py` `_normalize_rid`, `_validate_rid_uniqueness`):
+- a single request (one scalar prompt, n == 1): the rid as given, else a fresh uuid4 hex;
+- a batch (a list of prompts, or n > 1): a string `X` becomes `X_0 ... X_<num-1>` where num is
+  batch_size x n; a list must have exactly batch_size entries (the number of PROMPTS, not n:
+  "The specified rids length mismatch with the batch_size for batch processing."); absent,
+  num uuids. Ids repeated inside one request are refused.
+
+Registration (`tokenizer_manager.py` `_init_req_state`): every normalized rid is registered at
+once, and a rid already registered is refused ("Duplicate request ID detected: <rid>"). With
+n > 1 SGLang then runs each prompt's samples under REGENERATED rids (`regenerate_rid`, uuid4
+hex) and drops the registered ones, so an abort by the client's rid cannot reach the samples.
+
+The table maps each registered rid to its state: which item of which request, whether the
+request reached the scheduler (`dispatched`) and whether an abort was already sent for it
+(`abort_sent`, the latch of tokenizer_manager.abort_request: see tokenizer.py).
 """
 
 from __future__ import annotations
 
+import collections
 import uuid
 from typing import Any, Generic, TypeVar
 
-from trio_pd.testing.engine.workload import BadRequest
+import attrs
+
+from trio_pd.testing.engine.workload import BadRequest, Refused, Workload
 
 Owner = TypeVar("Owner")
 
 
-class DuplicateRid(Exception):
+class DuplicateRid(Refused):
     """A request carries a rid the engine already holds."""
 
     def __init__(self, rid: str) -> None:
-        super().__init__(f"Duplicate request ID: {rid}")
+        super().__init__(f"Duplicate request ID detected: {rid}")
         self.rid = rid
 
 
-def parse_rids(value: Any, size: int, is_batch: bool) -> tuple[str, ...]:
-    """One rid per item, as SGLang normalizes them (GenerateReqInput._normalize_rid).
+class UnhashableRid(Exception):
+    """A list rid on a single request: SGLang's `rid in rid_to_state` raises TypeError (500)."""
 
-    Absent: generated (uuid4 hex, cannot collide). A string on a batch becomes `<rid>_<i>`.
-    A list must have one string per item. Ids repeated inside one request are refused.
-    """
-    if value is None:
-        return tuple(uuid.uuid4().hex for _ in range(size))
-    if isinstance(value, str):
-        rids = (value,) if not is_batch else tuple(f"{value}_{i}" for i in range(size))
-    elif isinstance(value, list) and all(isinstance(r, str) for r in value):
-        if len(value) != size:
-            raise BadRequest(f"rid must be a list of {size} strings for this request")
-        rids = tuple(value)
-    else:
+
+def new_rid() -> str:
+    return uuid.uuid4().hex
+
+
+def normalize_rids(value: Any, workload: Workload) -> tuple[str, ...]:
+    """The rids the engine registers for this request (see the module docstring)."""
+    if value is not None and not (
+        isinstance(value, str)
+        or (isinstance(value, list) and all(isinstance(r, str) for r in value))
+    ):
         raise BadRequest("rid must be a string or a list of strings")
-    if len(set(rids)) != len(rids):
-        raise BadRequest(f"rid values must be distinct within one request: {list(rids)}")
+    if not workload.is_batch:
+        if isinstance(value, list):
+            raise UnhashableRid("unhashable type: 'list'")
+        return (value if value is not None else new_rid(),)
+    num = workload.size
+    if value is None:
+        return tuple(new_rid() for _ in range(num))
+    if isinstance(value, str):
+        rids = tuple(f"{value}_{i}" for i in range(num))
+    else:
+        if len(value) != workload.batch_size:
+            raise Refused(
+                "The specified rids length mismatch with the batch_size for batch processing."
+            )
+        rids = tuple(value)
+    counts = collections.Counter(rids)
+    duplicates = [rid for rid, count in counts.items() if count > 1]
+    if duplicates:
+        raise Refused(f"Duplicate request IDs detected within the request: {duplicates}")
     return rids
 
 
+@attrs.define(eq=False)
+class RidState(Generic[Owner]):
+    owner: Owner
+    dispatched: bool = False  # the request reached the scheduler
+    abort_sent: bool = False  # an abort for this rid went to the scheduler: later ones are dropped
+
+
 class RidTable(Generic[Owner]):
-    """The rids of the requests an engine currently holds, each mapped to its request."""
+    """The rids the tokenizer manager holds, each with its state."""
 
     def __init__(self) -> None:
-        self._held: dict[str, Owner] = {}
+        self._held: dict[str, RidState[Owner]] = {}
 
-    def claim(self, rids: tuple[str, ...], owner: Owner) -> None:
-        """Hold all of `rids` for `owner`, or none of them (DuplicateRid names the first held)."""
-        for rid in rids:
+    def register(self, pairs: list[tuple[str, Owner]]) -> None:
+        """Hold every (rid, owner), or none of them (DuplicateRid names the first held)."""
+        for rid, _ in pairs:
             if rid in self._held:
                 raise DuplicateRid(rid)
-        for rid in rids:
-            self._held[rid] = owner
+        for rid, owner in pairs:
+            self._held[rid] = RidState(owner)
 
-    def release(self, rids: tuple[str, ...], owner: Owner) -> None:
+    def release(self, rids: tuple[str, ...] | list[str], owner: Owner) -> None:
         for rid in rids:
-            if self._held.get(rid) is owner:
+            state = self._held.get(rid)
+            if state is not None and state.owner is owner:
                 del self._held[rid]
 
-    def get(self, rid: str) -> Owner | None:
+    def get(self, rid: str) -> RidState[Owner] | None:
         return self._held.get(rid)
 
-    def owners(self) -> list[Owner]:
-        """Every request held, once each, oldest first."""
-        seen: dict[int, Owner] = {}
-        for owner in self._held.values():
-            seen.setdefault(id(owner), owner)
-        return list(seen.values())
+    def owned_by(self, owner: Owner) -> list[str]:
+        return [rid for rid, state in self._held.items() if state.owner is owner]
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._held
 
     def __len__(self) -> int:
         return len(self._held)

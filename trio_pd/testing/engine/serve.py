@@ -13,6 +13,7 @@ from trio_pd.testing.engine.auth import ApiKeyGate
 from trio_pd.testing.engine.bootstrap import BootstrapApp, bootstrap_client
 from trio_pd.testing.engine.config import EngineConfig
 from trio_pd.testing.engine.events import EventLog
+from trio_pd.testing.engine.heartbeat import Heartbeat
 from trio_pd.testing.engine.httpserver import ASGIApp, ConnectionRegistry, serve_asgi
 from trio_pd.testing.engine.state import EngineState
 from trio_pd.testing.engine.tls import server_ssl_context
@@ -50,7 +51,8 @@ class EngineHandle:
 
     @property
     def running(self) -> int:
-        """Decode: slots in use. Prefill: requests in flight."""
+        """Decode: slots in use (KV still held by an aborted transfer included). Prefill: engine
+        requests at the scheduler, not yet done."""
         return self.state.running
 
     @property
@@ -92,17 +94,29 @@ async def serve_engine(
     refuse = any(f.kind == "refuse" and f.role in (None, config.role) for f in state.faults)
     try:
         async with trio.open_nursery() as nursery:
+            state.background = nursery
             bootstrap_port = None
             if config.role == "prefill" and config.bootstrap_port is not None:
-                bootstrap = BootstrapApp(state.rooms, events, config.dp_size)
+                bootstrap = BootstrapApp(
+                    state.rooms,
+                    events,
+                    config.num_dp_ranks,
+                    follow_room=config.load_balance_method_resolved == "follow_bootstrap_room",
+                )
                 bootstrap_port = await nursery.start(_serve_bootstrap, bootstrap, config)
-            else:
+            elif config.role == "decode":
                 state.bootstrap_client = bootstrap_client()
-            state.ticker = type(state.ticker)(config.disconnect_poll_secs)
-            app: ASGIApp = EngineApp(state)
-            if config.api_key:  # like SGLang, an empty key means none
-                app = ApiKeyGate(app, config.api_key, events)
+                state.heartbeat = Heartbeat(
+                    config, events, state.bootstrap_client, lambda: list(state.live)
+                )
+                nursery.start_soon(state.heartbeat.run)
+            engine_app = EngineApp(state)
+            engine_app.bootstrap_port = bootstrap_port
+            app: ASGIApp = engine_app
+            if config.api_key or config.admin_api_key:  # like SGLang, an empty key means none
+                app = ApiKeyGate(app, config.api_key, config.admin_api_key, events)
             port = await nursery.start(_serve_http, app, config, state.connections, not refuse)
+            engine_app.http_port = port
             log.info(
                 "%s engine on %s://%s:%s%s%s",
                 config.role,
@@ -114,6 +128,7 @@ async def serve_engine(
             )
             task_status.started(EngineHandle(config, port, bootstrap_port, state))
     finally:
+        state.stopping = True
         with trio.CancelScope(shield=True):
             if state.bootstrap_client is not None:
                 await state.bootstrap_client.aclose()

@@ -1,9 +1,8 @@
-"""Decode slots (max_running, FIFO queue beyond) and the periodic disconnect-poll tick."""
+"""Decode slots: max_running KV preallocations per DP rank, a FIFO queue beyond them."""
 
 from __future__ import annotations
 
 import collections
-import math
 
 import trio
 
@@ -46,25 +45,3 @@ class SlotPool:
             self._waiters.popleft().set()  # the slot changes hands; `running` stays
         else:
             self.running -= 1
-
-
-class DisconnectTicker:
-    """SGLang checks for closed client connections periodically, not at once.
-
-    We model one global tick every `interval` seconds since engine start: a disconnected
-    request is aborted at the next multiple of the interval, so the delay is in (0, interval].
-    """
-
-    def __init__(self, interval: float, start: float | None = None) -> None:
-        self.interval = interval
-        self.start = trio.current_time() if start is None else start
-
-    def next_tick(self, now: float | None = None) -> float:
-        now = trio.current_time() if now is None else now
-        if self.interval <= 0:
-            return now
-        ticks = math.floor((now - self.start) / self.interval) + 1
-        return self.start + ticks * self.interval
-
-    async def wait_next_tick(self) -> None:
-        await trio.sleep_until(self.next_tick())
