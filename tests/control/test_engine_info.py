@@ -86,8 +86,9 @@ def test_server_info_relayed_to_clients_never_carries_a_workers_secret() -> None
     from trio_pd.control.fanout import REDACTED, redacted
 
     body = orjson.dumps({
-        "dp_size": 1, "api_key": "SECRET-1", "admin_api_key": "SECRET-2", "hf_token": "SECRET-3",
-        "tokenizer_path": "/models/x", "nested": [{"ssl_password": "SECRET-4"}], "api_key_file": None,
+        "dp_size": 1, "api_key": "SECRET-1", "admin_api_key": "SECRET-2",
+        "hf_token": "SECRET-3", "tokenizer_path": "/models/x",
+        "nested": [{"ssl_password": "SECRET-4"}], "api_key_file": None,
     })  # fmt: skip
     shown = orjson.loads(redacted(body))
     assert "SECRET" not in redacted(body).decode()

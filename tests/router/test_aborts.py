@@ -12,7 +12,7 @@ import trio
 
 from tests.conftest import Cluster, start_cluster
 from tests.router.fleet_tools import LOOSE
-from tests.router.helpers import generate_body, read_sse, settle
+from tests.router.helpers import CANCELLED, generate_body, read_sse, settle
 from trio_pd.config import RetryConfig
 
 RID = re.compile(r"trio-pd-[0-9a-f]{32}")
@@ -44,12 +44,16 @@ async def test_a_failed_prefill_frees_the_decode_slot_at_once(
     fault = await cluster.prefill.events.wait_for("fault", timeout=LOOSE, rid=rid)
     assert await cluster.decode.events.wait_for("slot_acquired", timeout=LOOSE, rid=rid)
     freed = await cluster.decode.events.wait_for("slot_freed", timeout=LOOSE, rid=rid)
-    assert freed["reason"] == "aborted_request"
     assert freed["t"] - fault["t"] < 2.0  # the disconnect poll would take up to 30 s
-    abort = cluster.decode.events.find("abort_request", rid=rid)[0]
-    assert abort["matched"] is True
+    # A non-stream leg is freed by the router's abort; a stream leg by the engine itself, the
+    # moment its connection closed (SGLang aborts a stream on disconnect): the router's abort
+    # then finds the rid gone, which is harmless.
+    assert freed["reason"] == ("aborted_disconnect" if stream else "aborted_request")
     started = cluster.decode.events.find("request_start", rid=rid)[0]
-    assert abort["sglang_rid"] == started["sglang_rid"]  # the router's own rid for the attempt
+    abort = await cluster.decode.events.wait_for(  # the router's own rid for the attempt
+        "abort_request", timeout=LOOSE, sglang_rid=started["sglang_rid"]
+    )
+    assert abort["matched"] is (not stream)
     assert RID.fullmatch(started["sglang_rid"])
     await settle(lambda: cluster.router.metrics.aborts.labels("decode", "sent")._value.get() >= 1)
     await cluster.client.aclose()
@@ -83,7 +87,7 @@ async def test_a_client_that_leaves_has_both_legs_aborted(nursery: trio.Nursery)
             await read_sse(response)
     assert left.cancelled_caught
     freed = await cluster.decode.events.wait_for("slot_freed", timeout=LOOSE, rid="gone")
-    assert freed["reason"] == "aborted_request"
+    assert freed["reason"] in CANCELLED  # a stream: the engine's own abort on the disconnect
     # The prefill was aborted too (the simulator's prefill stops at the disconnect itself, so
     # the abort may find it gone already: sent is what counts here).
     sglang_rid = cluster.prefill.events.find("request_start", rid="gone")[0]["sglang_rid"]

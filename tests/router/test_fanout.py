@@ -202,13 +202,34 @@ async def test_get_loads_reports_engine_load_and_feeds_the_fleet(
     assert by_id["decode-2"]["load"] == 0
     assert by_id["prefill-1"]["load"] == 0
     assert by_id[dead.id]["load"] is None and by_id[dead.id]["error"]
-    for engine in (cluster.prefill, *cluster.decodes):
-        assert asked(engine, "/get_load") == 1
+    for engine in (cluster.prefill, *cluster.decodes):  # SGLang 0.5.23's endpoint, once
+        assert asked(engine, "/v1/loads") == 1 and asked(engine, "/get_load") == 0
+    assert by_id["decode-1"]["load_endpoint"] == "/v1/loads"
+    assert [r["dp_rank"] for r in by_id["decode-1"]["dp_loads"]] == [0]
     fleet = cluster.router.fleet
     assert fleet.get("decode-1").reported_load == 1
     assert fleet.get("decode-2").reported_load == 0
     assert dead.reported_load is None
     await settle(lambda: busy.running == 0)
+    await cluster.client.aclose()
+
+
+async def test_get_loads_falls_back_to_get_load_on_older_engines(
+    nursery: trio.Nursery, seen: Any
+) -> None:
+    """An engine before SGLang 0.5.23 answers /v1/loads 404 and serves /get_load: asked that
+    from then on (one 404, not one per call)."""
+    cluster = await start_cluster(
+        nursery, health=FAST_HEALTH, decode={"legacy_load_endpoint": True}
+    )
+    for _ in range(3):
+        body = (await cluster.client.get("/get_loads")).json()
+        assert body["failed"] == 0
+    decode = next(i for i in body["workers"] if i["worker_type"] == "decode")
+    assert decode["ok"] and decode["load_endpoint"] == "/get_load"
+    assert asked(cluster.decode, "/v1/loads") == 1  # its 404, once
+    assert asked(cluster.decode, "/get_load") == 3
+    assert asked(cluster.prefill, "/v1/loads") == 3 and asked(cluster.prefill, "/get_load") == 0
     await cluster.client.aclose()
 
 

@@ -1,6 +1,5 @@
-"""Finding 5 through today's router: FAILS on today's main (`--worker-admin-api-key` does not
-exist yet; it is the name the fix is expected to use: the key the router sends on
-`/abort_request`, SMG-style global flag)."""
+"""Finding 5 through the router: with `--worker-admin-api-key` the router's `/abort_request`
+carries the engine's admin key (an engine with `--admin-api-key` refuses its API key there)."""
 
 from __future__ import annotations
 
@@ -20,7 +19,9 @@ async def test_router_aborts_with_the_admin_key(admin_pair, start_router):
         "--worker-admin-api-key", pairs.ADMIN_API_KEY,
     )  # fmt: skip
     body = {"text": "word " * scenarios.LONG_PROMPT_WORDS, "sampling_params": {"max_new_tokens": 4}}
-    async with httpx2.AsyncClient(base_url=router.url, timeout=60) as client:
+    # `--api-key` is also the key the router's clients present (SMG's meaning).
+    auth = {"authorization": f"Bearer {pairs.API_KEY}"}
+    async with httpx2.AsyncClient(base_url=router.url, timeout=60, headers=auth) as client:
         r = await client.post("/generate", json=body)
     assert r.status_code == 400, r.text
     async with scenarios.client() as engines:

@@ -85,8 +85,11 @@ class EngineApp:
             await self._model_card(path.removeprefix("/v1/models/"), resp)
             return
         methods = INFO_ROUTES.get(path)
-        if methods is None or (path == "/get_load" and not engine.config.legacy_load_endpoint):
-            if path == "/get_load":
+        # An engine before 0.5.23 (`legacy_load_endpoint`) has /get_load and no /v1/loads.
+        legacy = engine.config.legacy_load_endpoint
+        missing = "/v1/loads" if legacy else "/get_load"
+        if methods is None or path == missing:
+            if path == missing:
                 engine.events.emit("info_request", method=method, path=path, status=404)
             await failures.not_found(resp)
             return

@@ -91,7 +91,7 @@ class EngineConfig:
     tokenize_delay_ms: float = 0.0
     # > 1: the tokenizer manager forwards aborts of rids it has not registered
     tokenizer_worker_num: int = attrs.field(default=1, validator=_at_least_one)
-    # Serve the old GET /get_load (gone in 0.5.23) to test a router's fallback for old engines.
+    # Be an engine before 0.5.23: the old GET /get_load, no /v1/loads (a router's fallback).
     legacy_load_endpoint: bool = False
     # GET /health and /health_generate run a 1-token generation; SGLang answers after >= 1 s.
     # 0 here so in-process test engines answer probes at once; `trio-pd engine` defaults to 1.
