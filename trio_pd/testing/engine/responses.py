@@ -78,6 +78,7 @@ class Output:
         self.model = workload.model or model
         self.role = role
         self.created = int(time.time())
+        self.started = time.monotonic()
         self.items: list[Item] = []
         self.finished: dict[int, dict[str, Any]] = {}  # index -> finish reason, in finish order
         self.failure: tuple[int, str] | None = None  # (status, message): the first abort error
@@ -212,8 +213,16 @@ class Output:
             "prompt_tokens": item.prompt_tokens,
             "completion_tokens": done,
             "cached_tokens": 0,
+            "cached_tokens_details": None,  # null until the radix cache hits (SGLang 0.5.23)
             "weight_version": "default",
+            "dp_rank": None,
+            "num_retractions": 0,
+            "reasoning_tokens": 0,
+            "response_sent_to_client_ts": time.time(),
         }
+        if finish is not None:  # the last answer's figures (`_handle_batch_output`)
+            meta["e2e_latency"] = time.monotonic() - self.started
+            meta["weight_versions"] = []
         if self.w.logprobs:
             inputs = self.w.prompts[self.w.prompt_of(item.index)] if self.role == "prefill" else ()
             meta["input_token_logprobs"] = triples(inputs)
