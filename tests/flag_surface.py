@@ -14,6 +14,7 @@ from typing import Any
 
 from trio_pd.cli.main import build_parser
 from trio_pd.config import compat
+from trio_pd.config.flags import BY_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 SGLANG_FLAGS = ROOT / "tests" / "data" / "sglang_router_0.3.2_flags.json"
@@ -80,7 +81,8 @@ def meaning(flag: str, action: argparse.Action) -> str:
     if foreign is not None:
         return foreign.why
     help_text = (action.help or "").replace("%%", "%")
-    differs = compat.DIFFERS.get(flag)
+    row = BY_NAME.get(flag)
+    differs = row.differs if row is not None else None
     return f"{help_text}. **Differs:** {differs}" if differs else help_text
 
 

@@ -26,6 +26,7 @@ from tests.flag_surface import (
 )
 from trio_pd.cli.main import build_parser, router_config
 from trio_pd.config import compat
+from trio_pd.config.flags import DIFFERS
 
 SGLANG = sglang_flags()
 
@@ -117,7 +118,7 @@ def test_foreign_flags_are_sglang_flags() -> None:
     assert compat.FOREIGN, "compat lists SGLang's flags trio_pd does not implement"
     stale = [f.flag for f in compat.FOREIGN if f.flag not in SGLANG]
     assert not stale
-    stale_notes = [flag for flag in compat.DIFFERS if flag not in SGLANG]
+    stale_notes = [flag for flag in DIFFERS if flag not in SGLANG]
     assert not stale_notes
 
 
@@ -128,7 +129,7 @@ def test_implemented_flags_keep_sglang_defaults_and_choices() -> None:
     for flag in implemented:
         spec, action = SGLANG[flag], actions[flag]
         if not same_default(action.default, spec["default"]):
-            assert flag in compat.DIFFERS, f"{flag}: default {action.default!r} is not SGLang's"
+            assert flag in DIFFERS, f"{flag}: default {action.default!r} is not SGLang's"
         if spec["choices"]:
             assert action.choices is not None, flag
             missing = set(spec["choices"]) - set(action.choices)

@@ -8,7 +8,6 @@ lease, a compaction, a race) really happened before it checks the effect.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
@@ -18,6 +17,7 @@ import pytest
 import trio
 
 from tests.etcd.conftest import EtcdServer, free_port
+from trio_pd.cli.main import build_parser, router_config
 from trio_pd.config import EtcdConfig
 from trio_pd.membership.etcd import (
     DuplicateWorker,
@@ -25,8 +25,6 @@ from trio_pd.membership.etcd import (
     EtcdMembership,
     EtcdUnavailable,
     UnstorableSpec,
-    add_arguments,
-    config_from_args,
     prefix_end,
 )
 from trio_pd.spec import WorkerRecord, WorkerSpec
@@ -413,22 +411,17 @@ async def test_keys_written_by_others_are_read_and_bad_ones_ignored(
     await eventually(lambda: b.registry.workers == {}, PROPAGATION_SECS, "all deleted")
 
 
+def etcd_config(*argv: str) -> EtcdConfig | None:
+    """The etcd config `trio-pd serve` builds from these flags (the flag table's rows)."""
+    return router_config(build_parser().parse_args(["serve", *argv])).etcd
+
+
 def test_flags_make_the_config() -> None:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    assert config_from_args(parser.parse_args([])) is None
-    config = config_from_args(
-        parser.parse_args(
-            [
-                "--etcd-endpoints",
-                "http://10.0.0.1:2379/, http://10.0.0.2:2379",
-                "--etcd-prefix",
-                "/prod/router/",
-                "--etcd-lease-ttl-secs",
-                "10",
-            ]
-        )
-    )
+    assert etcd_config() is None
+    config = etcd_config(
+        "--etcd-endpoints", "http://10.0.0.1:2379/, http://10.0.0.2:2379",
+        "--etcd-prefix", "/prod/router/", "--etcd-lease-ttl-secs", "10",
+    )  # fmt: skip
     assert config == EtcdConfig(
         endpoints=("http://10.0.0.1:2379", "http://10.0.0.2:2379"),
         prefix="/prod/router",

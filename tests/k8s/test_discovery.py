@@ -6,7 +6,6 @@ stream it cut), then what discovery made of it, through a recording registry.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
 import math
@@ -21,12 +20,12 @@ import trio
 import trustme
 
 from tests.k8s.fake_apiserver import FakeApiServer, RequestRecord, serve_fake_apiserver
+from trio_pd.cli.main import build_parser
+from trio_pd.cli.parser import serve_config
 from trio_pd.config import KubernetesConfig
 from trio_pd.membership.kubernetes import (
     KubernetesDiscovery,
     PodView,
-    add_arguments,
-    config_from_args,
     records_for_pod,
 )
 from trio_pd.spec import WorkerRecord
@@ -774,12 +773,13 @@ def test_outside_cluster_without_api_server_is_an_error() -> None:
 
 
 def parse(*argv: str) -> KubernetesConfig | None:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return config_from_args(parser.parse_args(argv))
+    """The Kubernetes config `trio-pd serve` builds from these flags (the flag table's rows;
+    the in-cluster environment check of `router_config` left out)."""
+    args = build_parser().parse_args(["serve", *argv])
+    return serve_config(args.serve_parser, list(argv), args).kubernetes
 
 
-def test_flags() -> None:
+def test_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert parse() is None
     cfg = parse(
         "--service-discovery",
@@ -807,7 +807,10 @@ def test_flags() -> None:
         30000,
     )
     assert cfg.pods_path() == "/api/v1/pods" and cfg.server_selector() == "r=d"
-    with pytest.raises(ValueError, match="prefill-selector"):
-        parse("--service-discovery", "--selector", "app=sglang")
-    with pytest.raises(ValueError, match="key=value"):
-        parse("--service-discovery", "--prefill-selector", "app")
+    for argv, words in (
+        (("--service-discovery", "--selector", "app=sglang"), "prefill-selector"),
+        (("--service-discovery", "--prefill-selector", "app"), "key=value"),
+    ):
+        with pytest.raises(SystemExit):  # a usage error, naming what is wrong
+            parse(*argv)
+        assert words in capsys.readouterr().err

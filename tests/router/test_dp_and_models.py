@@ -93,9 +93,11 @@ async def test_without_dp_aware_the_body_is_as_before(nursery: trio.Nursery) -> 
     body = orjson.loads(cluster.prefill.events.find("request_start", rid="plain")[0]["raw"])
     assert not {"routed_dp_rank", "disagg_prefill_dp_rank"} & set(body)  # nothing pinned
     room = body["bootstrap_room"]
-    # The engines derive the rank from the room on both sides, as SGLang does unpinned.
+    # Unpinned, the prefill derives its rank from the room (`follow_bootstrap_room`, SGLang's
+    # PD prefill default); the decode balances its own ranks (round robin) and reads the
+    # prefill's rank off the room as well.
     assert cluster.prefill.events.find("kv_sent", rid="plain")[0]["dp_rank"] == room % 2
-    assert cluster.decode.events.find("room_registered", rid="plain")[0]["dp_rank"] == room % 2
+    assert cluster.decode.events.find("room_registered", rid="plain")
     await cluster.client.aclose()
 
 

@@ -2,7 +2,7 @@
 
 `trio-pd serve` takes every flag of `python -m sglang_router.launch_router` (sglang-router 0.3.2),
 so a command line copied from SGLang's documentation starts trio_pd. Most flags are implemented
-with SGLang's meaning (see `cli.py`); the ones here are not, and for each the rule is:
+with SGLang's meaning (`config/flags/`); the ones here are not, and for each the rule is:
 
 - **ignored with a warning** that names the flag, where ignoring it cannot change where a request
   goes or who may send it (the tokenizer, parsers, MCP and history flags only serve routes trio_pd
@@ -15,8 +15,7 @@ A flag is only acted on when the command line names it: SGLang's defaults are tr
 
 from __future__ import annotations
 
-import argparse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -139,84 +138,16 @@ FOREIGN: tuple[Foreign, ...] = (
 BY_FLAG = {f.flag: f for f in FOREIGN}
 
 
-class _Given(argparse.Action):
-    """Stores the value like argparse would, and notes that the command line named the flag."""
-
-    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
-        setattr(namespace, self.dest, True if self.nargs == 0 else values)
-        given = list(getattr(namespace, "foreign_given", None) or [])
-        given.append(self.option_strings[0])
-        namespace.foreign_given = given
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """SGLang's flags trio_pd does not implement, in a group of their own in `--help`."""
-    group = parser.add_argument_group(
-        "SGLang router flags outside a PD router",
-        "accepted for drop-in compatibility: ignored with a warning when ignoring them cannot "
-        "change routing or security, refused with a message otherwise",
-    )
-    for foreign in FOREIGN:
-        kwargs = dict(foreign.kwargs)
-        if kwargs.pop("switch", False):
-            kwargs.update(nargs=0, default=False)
-        else:
-            kwargs.setdefault("metavar", foreign.flag[2:].replace("-", "_").upper())
-        group.add_argument(
-            foreign.flag,
-            action=_Given,
-            dest=foreign.dest,
-            help=f"{foreign.status}: {foreign.why}",
-            **kwargs,
-        )
-    parser.set_defaults(foreign_given=[])
-
-
-def check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    """(errors, warnings) for the foreign flags this command line names."""
+def check_values(values: Mapping[str, Any], given: Collection[str]) -> tuple[list[str], list[str]]:
+    """(errors, warnings) for the foreign flags a command line names (`given`, in order);
+    `values` holds their parsed values by `Foreign.dest`."""
     errors: list[str] = []
     warnings: list[str] = []
-    for flag in dict.fromkeys(args.foreign_given):  # once per flag, in order
+    for flag in dict.fromkeys(f for f in given if f in BY_FLAG):  # once per flag, in order
         foreign = BY_FLAG[flag]
-        value = getattr(args, foreign.dest)
+        value = values.get(foreign.dest)
         if foreign.refuse(value):
             errors.append(f"{flag}: {foreign.why}")
         elif not foreign.matches(value):
             warnings.append(f"{flag} is ignored: {foreign.why}")
     return errors, warnings
-
-
-# Implemented flags whose meaning in trio_pd is wider or stricter than in SGLang's router: the
-# README's flag table shows these notes (tests/flag_surface.py), and a default that differs from
-# SGLang's must have one (tests/test_flag_surface.py).
-DIFFERS: dict[str, str] = {
-    "--prefill": "also takes `model=NAME`, the model the worker serves (else learned from it)",
-    "--decode": "also takes `model=NAME`",
-    "--pd-disaggregation": "without it SGLang's router serves regular workers; trio_pd has no "
-    "such mode",
-    "--mini-lb": "SGLang starts a separate debugging router; trio_pd keeps its own (health, "
-    "breakers, retries, aborts) and takes MiniLB's one routing rule",
-    "--enable-igw": "no effect: SGLang's router ignores a request's `model` without it; "
-    "trio_pd always honours it",
-    "--api-key": "`--data-plane-api-keys` adds more client keys beside it; from the flag or "
-    "`$TRIO_PD_API_KEY`, it must be visible ASCII",
-    "--control-plane-api-keys": "without them and without `--api-key`, the changing routes "
-    "are served on the admin listener only (`--admin-port`), never on this port (SGLang's are "
-    "open to anyone who reaches the port); with keys they are needed on both; a key must be "
-    "visible ASCII",
-    "--log-level": "`warning` and `critical` (Python's names) are accepted too",
-    "--log-dir": "a directory that cannot be created or written stops the start-up with the "
-    "reason (SGLang's router then logs nowhere): logs asked for must not be lost silently",
-    "--prometheus-port": "`0` takes any free port; a taken port stops the start-up with the "
-    "reason, as SGLang's router does by panicking",
-    "--max-concurrent-requests": "a cap that always holds, as SGLang documents it: SMG 0.3.2 "
-    "admits on a token bucket whose refill lets more in every second while earlier requests "
-    "still run",
-    "--rate-limit-tokens-per-second": "a rate limit beside the cap (a spent token is not given "
-    "back); without it or with 0, the cap alone. SMG 0.3.2 gives tokens back and refills at "
-    "this rate (default N), which only loosens its cap",
-    "--prefill-policy": "`bucket` takes only candidates (healthy, breaker allowing), and a "
-    "membership change recomputes its ranges (SGLang's may route to a worker that is out)",
-    "--policy": "`manual` keeps at most 262144 routing keys (least recently used dropped "
-    "first); SGLang bounds them by idle time only",
-}

@@ -26,7 +26,6 @@ headers a worker sends are never relayed (`upstream.relayable_headers`), so an e
 from __future__ import annotations
 
 from collections.abc import Sequence
-from urllib.parse import urlsplit
 
 import attrs
 
@@ -52,29 +51,6 @@ ANY_PREFLIGHT: Headers = (
     MAX_AGE,
 )
 NOT_ALLOWED: Headers = (VARY,)
-
-
-def check_origins(origins: Sequence[str]) -> tuple[str, ...]:
-    """The configured origins, or ValueError for one that can never equal a browser's `Origin`
-    (`scheme://host[:port]` in lowercase, nothing after it): such an entry would silently grant
-    nothing, so it is a usage error.
-
-    SMG 0.3.2 panics at startup on `*` in the list (tower-http refuses it); here it is a usage
-    error naming the fix."""
-    for origin in origins:
-        if origin == "*":
-            raise ValueError("'*' is not an origin: give no origins to allow any")
-        if not origin or not origin.isascii() or not origin.isprintable() or " " in origin:
-            raise ValueError(f"not an origin: {origin!r}")
-        parts = urlsplit(origin)
-        bare = f"{parts.scheme}://{parts.netloc}"
-        if not parts.scheme or not parts.netloc or "@" in parts.netloc or origin != bare:
-            raise ValueError(
-                f"not an origin: {origin!r} (a browser sends scheme://host[:port], no path)"
-            )
-        if origin != origin.lower():
-            raise ValueError(f"browsers send origins in lowercase: {origin.lower()!r}")
-    return tuple(origins)
 
 
 @attrs.frozen

@@ -32,7 +32,6 @@ Only the JSON gateway over HTTP(S) is spoken (no gRPC, no etcd auth, no client c
 
 from __future__ import annotations
 
-import argparse
 import base64
 import collections
 import logging
@@ -401,54 +400,6 @@ def txn_deleted(answer: Mapping[str, Any], index: int) -> int:
 
 
 # -- configuration -----------------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `--etcd-*` flags (an argument group of their own)."""
-    group = parser.add_argument_group("etcd membership (shared by router replicas)")
-    group.add_argument(
-        "--etcd-endpoints",
-        metavar="URL[,URL]",
-        default=None,
-        help="etcd client URLs (its v3 JSON gateway, e.g. http://127.0.0.1:2379); "
-        "worker membership is then read from and written to etcd",
-    )
-    group.add_argument(
-        "--etcd-prefix", default="/trio-pd", help="key prefix of this router's membership"
-    )
-    group.add_argument(
-        "--etcd-lease-ttl-secs",
-        type=int,
-        default=0,
-        help="0: workers added here stay until removed; N: they hang on this replica's lease "
-        "and vanish N seconds after the replica dies",
-    )
-    group.add_argument(
-        "--etcd-dial-timeout-secs", type=float, default=2.0, help="connecting to etcd"
-    )
-    group.add_argument("--etcd-request-timeout-secs", type=float, default=5.0, help="one etcd call")
-    group.add_argument(
-        "--etcd-resync-secs",
-        type=float,
-        default=30.0,
-        help="full re-read of the membership this often, besides the watch",
-    )
-
-
-def config_from_args(args: argparse.Namespace) -> EtcdConfig | None:
-    """The EtcdConfig the flags ask for; None without `--etcd-endpoints`.
-
-    ValueError (with a message for the user) on a bad value."""
-    if not args.etcd_endpoints:
-        return None
-    return EtcdConfig(
-        endpoints=args.etcd_endpoints,
-        prefix=args.etcd_prefix,
-        lease_ttl_secs=args.etcd_lease_ttl_secs,
-        dial_timeout_secs=args.etcd_dial_timeout_secs,
-        request_timeout_secs=args.etcd_request_timeout_secs,
-        resync_secs=args.etcd_resync_secs,
-    )
 
 
 # -- the membership source and store -----------------------------------------------------------

@@ -47,7 +47,6 @@ passed to `on_error`, for the integrator to turn into a metric.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import ipaddress
 import logging
@@ -63,10 +62,6 @@ import orjson
 import trio
 
 from trio_pd.config import KubernetesConfig
-from trio_pd.config.membership import (
-    DEFAULT_WORKER_PORTS_ANNOTATION,
-    parse_selector,
-)
 from trio_pd.spec import Registry, Role, WorkerRecord, WorkerSpec
 
 log = logging.getLogger("trio_pd.membership.kubernetes")
@@ -713,119 +708,3 @@ class KubernetesDiscovery:
 
 
 # -- command line -------------------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """SGLang router's service-discovery flags, plus ours to reach an API server from outside."""
-    d = {f.name: f.default for f in attrs.fields(KubernetesConfig)}
-    g = parser.add_argument_group("service discovery (Kubernetes)")
-    g.add_argument(
-        "--service-discovery", action="store_true", help="discover workers from Kubernetes pods"
-    )
-    g.add_argument(
-        "--selector",
-        nargs="*",
-        default=[],
-        metavar="KEY=VALUE",
-        help="labels every worker pod carries (narrows both role selectors)",
-    )
-    g.add_argument(
-        "--prefill-selector",
-        nargs="*",
-        default=[],
-        metavar="KEY=VALUE",
-        help="labels of prefill worker pods",
-    )
-    g.add_argument(
-        "--decode-selector",
-        nargs="*",
-        default=[],
-        metavar="KEY=VALUE",
-        help="labels of decode worker pods",
-    )
-    g.add_argument(
-        "--service-discovery-port",
-        type=int,
-        default=d["port"],
-        help=f"worker port for pods without a {DEFAULT_WORKER_PORTS_ANNOTATION} annotation",
-    )
-    g.add_argument(
-        "--service-discovery-namespace",
-        default=None,
-        help="namespace to watch (default: all namespaces, needs cluster-wide list/watch)",
-    )
-    g.add_argument(
-        "--bootstrap-port-annotation",
-        default=d["bootstrap_port_annotation"],
-        help="pod annotation holding a prefill pod's bootstrap port",
-    )
-    g.add_argument(
-        "--worker-ports-annotation",
-        default=d["worker_ports_annotation"],
-        help="pod annotation listing several worker ports (comma-separated)",
-    )
-    g.add_argument(
-        "--model-id-from",
-        default=None,
-        metavar="SOURCE",
-        help="worker model id from the pod: namespace, label:<key> or annotation:<key>",
-    )
-    g.add_argument(
-        "--kube-api-server",
-        default=None,
-        metavar="URL",
-        help="API server URL (default: in-cluster KUBERNETES_SERVICE_HOST/PORT)",
-    )
-    g.add_argument(
-        "--kube-token-file",
-        default=None,
-        metavar="PATH",
-        help=f"bearer token file, read before every request (in-cluster: {DEFAULT_TOKEN_FILE})",
-    )
-    g.add_argument(
-        "--kube-ca-file",
-        default=None,
-        metavar="PATH",
-        help=f"CA bundle of the API server (in-cluster: {DEFAULT_CA_FILE})",
-    )
-    g.add_argument(
-        "--kube-watch-timeout-secs",
-        type=int,
-        default=d["watch_timeout_secs"],
-        help="timeoutSeconds of each watch",
-    )
-    g.add_argument(
-        "--kube-stall-timeout-secs",
-        type=float,
-        default=d["stall_timeout_secs"],
-        help="restart a watch that delivers no event or bookmark for this long",
-    )
-    g.add_argument(
-        "--kube-resync-secs",
-        type=float,
-        default=d["resync_secs"],
-        help="hand the registry the whole pod-derived set this often",
-    )
-
-
-def config_from_args(args: argparse.Namespace) -> KubernetesConfig | None:
-    """The config for `--service-discovery`, None without it; ValueError on bad values (the
-    caller turns it into `parser.error`)."""
-    if not args.service_discovery:
-        return None
-    return KubernetesConfig(
-        prefill_selector=parse_selector(args.prefill_selector),
-        decode_selector=parse_selector(args.decode_selector),
-        selector=parse_selector(args.selector),
-        namespace=args.service_discovery_namespace or None,
-        port=args.service_discovery_port,
-        bootstrap_port_annotation=args.bootstrap_port_annotation,
-        worker_ports_annotation=args.worker_ports_annotation,
-        model_id_from=args.model_id_from,
-        api_server=args.kube_api_server,
-        token_file=args.kube_token_file,
-        ca_file=args.kube_ca_file,
-        watch_timeout_secs=args.kube_watch_timeout_secs,
-        stall_timeout_secs=args.kube_stall_timeout_secs,
-        resync_secs=args.kube_resync_secs,
-    )

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from trio_pd.config.values import usable_key
 from trio_pd.spec import WorkerSpec
-from trio_pd.upstream.headers import usable_key
 from trio_pd.upstream.urls import check_syntax
 
 WORKER_TYPES = ("prefill", "decode")

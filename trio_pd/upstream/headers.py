@@ -152,12 +152,6 @@ def client_authorization(
     return None
 
 
-def usable_key(key: str | None) -> bool:
-    """Whether a worker key can go into `worker_authorization`'s header as it is (visible
-    ASCII: a CR/LF would inject headers of its own). Keys are checked where they come in."""
-    return key is None or all(0x21 <= ord(c) <= 0x7E for c in key)
-
-
 def generation_key(spec: WorkerSpec, router_key: str | None) -> str | None:
     """The key a worker's generation, info and health routes get: its own, else `--api-key`."""
     return spec.api_key or router_key

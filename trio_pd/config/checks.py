@@ -1,0 +1,163 @@
+"""Every check of a finished RouterConfig, in one place, raising one error type.
+
+The values come from the command line, a config file or the environment (`build.py`); what is
+refused here is refused whatever the source, and the error names that source (`sources`: a
+field's flag, or `$VAR`). SMG's own validation is kept where it has one (`config/validation.rs`:
+ports, positive start-up settings, the rate and breaker window, the OTLP endpoint).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable, Mapping
+from typing import NoReturn
+
+from trio_pd.config.router import RouterConfig
+from trio_pd.config.values import usable_key
+
+HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110's token
+TRACE_MODULES = (
+    "opentelemetry.sdk.trace",
+    "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+)
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+Fail = Callable[[str, str], NoReturn]  # (field, why): raise ConfigError naming the field's source
+Where = Callable[[str], str]  # field -> its flag, or `$VAR`
+
+
+class ConfigError(ValueError):
+    """A configuration the router refuses to start with: the message says which value, and why."""
+
+
+def check(config: RouterConfig, sources: Mapping[str, str]) -> None:
+    """Raise ConfigError at the first problem of `config` (`sources[field]` names its flag)."""
+
+    def where(field: str) -> str:
+        return sources.get(field, field)
+
+    def fail(field: str, why: str) -> NoReturn:
+        raise ConfigError(f"{where(field)} {why}")
+
+    for field, value in (
+        ("max_sse_event_bytes", config.max_sse_event_bytes),
+        ("load_poll_interval_secs", config.load_poll_interval_secs),
+        ("health.startup_timeout_secs", config.health.startup_timeout_secs),
+        ("tls_handshake_timeout_secs", config.tls_handshake_timeout_secs),
+    ):
+        if not value > 0:
+            fail(field, f"must be > 0, not {value}")
+    if config.max_buffered_bytes < 0:
+        fail(
+            "max_buffered_bytes", f"must be 0 (no budget) or more, not {config.max_buffered_bytes}"
+        )
+    check_ports(config, fail)
+    check_admission(config, fail)
+    check_policy(config, fail)
+    check_keys(config, where)
+    for name in config.request_id_headers or ():
+        if not HEADER_NAME.fullmatch(name):
+            raise ConfigError(f"{where('request_id_headers')}: {name!r} is not an HTTP header name")
+    if config.etcd is not None and config.membership_file:
+        raise ConfigError(
+            "--etcd-endpoints and --membership-file are two membership stores: pick one"
+        )
+    if config.enable_trace:
+        check_tracing(config, fail)
+
+
+def check_ports(config: RouterConfig, fail: Fail) -> None:
+    if config.prometheus_port is not None and not 0 <= config.prometheus_port <= 65535:
+        fail("prometheus_port", f"must be a port number (0-65535), not {config.prometheus_port}")
+    if not config.admin_port:
+        return
+    for field, host, port in (
+        ("port", config.host, config.port),
+        ("prometheus_port", config.prometheus_host, config.prometheus_port),
+    ):
+        same_host = (
+            host == config.admin_host
+            or host in WILDCARD_HOSTS
+            or config.admin_host in WILDCARD_HOSTS
+        )
+        if port == config.admin_port and same_host:
+            fail("admin_port", f"{config.admin_port} is also the {field} port: give the admin "
+                 "listener its own")  # fmt: skip
+
+
+def check_admission(config: RouterConfig, fail: Fail) -> None:
+    rate = config.rate_limit_tokens_per_second
+    if rate is not None and rate < 0:
+        fail("rate_limit_tokens_per_second", "must be >= 0")
+    if config.breaker.window_duration_secs <= 0:
+        fail("breaker.window_duration_secs", "must be > 0")
+    cap = config.max_concurrent_requests
+    if 0 < cap < config.workers:
+        fail("max_concurrent_requests", f"{cap} is below --workers {config.workers}: each "
+             "process needs one slot at least (it is divided among them)")  # fmt: skip
+
+
+def check_policy(config: RouterConfig, fail: Fail) -> None:
+    """The bounds SGLang's router puts on the manual and bucket knobs."""
+    policy = config.policy
+    if policy.max_idle_secs < 0:
+        fail("policy.max_idle_secs", f"must be 0 (never forget) or more: {policy.max_idle_secs}")
+    if policy.for_role("prefill") == "bucket" and policy.bucket_adjust_interval_secs < 1:
+        fail("policy.bucket_adjust_interval_secs",
+             f"must be 1 or more: {policy.bucket_adjust_interval_secs}")  # fmt: skip
+
+
+def check_keys(config: RouterConfig, where: Where) -> None:
+    """Keys go into Authorization headers: visible ASCII, wherever they came from; an error
+    says which key (by position for a list), and never shows it."""
+    for field in ("api_key", "worker_admin_api_key"):
+        key = getattr(config, field)
+        if key is not None and not usable_key(key):
+            raise ConfigError(f"{where(field)} must be visible ASCII (it is sent in an "
+                              f"Authorization header){hint(key)}")  # fmt: skip
+    for n, key in enumerate(config.data_plane_api_keys, 1):
+        if not usable_key(key):
+            raise ConfigError(f"{where('data_plane_api_keys')}: key {n} must be visible ASCII "
+                              f"(no spaces or control characters){hint(key)}")  # fmt: skip
+
+
+def hint(key: str) -> str:
+    """What is wrong with a key, without showing it: a trailing newline is the usual cause."""
+    if key.endswith(("\n", "\r")):
+        return " (it ends with a line break: a Secret or file written with a newline?)"
+    return ""
+
+
+def check_tracing(config: RouterConfig, fail: Fail) -> None:
+    """`--otlp-traces-endpoint` as SMG checks it (only with `--enable-trace`), and the
+    OpenTelemetry packages present: either missing is an error at startup, not a router that
+    serves without the traces it was asked for."""
+    endpoint = config.otlp_traces_endpoint
+    problem = otlp_endpoint_problem(endpoint)
+    if problem is not None:
+        fail("otlp_traces_endpoint", f"{endpoint!r}: {problem}")
+    for module in TRACE_MODULES:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ConfigError(
+                f"--enable-trace needs OpenTelemetry ({exc.name or module} is missing): "
+                "pip install 'trio_pd[trace]'"
+            ) from None
+
+
+def otlp_endpoint_problem(endpoint: str) -> str | None:
+    """What is wrong with a `<host>:<port>` collector address (SMG's config/validation.rs:
+    a colon, a host before it, a port 1-65535 after it), or None."""
+    scheme, sep, rest = endpoint.partition("://")
+    address = rest if sep and scheme in ("http", "https") else endpoint
+    host, colon, port = address.rpartition(":")
+    if not colon:
+        return "expected format <host>:<port>, e.g. otel-collector:4317 or 127.0.0.1:4317"
+    if not host:
+        return "host part cannot be empty"
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        return "port must be a number between 1 and 65535"
+    return None
