@@ -11,6 +11,15 @@ from trio_pd.errors import RouterError
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 JSON_HEADERS = [(b"content-type", b"application/json")]
+CLIENT_GONE_STATUS = 499  # nginx's convention for "the client closed the request"
+
+
+def final_status(responder: Responder) -> int:
+    """The status a request ended with, as its metrics, access-log line and span all count it:
+    what the client got once its answer was complete, 499 when the client left before."""
+    if responder.finished and responder.status is not None:
+        return responder.status
+    return CLIENT_GONE_STATUS
 
 
 @attrs.frozen

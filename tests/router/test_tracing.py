@@ -419,7 +419,8 @@ def test_a_router_without_tracing_never_imports_opentelemetry() -> None:
     program = (
         "import sys\n"
         "from trio_pd.cli.main import build_parser, router_config\n"
-        "from trio_pd.edge.router import Router, start_tracing\n"
+        "from trio_pd.edge.router import Router\n"
+        "from trio_pd.edge.lifespan import start_tracing\n"
         "from trio_pd.serve.run import run\n"
         "args = build_parser().parse_args(['serve', '--prefill', 'http://127.0.0.1:1'])\n"
         "config = router_config(args)\n"

@@ -1,9 +1,9 @@
-"""The router's ASGI callable: route table, request id, error envelope, lifespan.
+"""The router's ASGI callable, and the wiring of its parts: route table, request id, error envelope.
 
 A bare ASGI app, no framework: hypercorn calls ``Router.__call__`` for every request and once for
-the lifespan, whose nursery holds every long-lived task (`background.py`). Whatever happens
-inside a handler, the client gets the PROTOCOL.md §7 envelope with its `x-request-id` (or, once
-a stream has started, an error event): never hypercorn's empty 500.
+the lifespan (`lifespan.py`), whose nursery holds every long-lived service (`services.py`).
+Whatever happens inside a handler, the client gets the docs/protocol.md §7 envelope with its
+`x-request-id` (or, once a stream has started, an error event): never hypercorn's empty 500.
 """
 
 from __future__ import annotations
@@ -16,20 +16,19 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
-import trio_parallel
 
 from trio_pd.asgi import ClientGone, Receive, Scope, Send
 from trio_pd.config import RouterConfig
 from trio_pd.control.context import ControlContext
 from trio_pd.edge.admission import Admission
-from trio_pd.edge.auth import Access, Door, startup_warnings
+from trio_pd.edge.auth import Access, Door
 from trio_pd.edge.cors import CorsPolicy, handle_preflight
 from trio_pd.edge.drain import Drain
 from trio_pd.edge.generation import GenerationContext, owned_keys
 from trio_pd.edge.intake import BODY_COPIES
+from trio_pd.edge.lifespan import Lifespan
 from trio_pd.edge.request_ids import RequestIds
 from trio_pd.edge.routes import Route, route_table
-from trio_pd.edge.services import ServiceContext, run_background
 from trio_pd.edge.supervision import ServiceGuard
 from trio_pd.errors import RouterError, internal_error, method_not_allowed, not_found
 from trio_pd.fleet.registry import Fleet
@@ -41,18 +40,16 @@ from trio_pd.pd.aborts import AbortService
 from trio_pd.pd.budget import MemoryBudget
 from trio_pd.pd.dispatch import DispatchContext
 from trio_pd.pd.relay import error_frame
-from trio_pd.respond import Responder, deny_websocket
-from trio_pd.upstream.client import make_client
+from trio_pd.respond import Responder, deny_websocket, final_status
 from trio_pd.upstream.destinations import Destinations, parse_allow
 from trio_pd.upstream.headers import RouterKeys
 from trio_pd.upstream.pool import UpstreamPool
 from trio_pd.upstream.tls import worker_ssl_context
 
 if TYPE_CHECKING:
-    from trio_pd.edge.tracing import Tracing
+    pass
 
 log = logging.getLogger("trio_pd.app")
-CLIENT_GONE_STATUS = 499  # nginx's convention for "the client closed the request"
 
 
 @attrs.define(eq=False)
@@ -210,13 +207,6 @@ class Router:
         """The long-lived membership readers, run in the lifespan (`background.py`)."""
         return self.membership.sources
 
-    def services(self) -> ServiceContext:
-        """The narrow context of the lifespan's services (once the control client is open)."""
-        return ServiceContext(
-            self.config, self.fleet, self.metrics, self.pool, self.control.http, self.aborts,
-            self.sources, self.guard,
-        )  # fmt: skip
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             await self.handle_http(scope, receive, send)
@@ -228,36 +218,11 @@ class Router:
     # -- lifespan ---------------------------------------------------------------------------
 
     async def lifespan(self, receive: Receive, send: Send) -> None:
-        message = await receive()
-        assert message["type"] == "lifespan.startup"
-        self.control.client = make_client(self.ssl_context, self.destinations)
-        startup_warnings(self.access)
-        self.metrics.attach(self.fleet, self.pool, lambda: self.admission.waiting)
-        self.generation.tracing = start_tracing(self.config)
-        try:
-            async with trio_parallel.open_worker_context() as parsers:
-                self.generation.parsers = parsers
-                async with trio.open_nursery() as nursery:
-                    # Supervised as a whole too: an exception escaping the services' own
-                    # nursery restarts them, and repeated ones end the process (crash-only).
-                    services = partial(run_background, self.services())
-                    await nursery.start(self.guard.supervised, "services", services)
-                    await send({"type": "lifespan.startup.complete"})
-                    message = await receive()
-                    assert message["type"] == "lifespan.shutdown"
-                    if self.aborts is not None:  # what the drain cut is freed in its engines
-                        await self.aborts.flush()
-                    nursery.cancel_scope.cancel(reason="lifespan shutdown")
-        finally:
-            self.generation.parsers = None
-            tracing, self.generation.tracing = self.generation.tracing, None
-            with trio.CancelScope(shield=True):
-                await self.control.http.aclose()
-                await self.pool.aclose()
-                await close_membership(self.membership)
-                if tracing is not None:  # after the drain: every request span has ended
-                    await tracing.shutdown()
-        await send({"type": "lifespan.shutdown.complete"})
+        await Lifespan(
+            self.config, self.access, self.metrics, self.fleet, self.pool, self.admission,
+            self.control, self.generation, self.guard, self.aborts, self.membership,
+            self.ssl_context, self.destinations, self.sources,
+        ).run(receive, send)  # fmt: skip
 
     # -- http -------------------------------------------------------------------------------
 
@@ -296,7 +261,7 @@ class Router:
         except* Exception as group:
             await self.internal_error(group, responder)
         finally:
-            status = responder.status if responder.finished else CLIENT_GONE_STATUS
+            status = final_status(responder)
             elapsed = trio.current_time() - started_at
             self.metrics.count_request(label, status, elapsed)
             model = responder.route_info.get("model")
@@ -378,27 +343,6 @@ class BodySeen:
             if name == b"transfer-encoding" or (name == b"content-length" and value != b"0"):
                 return True
         return False
-
-
-def start_tracing(config: RouterConfig) -> Tracing | None:
-    """This process's tracer (`--enable-trace`), made in the process that serves: with
-    `--workers N` each spawned process exports its own spans. OpenTelemetry is imported here
-    and only here, so a router without tracing never loads it."""
-    if not config.enable_trace:
-        return None
-    from trio_pd.edge.tracing import Tracing
-
-    return Tracing.start(config.otlp_traces_endpoint)
-
-
-async def close_membership(membership: Membership) -> None:
-    """Close the clients the store and sources hold (etcd's), once their tasks have ended."""
-    closers = {id(x): x for x in (membership.store, *membership.sources) if hasattr(x, "aclose")}
-    for thing in closers.values():
-        try:
-            await thing.aclose()
-        except Exception:
-            log.exception("closing membership %s failed", getattr(thing, "name", thing))
 
 
 def first_leaf(group: BaseExceptionGroup) -> RouterError:

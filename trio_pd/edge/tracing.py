@@ -52,6 +52,7 @@ import trio_pd
 from trio_pd.asgi import ClientGone
 from trio_pd.errors import RouterError
 from trio_pd.pd.outcome import LegFailure, LegSuccess
+from trio_pd.respond import CLIENT_GONE_STATUS, final_status
 
 if TYPE_CHECKING:
     from trio_pd.pd.attempt import Attempt, Leg
@@ -66,7 +67,6 @@ MAX_BATCH = 64  # (OTEL_BSP_MAX_EXPORT_BATCH_SIZE overrides it)
 DROP_WARNING_SECS = 60.0  # "queue full, dropping span" is logged at most this often
 FLUSH_SECS = 5.0  # at shutdown, spans still queued get this long to leave
 TRACE_HEADERS = (b"traceparent", b"tracestate")
-CLIENT_GONE_STATUS = 499  # as the access log and metrics count a request whose client left
 
 
 def otlp_url(endpoint: str) -> str:
@@ -253,8 +253,8 @@ class RequestTrace:
             status = CLIENT_GONE_STATUS
         elif error is not None:
             status = 500
-        else:
-            status = responder.status or 0
+        else:  # as metrics and the access log count it
+            status = final_status(responder)
         info = responder.route_info
         attributes: dict[str, Any] = {
             "status_code": status,
