@@ -32,6 +32,11 @@ class WorkerSpec:
     admin_api_key: str | None = attrs.field(default=None, repr=False)
 
 
+def _own_copy(meta: Mapping[str, str]) -> dict[str, str]:
+    """A record keeps its own copy: the source may go on changing the mapping it built."""
+    return dict(meta)
+
+
 @attrs.frozen
 class WorkerRecord:
     """One worker as a source wants it.
@@ -45,7 +50,7 @@ class WorkerRecord:
     id: str
     spec: WorkerSpec
     source: str
-    meta: Mapping[str, str] = attrs.field(factory=dict, converter=dict)
+    meta: Mapping[str, str] = attrs.field(factory=dict, converter=_own_copy)
 
 
 class Registry(Protocol):

@@ -28,7 +28,7 @@ class Parser(argparse.ArgumentParser):
     """Remembers the tokens of its `serve` command on the namespace (`_serve_argv`): which
     flags the command line named decides whether the environment or a warning applies."""
 
-    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def]
+    def parse_known_args(self, args=None, namespace=None):
         tokens = list(sys.argv[1:] if args is None else args)
         parsed, rest = super().parse_known_args(tokens, namespace)
         if getattr(parsed, "command", None) == "serve":

@@ -32,7 +32,13 @@ class PrefillAction(argparse.Action):
     """`--prefill URL [PORT|none] [model=NAME]`: a bootstrap port is optional, `none` means no
     port; `model=NAME` names the model the worker serves (else it is learned from the worker)."""
 
-    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         url, *rest = values
         model, rest = take_model(parser, option_string, rest)
         if len(rest) > 1:
@@ -54,7 +60,13 @@ class PrefillAction(argparse.Action):
 class DecodeAction(argparse.Action):
     """`--decode URL [model=NAME]`."""
 
-    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         url, *rest = values
         model, rest = take_model(parser, option_string, rest)
         if rest:
@@ -134,8 +146,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser, suppress: bool = False)
         "accepted for drop-in compatibility: ignored with a warning when ignoring them cannot "
         "change routing or security, refused with a message otherwise",
     )
-    for row in compat.FOREIGN:
-        add_foreign(foreign, row, suppress)
+    for foreign_row in compat.FOREIGN:
+        add_foreign(foreign, foreign_row, suppress)
 
 
 def given_flags(argv: Sequence[str]) -> list[str]:

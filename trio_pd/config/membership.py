@@ -65,7 +65,7 @@ def _selector(value: Mapping[str, str] | Iterable[str] | None) -> dict[str, str]
     return parse_selector(value)
 
 
-def _positive(_instance: Any, attribute: attrs.Attribute, value: float) -> None:  # type: ignore[type-arg]
+def _positive(_instance: Any, attribute: attrs.Attribute[Any], value: float) -> None:
     if value <= 0:
         raise ValueError(f"{attribute.name} must be > 0, not {value}")
 

@@ -6,7 +6,7 @@ without rewriting their flags.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 
@@ -73,7 +73,7 @@ class TimeoutConfig:
     stream_stall_secs: float = 30.0  # the client has not drained the stream for this long
 
 
-def _not_bucket(instance: object, attribute: attrs.Attribute[object], value: object) -> None:
+def _not_bucket(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     """SGLang's router refuses a bucket decode policy: decode has no prompt to balance."""
     if value == "bucket":
         raise ValueError(f"{attribute.name}: bucket is a prefill policy (--prefill-policy bucket)")

@@ -45,13 +45,13 @@ async def handle_readiness(
     """
     if drain.draining:
         error = {"message": "shutting down", "type": "service_unavailable", "code": 503}
-        body = {"status": "not ready", "reason": "draining", "error": error}
+        body: dict[str, object] = {"status": "not ready", "reason": "draining", "error": error}
         await json_reply(rsp, 503, body)
         return
     membership = {name: "up" if ok else "down" for name, (ok, _) in fleet.sources.items()}
     extra: dict[str, object] = {"membership": membership} if membership else {}
     workers = fleet.workers()
-    counts = {
+    counts: dict[str, object] = {
         "healthy_workers": sum(1 for w in workers if w.healthy and not w.removed),
         "total_workers": len(workers),
     }

@@ -263,7 +263,7 @@ class RequestTrace:
         for key in ("model", "attempts", "prefill", "decode"):
             value = info.get(key)
             if value is not None:
-                attributes[key] = value  # type: ignore[assignment]
+                attributes[key] = value
         if cancel_cause is not None:
             attributes["cancel_cause"] = cancel_cause
         if isinstance(error, RouterError):

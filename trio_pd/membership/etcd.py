@@ -548,7 +548,7 @@ class EtcdMembership:
                 raise ValueError(f"role must be prefill or decode: {role!r}")
             if not worker_id or "/" in worker_id:
                 raise ValueError(f"bad worker id {worker_id!r}")
-            spec = decode_spec(role, kv.value)  # type: ignore[arg-type]
+            spec = decode_spec(role, kv.value)
         except ValueError as exc:
             if (kv.key, kv.mod_revision) not in self._bad:
                 self._bad.add((kv.key, kv.mod_revision))
@@ -825,9 +825,9 @@ class EtcdMembership:
                     self._owned[worker_id] = _Owned(spec, lease)
                 self._apply_local(kv, key, revision)
                 log.info("worker %s added to etcd: %s %s", worker_id, spec.role, spec.url)
-                record = self._records.get(worker_id) or self._record_of(kv)
-                assert record is not None
-                return record
+                added = self._records.get(worker_id) or self._record_of(kv)
+                assert added is not None
+                return added
             taken = txn_kvs(answer, 0)
             if taken:
                 other = taken[0].value.decode()

@@ -407,7 +407,7 @@ class Attempt:
         metrics.first_token.observe(last - self.request_started)
         gaps = metrics.chunk_gap
         send = self.responder.send
-        events = 1 + rest.count(b"\n\n")
+        relayed = 1 + rest.count(b"\n\n")
         try:
             async with trio.open_nursery() as guard:
                 guard.start_soon(self._watch_stream, clock, response)
@@ -420,7 +420,7 @@ class Attempt:
                         now = trio.current_time()
                         gaps.observe(now - last)
                         last = now
-                        events += chunk.count(b"\n\n")
+                        relayed += chunk.count(b"\n\n")
                         clock.started += 1
                         await send(chunk)
                         clock.sent += 1
@@ -430,7 +430,7 @@ class Attempt:
                     return
                 guard.cancel_scope.cancel()
         finally:
-            metrics.events_relayed.inc(events)
+            metrics.events_relayed.inc(relayed)
         await self.responder.finish_stream(b"")
         self.decode.result = LegSuccess(response.status, headers, b"")
 

@@ -25,15 +25,15 @@ import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import trio
 from hypercorn.config import Config, Sockets
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.statsd import StatsdLogger
 from hypercorn.trio.worker_context import WorkerContext
-from hypercorn.typing import ConnectionState
-from hypercorn.utils import repr_socket_addr
+from hypercorn.typing import AppWrapper, ASGIFramework, ConnectionState
+from hypercorn.utils import repr_socket_addr, wrap_app
 
 from trio_pd.serve.connection import Connection
 
@@ -42,6 +42,12 @@ ACCEPT_BURST = 512  # connections accepted per wake-up of a listening socket, at
 # Out of file descriptors or memory: wait a little before accepting again (as trio does).
 RESOURCE_ERRORS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 RESOURCE_PAUSE_SECS = 0.1
+
+
+def wrap_asgi(app: object, config: Config) -> AppWrapper:
+    """hypercorn's wrapper for a bare ASGI app. Our apps type their scope as a plain dict, where
+    hypercorn's types name every scope and event: the cast says they are the same callable."""
+    return wrap_app(cast(ASGIFramework, app), config.wsgi_max_body_size, "asgi")
 
 
 async def serve_app(
@@ -53,7 +59,7 @@ async def serve_app(
     http2: bool = False,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve `app` (already wrapped by `hypercorn.utils.wrap_app`) on `sockets` until
+    """Serve `app` (already wrapped by `wrap_asgi`) on `sockets` until
     `shutdown_trigger` returns; `task_status` gets the bound URLs. Connections are served by
     `connection.Connection` (strict HTTP/1.1; HTTP/2 only with `http2`)."""
     config.set_statsd_logger_class(StatsdLogger)

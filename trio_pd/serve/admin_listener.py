@@ -29,12 +29,11 @@ from collections.abc import Awaitable, Callable
 
 import trio
 from hypercorn.config import Sockets
-from hypercorn.utils import wrap_app
 
 from trio_pd.asgi import Receive, Scope, Send
 from trio_pd.edge.router import Router
 from trio_pd.respond import deny_websocket
-from trio_pd.serve.accept import bound_url, serve_app
+from trio_pd.serve.accept import bound_url, serve_app, wrap_asgi
 from trio_pd.serve.listeners import bind_one, side_listener_config, where
 
 log = logging.getLogger("trio_pd.admin")
@@ -106,7 +105,7 @@ async def serve_admin(
     """Serve the admin door of `router` on `sockets` until `shutdown_trigger` returns (or
     cancelled). Start it once the router's lifespan has started (its control client is open)."""
     hc = side_listener_config()
-    app = wrap_app(AdminDoor(router), hc.wsgi_max_body_size, "asgi")
+    app = wrap_asgi(AdminDoor(router), hc)
     url = admin_url(sockets)
     log.info("admin API on %s (the control plane's own door)", url)
     host = router.config.admin_host

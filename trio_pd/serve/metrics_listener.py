@@ -27,13 +27,12 @@ from functools import partial
 
 import trio
 from hypercorn.config import Sockets
-from hypercorn.utils import wrap_app
 
 from trio_pd.asgi import Receive, Scope, Send
 from trio_pd.errors import method_not_allowed, not_found
 from trio_pd.observe.metrics import CONTENT_TYPE
 from trio_pd.respond import Reply, Responder, deny_websocket
-from trio_pd.serve.accept import bound_url, serve_app
+from trio_pd.serve.accept import bound_url, serve_app, wrap_asgi
 from trio_pd.serve.listeners import (
     SIDE_GRACE_SECS,
     bind_one,
@@ -99,7 +98,7 @@ async def serve_metrics(
 ) -> None:
     """Serve `render()` on `sockets` until `shutdown_trigger` returns (or cancelled)."""
     hc = side_listener_config()
-    app = wrap_app(MetricsOnlyApp(render), hc.wsgi_max_body_size, "asgi")
+    app = wrap_asgi(MetricsOnlyApp(render), hc)
     urls = [bound_url(sock, None) for sock in sockets.insecure_sockets]
     log.info("metrics on %s", ", ".join(f"{url}/metrics" for url in urls))  # already listening
     await serve_app(app, hc, sockets, shutdown_trigger, task_status=task_status)

@@ -18,12 +18,11 @@ from typing import Any
 
 import trio
 from hypercorn.config import Sockets
-from hypercorn.utils import wrap_app
 
 from trio_pd.config import RouterConfig
 from trio_pd.edge.router import Router
 from trio_pd.observe.logs import configure as configure_logging
-from trio_pd.serve.accept import serve_app
+from trio_pd.serve.accept import serve_app, wrap_asgi
 from trio_pd.serve.admin_listener import admin_url, bind_admin, serve_admin
 from trio_pd.serve.listeners import close_sockets, hypercorn_config, make_sockets
 from trio_pd.serve.metrics_listener import bind_metrics, serve_metrics
@@ -81,7 +80,7 @@ async def serve(
         if metrics_sockets is not None:  # until the router is done: it outlives the drain
             render = app.metrics.render
             await nursery.start(serve_metrics, render, metrics_sockets, trio.sleep_forever)
-        wrapped = wrap_app(app, hc.wsgi_max_body_size, "asgi")
+        wrapped = wrap_asgi(app, hc)
 
         async def data_plane(task_status: trio.TaskStatus[list[str]]) -> None:
             await serve_app(

@@ -12,7 +12,7 @@ as it is) and round robin. trio_pd's own suite is built on it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import httpx2
@@ -61,7 +61,9 @@ class Cluster:
         return [state for o, state in self.router.pool.connections() if o == engine.url]
 
 
-async def start_engine(nursery: trio.Nursery, role: str, **overrides: Any) -> EngineHandle:
+async def start_engine(
+    nursery: trio.Nursery, role: Literal["prefill", "decode"], **overrides: Any
+) -> EngineHandle:
     options = {**ENGINE_DEFAULTS, **overrides}
     if role == "prefill":
         options.setdefault("bootstrap_port", 0)

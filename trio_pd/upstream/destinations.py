@@ -99,9 +99,10 @@ def parse_allow(cidrs: Sequence[str]) -> tuple[Network, ...]:
     return tuple(ipaddress.ip_network(c, strict=False) for c in cidrs)
 
 
-def parse_address(text: str) -> Address:
-    """An address from a socket or getaddrinfo (an IPv6 scope id is dropped)."""
-    return ipaddress.ip_address(text.split("%", 1)[0])
+def parse_address(text: str | int) -> Address:
+    """An address from a socket or getaddrinfo (an IPv6 scope id is dropped; typeshed types a
+    sockaddr's host as `str | int`, getaddrinfo gives a string)."""
+    return ipaddress.ip_address(str(text).split("%", 1)[0])
 
 
 def embedded_ipv4(address: Address) -> list[ipaddress.IPv4Address]:

@@ -25,6 +25,7 @@ import select
 import socket
 import ssl
 from collections.abc import Sequence
+from typing import Literal
 
 import httptools
 import trio
@@ -47,9 +48,9 @@ class TransportError(Exception):
     """The connection or the server failed: `kind` is "transport" (refused, reset, closed,
     garbled response, TLS failure) or "timeout" (the connect timeout passed)."""
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: Literal["transport", "timeout"], message: str) -> None:
         super().__init__(message)
-        self.kind = kind
+        self.kind: Literal["transport", "timeout"] = kind
 
 
 class _StopParsing(Exception):
@@ -156,7 +157,10 @@ async def _open_checked(host: str, port: int, destinations: Destinations) -> tri
     causes: list[Exception] = []
     for error in errors:  # trio's own error groups each address's attempts as its cause
         inner = error.__cause__
-        causes.extend(inner.exceptions if isinstance(inner, BaseExceptionGroup) else [error])
+        if isinstance(inner, ExceptionGroup):
+            causes.extend(inner.exceptions)
+        else:
+            causes.append(error)
     failed = OSError(f"no address of {host} accepted the connection")
     failed.__cause__ = ExceptionGroup("connect attempts", causes) if causes else None
     raise failed
@@ -262,7 +266,7 @@ class Connection:
         self._head_request = False
         self._stopped = False
         self._failure: str | None = None  # why the connection cannot be read any more
-        self._parser = httptools.HttpResponseParser(self)
+        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
 
     # -- the caller's API -------------------------------------------------------------------
 

@@ -139,9 +139,9 @@ class UpstreamPool:
         Decided in one synchronous pass (no connection can be returned or taken meanwhile),
         then closed under a shield.
         """
-        expired = []
+        expired: list[Connection] = []
         for stack in self._idle.values():
-            keep = []
+            keep: list[Connection] = []
             for connection in stack:
                 (expired if connection.is_stale() else keep).append(connection)
             stack[:] = keep

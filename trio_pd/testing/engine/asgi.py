@@ -71,7 +71,7 @@ class Responder:
         self,
         send: Any,
         request_id: str | None = None,
-        on_start: Callable[[int], None] | None = None,
+        on_start: Callable[[int], object] | None = None,
     ) -> None:
         self._send = send
         self._request_id = request_id

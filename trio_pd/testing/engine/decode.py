@@ -223,7 +223,7 @@ async def _item(call: Call, item: Item, room: Room, shadowed: bool) -> None:
             return
         item.stage = "running"
         await _generate(call, item)
-        reason = item.abort_reason if item.to_finish else "finished"
+        reason = (item.abort_reason or "error") if item.to_finish else "finished"
     except BaseException:
         reason = call.cancel_reason or "error"
         deferred = False

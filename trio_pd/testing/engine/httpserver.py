@@ -18,13 +18,14 @@ import logging
 import socket as stdlib_socket
 import ssl
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import ASGIFramework
 
 log = logging.getLogger("trio_pd.testing.engine.http")
 ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
@@ -115,7 +116,7 @@ async def serve_asgi(
         finally:
             sock.close()
     config = hypercorn_config(keep_alive_secs)
-    wrapped = ASGIWrapper(app)
+    wrapped = ASGIWrapper(cast(ASGIFramework, app))  # a bare ASGI app with dict-typed scopes
     context = WorkerContext(None)
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound = listeners[0].socket.getsockname()[1]
@@ -126,7 +127,10 @@ async def serve_asgi(
         if ssl_context is not None:
             served = trio.SSLStream(stream, ssl_context, server_side=True, https_compatible=True)
         try:
-            await TCPServer(wrapped, config, context, {}, served)
+            # TCPServer reads and writes any trio Stream; it types the TLS case only.
+            await TCPServer(
+                wrapped, config, context, {}, cast(trio.SSLStream[trio.SocketStream], served)
+            )
         except Exception as exc:
             # One broken connection must not take the engine down: hypercorn 0.18 can raise
             # trio.BusyResourceError when an HTTP/2 prior-knowledge probe (SGLang's router sends

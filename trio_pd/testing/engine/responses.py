@@ -26,7 +26,7 @@ router merges prefill's in front).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from trio_pd.testing.engine.asgi import Responder
@@ -79,7 +79,7 @@ class Output:
         self.role = role
         self.created = int(time.time())
         self.started = time.monotonic()
-        self.items: list[Item] = []
+        self.items: Sequence[Item] = ()
         self.finished: dict[int, dict[str, Any]] = {}  # index -> finish reason, in finish order
         self.failure: tuple[int, str] | None = None  # (status, message): the first abort error
         self.failed: set[int] = set()  # indexes of the items that aborted with a status
@@ -103,7 +103,7 @@ class Output:
             return True
         return len(self.finished) + len(self.failed) >= len(self.items)
 
-    def bind(self, items: list[Item]) -> None:
+    def bind(self, items: Sequence[Item]) -> None:
         self.items = items
 
     # ---- item callbacks -------------------------------------------------------------------

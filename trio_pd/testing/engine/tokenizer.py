@@ -24,6 +24,7 @@ SGLang 0.5.23 (`managers/tokenizer_manager.py`):
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import trio
 
@@ -74,7 +75,7 @@ def abort_request(
     """
     reason = "aborted_request" if source == "http" else f"aborted_{source}"
     name = "abort_request" if source == "http" else "engine_abort"
-    common = {"sglang_rid": rid or None, "abort_all": abort_all, "source": source}
+    common: dict[str, Any] = {"sglang_rid": rid or None, "abort_all": abort_all, "source": source}
     if not abort_all and not rid:
         engine.events.emit(name, matched=False, dropped="empty", dp_rank=None, **common)
         return []
@@ -93,7 +94,7 @@ def abort_request(
         item.emit(name, matched=True, aborted_rid=item.rid, **common)
     if not matched:
         lost = state is not None and not state.dispatched
-        fields = {"dropped": "not_dispatched" if lost else "no_match", **common}
+        fields: dict[str, Any] = {"dropped": "not_dispatched" if lost else "no_match", **common}
         if state is not None:
             state.owner.emit(name, matched=False, **fields)
         else:

@@ -250,9 +250,10 @@ def _content_text(message: Any) -> str:
         return content
     if isinstance(content, list):  # OpenAI content parts
         texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-        if not all(isinstance(t, str) for t in texts):
+        strings = [t for t in texts if isinstance(t, str)]
+        if len(strings) != len(texts):
             raise BadRequest("a text content part needs a string `text`")
-        return " ".join(texts)
+        return " ".join(strings)
     raise BadRequest("message content must be a string or a list of parts")
 
 

@@ -30,6 +30,7 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parents[2]
@@ -368,7 +369,7 @@ class SGLangPair:
         with _start_lock:
             before = sglang_shm_files()
             prefill_port, bootstrap_port, decode_port = distinct_free_ports(3)
-            keys = {"api_key": api_key, "admin_api_key": admin_api_key}
+            keys: dict[str, Any] = {"api_key": api_key, "admin_api_key": admin_api_key}
             started: list[Engine] = []
             t0 = time.monotonic()
             try:
