@@ -586,7 +586,54 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     kubernetes.add_arguments(p)
     etcd.add_arguments(p)
     compat.add_arguments(p)
+    add_vllm_arguments(p)
     p.set_defaults(parser_error=p.error)  # router_config's complaints come with serve's usage
+
+
+# -- vLLM PD flags (issue 22, docs/vllm.md): one block, for the flag table to take over ------
+KV_CONNECTORS = ("nixl",)  # pull mode; push modes (NIXL push, MoRI-IO, Mooncake) not yet
+MISSING_KV_PARAMS = ("decode-local", "fail")
+
+
+def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
+    d = RouterConfig()
+    p.add_argument(
+        "--vllm-pd-disaggregation",
+        action="store_true",
+        help="the --prefill/--decode workers are vLLM engines (NixlConnector): prefill first, "
+        "then decode with prefill's kv_transfer_params (vllm-router's flag; SMG's `--backend "
+        "vllm` means the same); a --prefill bootstrap port is accepted and ignored",
+    )
+    p.add_argument(
+        "--kv-connector",
+        choices=KV_CONNECTORS,
+        default=d.kv_connector,
+        help="the vLLM KV connector of the pairs: nixl (pull; push modes are not supported yet)",
+    )
+    p.add_argument(
+        "--vllm-missing-kv-params",
+        choices=MISSING_KV_PARAMS,
+        default=d.vllm_missing_kv_params,
+        help="a vLLM prefill that answers 200 without kv_transfer_params: send decode the plain "
+        "request (decode-local: it computes the prompt again) or answer 502 (fail); counted "
+        "either way (trio_pd_vllm_kv_params_missing_total)",
+    )
+
+
+def vllm_mode(args: argparse.Namespace) -> bool:
+    """`--vllm-pd-disaggregation`, or SMG's `smg launch --backend vllm --pd-disaggregation`."""
+    return bool(args.vllm_pd_disaggregation or getattr(args, "foreign_backend", None) == "vllm")
+
+
+def vllm_fields(args: argparse.Namespace) -> dict[str, object]:
+    return {
+        "vllm_pd_disaggregation": vllm_mode(args),
+        "kv_connector": args.kv_connector,
+        "vllm_missing_kv_params": args.vllm_missing_kv_params,
+    }
+
+
+# -- end of the vLLM PD flags ------------------------------------------------------------------
 
 
 def not_bucket(name: str) -> str:
@@ -825,9 +872,17 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     check_admin_port(args, error)
     if args.max_buffered_bytes < 0:
         error(f"--max-buffered-bytes must be 0 (no budget) or more, not {args.max_buffered_bytes}")
+    engine = "vllm" if vllm_mode(args) else "sglang"
     return RouterConfig(
-        prefill=tuple(WorkerSpec(url, "prefill", port, model) for url, port, model in args.prefill),
-        decode=tuple(WorkerSpec(url, "decode", None, model) for url, model in args.decode),
+        prefill=tuple(
+            # vLLM has no bootstrap port: one given is accepted and ignored (vllm-router's rule)
+            WorkerSpec(url, "prefill", None if engine == "vllm" else port, model, engine=engine)
+            for url, port, model in args.prefill
+        ),
+        decode=tuple(
+            WorkerSpec(url, "decode", None, model, engine=engine) for url, model in args.decode
+        ),
+        **vllm_fields(args),
         host=args.host,
         port=args.port,
         admin_host=args.admin_host,
