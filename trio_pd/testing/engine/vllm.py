@@ -26,8 +26,8 @@ cites each fact), and like the SGLang simulator it imports nothing of the router
 Where it deliberately differs: the NIXL side channel and the transfer are plain HTTP on the
 engine's own port (`/sim/nixl/{read,notify,heartbeat}`; `remote_host`/`remote_port` name it);
 tokens are words; `sim_fault` (`[prefill:|decode:]KIND[:ARG]`, comma-separated: `status:N`,
-`close`, `hang`, `no_params`, `kv_fail`) injects faults; `GET /sim/kv_blocks` shows the pool,
-so a test sees a leak; the event log (`events.py`) records what happened.
+`close`, `hang`, `no_params`, `kv_fail`, `stream_error:N`) injects faults; `GET /sim/kv_blocks`
+shows the pool, so a test sees a leak; the event log (`events.py`) records what happened.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class VllmEngineConfig:
     def heartbeat_secs(self) -> float:
         if self.heartbeat_interval is not None:
             return self.heartbeat_interval
-        return max(self.kv_lease_duration // 6, 0.05)
+        return max(self.kv_lease_duration / 6, 0.05)  # vLLM: kv_lease_duration // 6
 
 
 class Refused(Exception):
@@ -509,8 +509,14 @@ class VllmApp:
             return
         chat = job.path == CHAT
         created, stream_id = int(time.time()), self.state.next_id("chatcmpl" if chat else "cmpl")
+        fail_after = job.faults.get("stream_error")  # an error chunk after N tokens
         for i, token in enumerate(tokens):
             await trio.sleep(config.inter_token_ms / 1e3)
+            if fail_after is not None and i >= int(fail_after):
+                self.state.events.emit("fault", rid=job.request_id, kind="stream_error")
+                await resp.event(GENERATION_ERROR)
+                await resp.done()
+                return
             last = i == len(tokens) - 1
             choice: dict[str, Any] = {"index": 0, "logprobs": None,
                                       "finish_reason": "length" if last else None}  # fmt: skip

@@ -95,7 +95,7 @@ class BlockPool:
         """Extend the leases named (none on the old fixed lease); how many were found."""
         if self.fixed_lease:
             return 0
-        extension = now + self.lease_secs * 2 // 3
+        extension = now + self.lease_secs * 2 / 3  # vLLM: kv_lease_duration * 2 // 3 (ints)
         found = 0
         for request_id in request_ids:
             lease = self.leases.get(request_id)
