@@ -32,6 +32,7 @@ shows the pool, so a test sees a leak; the event log (`events.py`) records what 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -672,3 +673,39 @@ async def serve_vllm_engine(
         with trio.CancelScope(shield=True):
             await state.client.aclose()
         events.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m trio_pd.testing.engine.vllm --port N [...]`: one vLLM-mode engine process."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="trio_pd.testing.engine.vllm", description=__doc__)
+    defaults = VllmEngineConfig()
+    add = parser.add_argument
+    add("--host", default=defaults.host)
+    add("--port", type=int, default=8000)
+    add("--role", default="prefill", help="a label for the event log (the engine is kv_both)")
+    add("--num-blocks", type=int, default=defaults.num_blocks)
+    add("--kv-lease-duration", type=float, default=defaults.kv_lease_duration)
+    add("--fixed-lease", action="store_true", help="the old fixed lease (no heartbeats)")
+    add("--kv-load-failure-policy", choices=FAILURE_POLICIES, default="fail")
+    add("--prefill-ms-per-token", type=float, default=0.0)
+    add("--inter-token-ms", type=float, default=0.0)
+    add("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    add("--fault", action="append", default=[], help="a process-wide sim_fault spec")
+    add("--events", default=None, help="mirror the event log to this JSON-lines file")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    config = VllmEngineConfig(
+        host=args.host, port=args.port, num_blocks=args.num_blocks,
+        kv_lease_duration=args.kv_lease_duration, fixed_lease=args.fixed_lease,
+        kv_load_failure_policy=args.kv_load_failure_policy,
+        prefill_ms_per_token=args.prefill_ms_per_token, inter_token_ms=args.inter_token_ms,
+        max_num_seqs=args.max_num_seqs, faults=tuple(args.fault), events_path=args.events,
+    )  # fmt: skip
+    with contextlib.suppress(KeyboardInterrupt):
+        trio.run(serve_vllm_engine, config, args.role)
+
+
+if __name__ == "__main__":
+    main()
