@@ -9,6 +9,8 @@ import os
 import re
 from collections.abc import Callable, Sequence
 
+import attrs
+
 from trio_pd.config import (
     ASSIGNMENT_MODES,
     POLICY_NAMES,
@@ -864,6 +866,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     error = getattr(args, "parser_error", parser_error)
     warnings = compatibility(args, error)
     kube, shared = membership_configs(args, error)
+    if kube is not None and vllm_mode(args):  # the pods found speak vLLM's protocol too
+        kube = attrs.evolve(kube, engine="vllm")
     check_policy_flags(args, error)
     origins = edge_checks(args, error)
     if args.mini_lb:
