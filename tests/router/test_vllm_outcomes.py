@@ -393,3 +393,53 @@ async def test_heartbeats_extend_the_lease_unless_it_is_the_old_fixed_one(
     assert cluster.prefill.pool.freed["expired"] == (1 if fixed else 0)
     await cluster.prefill.events.wait_for("kv_notified", timeout=5)  # the decode's notice
     assert cluster.prefill.pool.freed["notified"] == (0 if fixed else 1)
+
+
+# ---- tracing and drain -----------------------------------------------------------------------
+
+
+async def test_a_vllm_attempt_is_traced_like_an_sglang_one(
+    nursery: trio.Nursery, blocks: list[VllmEngineHandle]
+) -> None:
+    from tests.otlp_receiver import otlp_receiver
+    from tests.router.test_tracing import complete, ids_seen, one, parent_header
+
+    with otlp_receiver() as receiver:
+        cluster = await start_vllm_cluster(
+            nursery, blocks, enable_trace=True, otlp_traces_endpoint=receiver.endpoint
+        )
+        rid = "traced-vllm"
+        response = await cluster.client.post(
+            "/v1/completions", json=completion(), headers={"x-request-id": rid}
+        )
+        assert response.status_code == 200
+        spans = await receiver.wait_for(complete(rid), f"the spans of {rid}")
+        prefill, decode = one(spans, "pd_prefill"), one(spans, "pd_decode")
+        assert one(spans, "pd_attempt").attributes == {"attempt": 1, "outcome": "ok"}
+        assert ids_seen(cluster.prefill, rid) == [parent_header(prefill)]
+        assert ids_seen(cluster.decode, rid) == [parent_header(decode)]
+        assert prefill.end_ns <= decode.end_ns  # sequential: prefill's leg ends first
+        await cluster.client.aclose()
+
+
+async def test_a_shutdown_closes_a_vllm_prefill_in_flight(
+    nursery: trio.Nursery, blocks: list[VllmEngineHandle]
+) -> None:
+    """The drain's end cancels what still runs: the prefill's connection closes and its
+    blocks are freed, the decode never called."""
+    cluster = await start_vllm_cluster(nursery, blocks, prefill={"prefill_ms_per_token": 1000})
+    answers: list[httpx2.Response] = []
+
+    async def ask() -> None:
+        answers.append(await cluster.client.post("/v1/completions", json=completion()))
+
+    nursery.start_soon(ask)
+    await cluster.prefill.events.wait_for("blocks_allocated", timeout=5)
+    cluster.router.drain.expire()  # the grace period is over: what still runs is cut
+    await cluster.prefill.events.wait_for("connection_closed", timeout=5)
+    await cluster.prefill.events.wait_for("blocks_freed", reason="aborted", timeout=5)
+    await settle(lambda: len(answers) == 1)
+    assert answers[0].status_code == 504  # drain.cut_by_shutdown
+    assert starts(cluster.decode) == []
+    prefill_worker = cluster.router.fleet.workers("prefill")[0]
+    assert prefill_worker.breaker.consecutive_failures == 0  # a shutdown is nobody's fault

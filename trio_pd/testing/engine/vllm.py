@@ -304,8 +304,11 @@ class VllmApp:
                   bool(isinstance(body, dict) and body.get("stream")), "", 0,
                   params if isinstance(params, dict) else None, {})  # fmt: skip
         job.faults = parse_faults(specs, job.role)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                   for k, v in scope.get("headers", ())}  # fmt: skip
         state.events.emit("request_start", rid=request_id, path=path, kv_role=job.role,
-                          stream=job.stream, body=body, params=job.params)  # fmt: skip
+                          stream=job.stream, body=body, params=job.params,
+                          headers=headers)  # fmt: skip
         try:
             validate(path, body)
             status = job.faults.get("status")
