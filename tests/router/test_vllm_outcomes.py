@@ -173,6 +173,27 @@ async def test_prompt_logprobs_come_from_prefill_and_decode_reads_the_kv(
     assert len(cluster.prefill.events.find("kv_read", found=True)) == 2
 
 
+async def test_echo_with_logprobs_comes_from_prefill_as_one_engine_would_answer(
+    nursery: trio.Nursery, blocks: list[VllmEngineHandle]
+) -> None:
+    """vLLM turns echo + logprobs into prompt logprobs, which would make the decode recompute
+    the prompt: the router asks the echo of the prefill and merges it into the decode's."""
+    cluster = await start_vllm_cluster(nursery, blocks)
+    body = completion(echo=True, logprobs=1)
+    response = await cluster.client.post("/v1/completions", json=body)
+    assert response.status_code == 200
+    (sent,) = starts(cluster.decode)
+    assert "echo" not in sent["body"] and sent["body"]["logprobs"] == 1
+    assert not cluster.decode.events.find("recomputed")  # it read the blocks
+    # The same request on one engine, no PD: what the client must see, byte for byte.
+    async with httpx2.AsyncClient(timeout=10) as direct:
+        alone = (await direct.post(cluster.decode.url + "/v1/completions", json=body)).json()
+    merged = response.json()["choices"][0]
+    assert merged["text"].startswith(PROMPT)
+    assert orjson.dumps(merged["logprobs"]) == orjson.dumps(alone["choices"][0]["logprobs"])
+    assert merged["text"] == alone["choices"][0]["text"]
+
+
 async def test_n_samples_each_run_as_a_pd_request_of_its_own(
     nursery: trio.Nursery, blocks: list[VllmEngineHandle]
 ) -> None:

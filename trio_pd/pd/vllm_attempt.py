@@ -43,7 +43,7 @@ from trio_pd.pd.attempt import (
 )
 from trio_pd.pd.budget import OverBudget
 from trio_pd.pd.outcome import LegFailure, LegSuccess
-from trio_pd.pd.payload import CHAT
+from trio_pd.pd.payload import CHAT, COMPLETIONS
 from trio_pd.pd.relay import answer_failure, event_data, parse_json
 from trio_pd.pd.sse import EventReader, EventTooLarge
 from trio_pd.upstream.pool import UpstreamError, UpstreamResponse
@@ -85,12 +85,27 @@ def prefill_body(client: dict[str, Any]) -> bytes:
     return jsonbody.dump(body)
 
 
-def decode_body(raw: bytes, client: dict[str, Any], params: dict[str, Any] | None) -> bytes:
+def echoes_logprobs(path: str, client: dict[str, Any]) -> bool:
+    """A non-stream completion with `echo` and `logprobs`: vLLM computes the prompt's
+    logprobs for it (prompt_logprobs), so the router takes them, and the echo, from prefill."""
+    return (
+        path == COMPLETIONS
+        and bool(client.get("echo"))
+        and isinstance(client.get("logprobs"), int)
+        and not client.get("stream")
+    )
+
+
+def decode_body(
+    raw: bytes, client: dict[str, Any], params: dict[str, Any] | None, echo: bool = False
+) -> bytes:
     """The decode leg's body: the client's own bytes plus the prefill's params (none: the
     decode computes the prompt itself). Re-serialized only when a key must go: the client's
-    own `kv_transfer_params`, and `prompt_logprobs` (prefill computed them; asked of the
-    decode they make vLLM recompute the prompt instead of reading the blocks)."""
-    drop = [key for key in (KV_KEY, "prompt_logprobs") if key in client]
+    own `kv_transfer_params`, and `prompt_logprobs` (and `echo` with logprobs): prefill
+    computed them; asked of the decode they make vLLM recompute the prompt instead of reading
+    the blocks."""
+    keys = (KV_KEY, "prompt_logprobs", "echo") if echo else (KV_KEY, "prompt_logprobs")
+    drop = [key for key in keys if key in client]
     if drop:
         raw = jsonbody.dump({k: v for k, v in client.items() if k not in drop})
     if params is None:
@@ -112,11 +127,14 @@ class VllmAttempt(Attempt):
     prefill_usage: Any = None  # the prefill's `usage` (its cached_tokens are the real ones)
     prompt_logprobs: Any = None  # the prefill's, when the client asked them
     wants_prompt_logprobs: bool = False
+    echo: bool = False  # echo with logprobs: the prompt's part comes from prefill's answer
+    prefill_echo: Any = None  # prefill's first choice, when `echo`
     midstream_error: str | None = None  # an error chunk relayed after the stream started
     _events: EventReader | None = None
 
     def __attrs_post_init__(self) -> None:
         self.wants_prompt_logprobs = self.client_body.get("prompt_logprobs") is not None
+        self.echo = echoes_logprobs(self.path, self.client_body)
         self.transform = self._rewrite_chunk
 
     async def run(self) -> None:
@@ -191,7 +209,12 @@ class VllmAttempt(Attempt):
         self.prefill_usage = answer.get("usage")
         if self.wants_prompt_logprobs:
             self.prompt_logprobs = prompt_logprobs_of(self.path, answer)
-        self.decode.body = decode_body(self.client_raw, self.client_body, params)
+        echo = self.echo and params is not None  # decode-local: the decode echoes itself
+        if echo:
+            choices = answer.get("choices")
+            first = choices[0] if isinstance(choices, list) and choices else None
+            self.prefill_echo = first if isinstance(first, dict) else None
+        self.decode.body = decode_body(self.client_raw, self.client_body, params, echo)
         self.prefill.result = LegSuccess(response.status, [], b"")
 
     # -- the client's answer ------------------------------------------------------------------
@@ -219,6 +242,7 @@ class VllmAttempt(Attempt):
             KV_KEY.encode() not in body
             and b"cached_tokens" not in body
             and self.prompt_logprobs is None
+            and self.prefill_echo is None
         ):
             return
         try:
@@ -227,6 +251,8 @@ class VllmAttempt(Attempt):
                 self._rewrite(answer)
                 if self.prompt_logprobs is not None:
                     merge_prompt_logprobs(self.path, answer, self.prompt_logprobs)
+                if self.prefill_echo is not None:
+                    merge_echo(answer, self.prefill_echo, self.prefill_usage)
                 self.decode.result = LegSuccess(decode.status, decode.headers, orjson.dumps(answer))
         except OverBudget as exc:
             self.decode.result = buffer_failure(exc)
@@ -279,6 +305,37 @@ def prompt_logprobs_of(path: str, answer: dict[str, Any]) -> Any:
     if isinstance(choices, list) and choices and isinstance(choices[0], dict):
         return choices[0].get("prompt_logprobs")
     return None
+
+
+def merge_echo(answer: dict[str, Any], prefill: dict[str, Any], usage: Any) -> None:
+    """Put the prefill's echo (the prompt's text and its tokens' logprobs) in front of each of
+    the decode's choices, as vLLM's own echo would have: the prompt's `n` tokens are the first
+    `n` of the prefill's logprobs (n: its `usage.prompt_tokens`), the prompt's text the prefill's
+    text up to the offset of its first generated token; the decode's offsets move by it."""
+    logprobs = prefill.get("logprobs")
+    text = prefill.get("text")
+    count = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    if not (isinstance(logprobs, dict) and isinstance(text, str) and isinstance(count, int)):
+        return
+    offsets = logprobs.get("text_offset")
+    if not isinstance(offsets, list) or len(offsets) <= count:
+        return
+    prompt_text = text[: offsets[count]]
+    for choice in answer.get("choices") or []:
+        if not isinstance(choice, dict) or not isinstance(choice.get("text"), str):
+            continue
+        choice["text"] = prompt_text + choice["text"]
+        theirs = choice.get("logprobs")
+        if not isinstance(theirs, dict):
+            continue
+        for key in ("tokens", "token_logprobs", "top_logprobs"):
+            head, tail = logprobs.get(key), theirs.get(key)
+            if isinstance(head, list) and isinstance(tail, list):
+                theirs[key] = head[:count] + tail
+        tail_offsets = theirs.get("text_offset")
+        if isinstance(tail_offsets, list):
+            moved = [o + len(prompt_text) for o in tail_offsets if isinstance(o, int)]
+            theirs["text_offset"] = offsets[:count] + moved
 
 
 def merge_prompt_logprobs(path: str, answer: dict[str, Any], logprobs: Any) -> None:

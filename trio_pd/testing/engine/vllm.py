@@ -150,6 +150,15 @@ class Job:
     def prompt_tokens(self) -> int:
         return max(1, len(self.prompt.split()))
 
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """`prompt_logprobs`, or echo with logprobs on completions, which vLLM turns into
+        prompt_logprobs (`openai/completion/protocol.py` to_sampling_params)."""
+        if self.body.get("prompt_logprobs") is not None:
+            return True
+        return self.path == COMPLETIONS and bool(self.body.get("echo")) and isinstance(
+            self.body.get("logprobs"), int)  # fmt: skip
+
 
 def validate(path: str, body: Any) -> None:
     """What vLLM's protocol models and SamplingParams refuse that a PD router may send."""
@@ -456,7 +465,7 @@ class VllmApp:
                         beats.start_soon(self._heartbeat, job)
                     if "hang" in job.faults:
                         await trio.sleep_forever()
-                    if remote and job.body.get("prompt_logprobs") is not None:
+                    if remote and job.wants_prompt_logprobs:
                         # skip_reading_prefix_cache: the prompt is recomputed, blocks released
                         read_done = True
                         await self.notify_prefill(job, "prompt_logprobs")
@@ -467,7 +476,7 @@ class VllmApp:
                     else:
                         state.events.emit("recomputed", rid=job.request_id, why="no_params")
                     beats.cancel_scope.cancel()
-                if remote and read_done and not loaded and job.body.get("prompt_logprobs") is None:
+                if remote and read_done and not loaded and not job.wants_prompt_logprobs:
                     state.events.emit("kv_read_failed", rid=job.request_id,
                                       policy=config.kv_load_failure_policy)  # fmt: skip
                     if config.kv_load_failure_policy == "fail":
@@ -577,13 +586,39 @@ class VllmApp:
                              "logprobs": None, "finish_reason": finish, "stop_reason": None}],
                 "usage": usage, "prompt_logprobs": prompt_logprobs,
             }  # fmt: skip
+        text, logprobs = self.completion_text(job, tokens)
         return {
             "id": self.state.next_id("cmpl"), "object": "text_completion",
             "created": int(time.time()), "model": config.model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish,
                          "stop_reason": None, "prompt_logprobs": prompt_logprobs}],
             "usage": usage,
         }  # fmt: skip
+
+    def completion_text(self, job: Job, tokens: list[str]) -> tuple[str, Any]:
+        """A completion's text and `logprobs` (`tokens`, `token_logprobs`, `top_logprobs`,
+        `text_offset`); with `echo` the prompt comes first, its first token without a logprob
+        (`openai/completion/serving.py`)."""
+        pieces: list[tuple[str, float | None]] = []
+        if job.body.get("echo"):
+            words = job.prompt.split()
+            pieces += [(w if i == 0 else " " + w, None if i == 0 else -0.5 - i / 100)
+                       for i, w in enumerate(words)]  # fmt: skip
+        # vLLM's echo is prompt_text + output.text: the output's text is the same either way
+        pieces += [(("" if i == 0 else " ") + t, -0.1 * (i + 1)) for i, t in enumerate(tokens)]
+        text = "".join(p for p, _ in pieces)
+        if not isinstance(job.body.get("logprobs"), int):
+            return text, None
+        offsets, at = [], 0
+        for piece, _ in pieces:
+            offsets.append(at)
+            at += len(piece)
+        return text, {
+            "tokens": [p for p, _ in pieces],
+            "token_logprobs": [lp for _, lp in pieces],
+            "top_logprobs": [None if lp is None else {p: lp} for p, lp in pieces],
+            "text_offset": offsets,
+        }
 
 
 # ---- serving ---------------------------------------------------------------------------------
