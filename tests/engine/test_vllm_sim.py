@@ -24,8 +24,22 @@ async def client() -> AsyncIterator[httpx2.AsyncClient]:
         yield c
 
 
+STARTED: list[VllmEngineHandle] = []
+
+
+@pytest.fixture(autouse=True)
+async def no_block_left(nursery: trio.Nursery) -> AsyncIterator[None]:
+    """Every engine a test started holds no KV block once it ends (leases included)."""
+    STARTED.clear()
+    yield
+    for started in STARTED:
+        await started.wait_blocks_free(timeout=started.config.kv_lease_duration + 5)
+
+
 async def engine(nursery: trio.Nursery, **options: Any) -> VllmEngineHandle:
-    return await nursery.start(serve_vllm_engine, VllmEngineConfig(**options))
+    handle = await nursery.start(serve_vllm_engine, VllmEngineConfig(**options))
+    STARTED.append(handle)
+    return handle
 
 
 async def prefill(client: httpx2.AsyncClient, p: VllmEngineHandle, **extra: Any) -> dict:

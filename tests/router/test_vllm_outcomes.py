@@ -321,7 +321,12 @@ async def test_decode_refused_or_5xx_is_never_retried_with_the_same_params(
     assert len(handoffs) >= 2  # it was retried...
     assert len(set(handoffs)) == len(handoffs)  # ...each time with a fresh prefill's handoff
     assert len(starts(cluster.prefill)) == len(handoffs)
-    assert response.status_code in (502, 503)
+    if fault.endswith("503"):  # the decode's refusal, relayed as it came
+        assert response.status_code == 503
+    else:  # vLLM's generation error once the decode had the handoff
+        assert response.status_code == 502
+        assert response.json()["error"]["code"] == "kv_transfer_failed"
+    assert cluster.prefill.pool.freed["notified"] == len(handoffs)  # each refusal freed its own
 
 
 async def test_decode_kv_read_failure_is_502_kv_transfer_failed(
