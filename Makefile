@@ -4,8 +4,8 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint format demo bench bench-peers bench-router-bound clean sglang-env test-sglang \
-	demo-sglang
+.PHONY: install test lint format demo bench bench-peers bench-router-bound bench-vllm clean sglang-env \
+	test-sglang demo-sglang
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,7 +36,7 @@ WRK_INSTALL = command -v wrk >/dev/null 2>&1 || apt-get install -y -qq wrk >/dev
 	|| (apt-get update -qq && apt-get install -y -qq wrk) >/dev/null 2>&1 \
 	|| echo "wrk unavailable: the Python load generator runs alone (router-bound needs wrk)"
 PEERS_INSTALL = (test -x bench/.peers/bin/python || $(PYTHON) -m venv bench/.peers) \
-	&& bench/.peers/bin/python -m pip install -q 'sglang-router==0.3.2'
+	&& bench/.peers/bin/python -m pip install -q 'sglang-router==0.3.2' 'vllm-router==0.1.17'
 
 bench: $(STAMP)
 	@$(WRK_INSTALL)
@@ -46,6 +46,11 @@ bench-peers: $(STAMP)
 	@$(WRK_INSTALL)
 	$(PEERS_INSTALL)
 	$(BIN)/python -m bench run --peers $(BENCH_ARGS)
+
+# The storm in vLLM mode, trio_pd against vllm-router 0.1.17 (bench/storm_vllm.py, ~1 minute).
+bench-vllm: $(STAMP)
+	$(PEERS_INSTALL)
+	$(BIN)/python -m bench.storm_vllm $(BENCH_ARGS)
 
 # The router-bound scenario alone, all four routers, 3 repetitions (about 12 minutes on 2 cores;
 # BENCH_ARGS=--quick about 6).

@@ -61,6 +61,9 @@ def case(values: list[str], path: str, expected: Any, *companions: str) -> Case:
 
 
 CASES: dict[str, Case] = {
+    # vLLM PD (issue 22): --kv-connector has one value yet (NO_EFFECT below)
+    "--vllm-pd-disaggregation": case([], "vllm_pd_disaggregation", True),
+    "--vllm-missing-kv-params": case(["fail"], "vllm_missing_kv_params", "fail"),
     "--access-log": case([], "access_log", True),
     "--admin-host": case(["127.0.0.2"], "admin_host", "127.0.0.2"),
     "--admin-port": case(["29111"], "admin_port", 29111),
@@ -201,6 +204,8 @@ CASES: dict[str, Case] = {
 # Flags SGLang's router has that change nothing in trio_pd, by design (DIFFERS says why):
 # the command line with them must give exactly the config without them.
 NO_EFFECT = ("--enable-igw", "--pd-disaggregation")
+# Flags with one accepted value so far: given it, the config is the one without the flag.
+SINGLE_VALUE = {"--kv-connector": "nixl"}
 
 
 # `--config FILE` gives values of other flags: tests/test_config_file.py.
@@ -211,11 +216,29 @@ def implemented() -> set[str]:
     return {f for f in serve_actions() if f not in compat.BY_FLAG and f not in FILE_FLAGS}
 
 
+def test_vllm_mode_makes_the_static_workers_vllm_and_ignores_the_bootstrap_port() -> None:
+    for mode in (["--vllm-pd-disaggregation"], ["--backend", "vllm"]):
+        config = parse(["--prefill", PREFILL_URL, "9001", "--decode", DECODE_URL, *mode])
+        assert config.vllm_pd_disaggregation is True
+        assert config.prefill == (WorkerSpec(PREFILL_URL, "prefill", None, engine="vllm"),)
+        assert config.decode == (WorkerSpec(DECODE_URL, "decode", None, engine="vllm"),)
+        assert config.startup_warnings == ()
+    assert {w.engine for w in (*parse(WORKERS).prefill, *parse(WORKERS).decode)} == {"sglang"}
+
+
 def test_every_implemented_flag_has_a_case() -> None:
     flags = implemented()
     assert len(flags) > 90
-    assert sorted(flags - set(CASES) - set(NO_EFFECT)) == [], "flags without a value test"
-    assert sorted((set(CASES) | set(NO_EFFECT)) - flags) == [], "cases for no flag"
+    known = set(CASES) | set(NO_EFFECT) | set(SINGLE_VALUE)
+    assert sorted(flags - known) == [], "flags without a value test"
+    assert sorted(known - flags) == [], "cases for no flag"
+
+
+@pytest.mark.parametrize("flag", sorted(SINGLE_VALUE))
+def test_flags_with_one_value(flag: str) -> None:
+    assert parse([*WORKERS, flag, SINGLE_VALUE[flag]]) == parse(WORKERS)
+    with pytest.raises(SystemExit):
+        parse([*WORKERS, flag, "not-" + SINGLE_VALUE[flag]])
 
 
 def parse(argv: list[str]) -> RouterConfig:

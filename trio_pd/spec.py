@@ -12,6 +12,9 @@ from typing import Literal, Protocol
 import attrs
 
 Role = Literal["prefill", "decode"]
+# Which PD protocol a worker speaks (docs/vllm.md §5): a pair never mixes engines.
+Engine = Literal["sglang", "vllm"]
+ENGINES: tuple[str, ...] = ("sglang", "vllm")
 
 
 @attrs.frozen
@@ -21,7 +24,8 @@ class WorkerSpec:
     ``model_id`` names the model it serves (None: the router's only model); ``api_key`` is sent
     to this worker as `Authorization: Bearer` instead of the router-wide `--api-key`;
     ``admin_api_key`` is sent on its `/abort_request` instead of `--worker-admin-api-key` (an
-    engine started with `--admin-api-key` takes only that key there, docs/protocol.md §10).
+    engine started with `--admin-api-key` takes only that key there, docs/protocol.md §10);
+    ``engine`` is the PD protocol it speaks, known from configuration, never guessed.
     """
 
     url: str = attrs.field(converter=lambda u: u.rstrip("/"))
@@ -30,6 +34,7 @@ class WorkerSpec:
     model_id: str | None = None
     api_key: str | None = attrs.field(default=None, repr=False)
     admin_api_key: str | None = attrs.field(default=None, repr=False)
+    engine: Engine = "sglang"  # its PD protocol: SGLang's (concurrent legs) or vLLM's (sequential)
 
 
 def _own_copy(meta: Mapping[str, str]) -> dict[str, str]:

@@ -3,10 +3,10 @@
 Generic: every row with a `field` puts its value (from the command line, else its environment
 variable, else its default; inverted or converted as the row says) at its dotted path, and the
 nested values become their frozen classes. Only what no row can say is spelled out here: the
-workers (`--prefill`/`--decode`), `--mini-lb`, the optional sub-configs (`enables`) and SGLang's
-flags a PD router does not act on (`compat.py`: a warning, or a refusal). Then `checks.check`
-judges the finished config. Every problem is one `ConfigError`, naming the flag (or the
-environment variable) it came from, never printing a key.
+workers (`--prefill`/`--decode`, and the engine they speak), `--mini-lb`, `--backend vllm`, the
+optional sub-configs (`enables`) and SGLang's flags a PD router does not act on (`compat.py`: a
+warning, or a refusal). Then `checks.check` judges the finished config. Every problem is one
+`ConfigError`, naming the flag (or the environment variable) it came from, never printing a key.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from trio_pd.config.router import (
     RouterConfig,
     TimeoutConfig,
 )
-from trio_pd.spec import WorkerSpec
+from trio_pd.spec import Engine, WorkerSpec
 
 NESTED: dict[str, type] = {
     "retry": RetryConfig,
@@ -74,9 +74,20 @@ def build_config(
         warnings.append(MINI_LB)
         fields.update({"policy.policy": "random", "policy.prefill_policy": None,
                        "policy.decode_policy": None})  # fmt: skip
+    if values.get("foreign_backend") == "vllm":  # SMG's `--backend vllm --pd-disaggregation`
+        fields["vllm_pd_disaggregation"] = True
+    engine: Engine = "vllm" if fields.get("vllm_pd_disaggregation") else "sglang"
+    if engine == "vllm" and "kubernetes" in enabled:  # the pods found speak vLLM's protocol too
+        fields["kubernetes.engine"] = engine
     top = nest(fields, enabled)
-    top["prefill"] = tuple(WorkerSpec(u, "prefill", p, m) for u, p, m in values.get("prefill", []))
-    top["decode"] = tuple(WorkerSpec(u, "decode", None, m) for u, m in values.get("decode", []))
+    top["prefill"] = tuple(
+        # vLLM has no bootstrap port: one given is accepted and ignored (vllm-router's rule)
+        WorkerSpec(u, "prefill", None if engine == "vllm" else p, m, engine=engine)
+        for u, p, m in values.get("prefill", [])
+    )
+    top["decode"] = tuple(
+        WorkerSpec(u, "decode", None, m, engine=engine) for u, m in values.get("decode", [])
+    )
     top["startup_warnings"] = tuple(warnings)
     try:
         config = RouterConfig(**top)

@@ -74,12 +74,12 @@ FOREIGN: tuple[Foreign, ...] = (
     ),
     Foreign(
         "--backend",
-        "only the sglang backend is supported: trio_pd routes to SGLang PD engines, not to an "
-        "OpenAI-compatible upstream",
-        "`sglang` accepted, `openai` refused",
-        refuse=lambda backend: backend != "sglang",
-        matches=lambda backend: backend == "sglang",
-        kwargs={"default": "sglang", "choices": ["sglang", "openai"]},
+        "only the sglang and vllm backends are supported: trio_pd routes to PD engines, not to "
+        "an OpenAI-compatible upstream (`vllm`, SMG's shape, is --vllm-pd-disaggregation)",
+        "`sglang`, `vllm` accepted, `openai` refused",
+        refuse=lambda backend: backend not in ("sglang", "vllm"),
+        matches=lambda backend: backend in ("sglang", "vllm"),
+        kwargs={"default": "sglang", "choices": ["sglang", "vllm", "openai"]},
     ),
     *(
         Foreign(

@@ -109,6 +109,7 @@ class KubernetesConfig:
     request_timeout_secs: float = attrs.field(default=10.0, validator=_positive)
     backoff_initial_secs: float = attrs.field(default=0.5, validator=_positive)
     backoff_max_secs: float = attrs.field(default=30.0, validator=_positive)
+    engine: str = "sglang"  # the PD protocol of the pods found (--vllm-pd-disaggregation: vllm)
 
     def __attrs_post_init__(self) -> None:
         if not self.prefill_selector and not self.decode_selector:

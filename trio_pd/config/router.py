@@ -167,6 +167,13 @@ class RouterConfig:
     enable_http2: bool = False  # h2c, HTTP/2 prior knowledge and ALPN h2 (hypercorn's HTTP/2)
     enable_trace: bool = False  # OpenTelemetry spans, exported over OTLP/gRPC (`tracing.py`)
     otlp_traces_endpoint: str = "localhost:4317"  # <host>:<port> (SMG's default and format)
+    # vLLM PD (docs/vllm.md). The static --prefill/--decode workers speak vLLM's protocol
+    # (WorkerSpec.engine); workers added later say their own.
+    vllm_pd_disaggregation: bool = False
+    kv_connector: Literal["nixl"] = "nixl"  # NixlConnector, pull mode (the only one yet)
+    # A vLLM prefill's 200 without kv_transfer_params is sent to decode as a plain request
+    # ("decode-local", the prompt computed again) or failed ("fail").
+    vllm_missing_kv_params: Literal["decode-local", "fail"] = "decode-local"
     retry: RetryConfig = RetryConfig()
     breaker: BreakerConfig = BreakerConfig()
     health: HealthConfig = HealthConfig()

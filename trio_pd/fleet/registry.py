@@ -176,7 +176,11 @@ class Fleet:
     # -- selection -----------------------------------------------------------------------------
 
     def select(
-        self, role: Role, hints: RouteHints = NO_HINTS, avoid: frozenset[Worker] = frozenset()
+        self,
+        role: Role,
+        hints: RouteHints = NO_HINTS,
+        avoid: frozenset[Worker] = frozenset(),
+        engine: str | None = None,
     ) -> Worker:
         """Choose a worker of `role` (serving `hints.model`, when given) for a leg.
 
@@ -190,9 +194,17 @@ class Fleet:
         """
         model = hints.model
         candidates = self.available(role, model)
+        if engine is not None:
+            candidates = [w for w in candidates if w.spec.engine == engine]
         if not candidates:
             candidates = self.routable(role, model)
+            if engine is not None:
+                candidates = [w for w in candidates if w.spec.engine == engine]
             if not candidates:
+                if engine is not None and self.routable(role, model):
+                    raise NoWorkerAvailable(
+                        role, "no_engine_match", f"no available {engine} {role} worker"
+                    )
                 raise self._why_none(role, model)
             self.panics[role] += 1
             if self.on_panic is not None:
@@ -206,9 +218,10 @@ class Fleet:
     def select_pair(
         self, hints: RouteHints = NO_HINTS, avoid: frozenset[Worker] = frozenset()
     ) -> tuple[Worker, Worker]:
-        """(prefill, decode). Raises NoWorkerAvailable for the first role with nobody up."""
+        """(prefill, decode). Raises NoWorkerAvailable for the first role with nobody up. The
+        decode speaks the prefill's engine's protocol: a pair never mixes engines."""
         prefill = self.select("prefill", hints, avoid)
-        decode = self.select("decode", hints, avoid)
+        decode = self.select("decode", hints, avoid, engine=prefill.spec.engine)
         return prefill, decode
 
     def models(self) -> list[str]:

@@ -164,6 +164,7 @@ class Worker:
             "in_flight": self.in_flight,
             "source": self.source,
             **({"model_id": self.model} if self.model else {}),
+            **({"engine": self.spec.engine} if self.spec.engine != "sglang" else {}),
             **({"dp_size": self.dp_size} if self.dp_size > 1 else {}),
             **({"engine_load": self.engine_load.to_json()} if self.engine_load else {}),
             **({"meta": self.meta} if self.meta else {}),

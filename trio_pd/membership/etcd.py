@@ -47,7 +47,7 @@ import orjson
 import trio
 
 from trio_pd.config import EtcdConfig
-from trio_pd.spec import Registry, Role, WorkerRecord, WorkerSpec
+from trio_pd.spec import ENGINES, Registry, Role, WorkerRecord, WorkerSpec
 
 log = logging.getLogger("trio_pd.membership.etcd")
 
@@ -414,9 +414,11 @@ class _Owned:
 
 
 def encode_spec(spec: WorkerSpec) -> bytes:
+    engine = {"engine": spec.engine} if spec.engine != "sglang" else {}
     return orjson.dumps(
-        {"url": spec.url, "bootstrap_port": spec.bootstrap_port, "model_id": spec.model_id}
-    )
+        {"url": spec.url, "bootstrap_port": spec.bootstrap_port, "model_id": spec.model_id,
+         **engine}
+    )  # fmt: skip
 
 
 def decode_spec(role: Role, value: bytes) -> WorkerSpec:
@@ -439,7 +441,11 @@ def decode_spec(role: Role, value: bytes) -> WorkerSpec:
     model_id = data.get("model_id")
     if model_id is not None and not isinstance(model_id, str):
         raise ValueError(f"model_id must be a string or null: {model_id!r}")
-    return WorkerSpec(url, role, port, model_id)  # a stored api_key is ignored on purpose
+    engine = data.get("engine", "sglang")
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}: {engine!r}")
+    # a stored api_key is ignored on purpose
+    return WorkerSpec(url, role, port, model_id, engine=engine)
 
 
 class EtcdMembership:

@@ -237,6 +237,7 @@ def records_for_pod(pod: PodView, config: KubernetesConfig) -> list[WorkerRecord
             role=role,
             bootstrap_port=boot,
             model_id=model_id(pod, config),
+            engine="vllm" if config.engine == "vllm" else "sglang",
         )
         meta = {"pod": pod.name, "namespace": pod.namespace, "uid": pod.uid, "ip": pod.pod_ip}
         worker_id = f"{base}-{port}" if len(ports) > 1 else base

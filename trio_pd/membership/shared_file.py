@@ -54,6 +54,8 @@ def spec_json(worker_id: str, spec: WorkerSpec) -> dict[str, Any]:
         "model_id": spec.model_id,
         "api_key": spec.api_key,
         "admin_api_key": spec.admin_api_key,
+        # only when not the default: SGLang workers' entries stay as they were
+        **({"engine": spec.engine} if spec.engine != "sglang" else {}),
     }
 
 

@@ -2,8 +2,9 @@
 
 `url` an http(s) URL a worker can have (`upstream/urls.check_syntax`), `worker_type` prefill or
 decode, `bootstrap_port` an integer 1..65535 or null (prefill only), `model_id`, `api_key` and
-`admin_api_key` a non-empty string or null, the keys visible ASCII (they go into an
-Authorization header: a CR/LF would inject headers of its own). A ValueError says what is
+`admin_api_key` a non-empty string or null, `engine` sglang (the default) or vllm (the PD
+protocol it speaks), the keys visible ASCII (they go into an Authorization header: a CR/LF
+would inject headers of its own). A ValueError says what is
 wrong, never showing a key.
 """
 
@@ -13,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from trio_pd.config.values import usable_key
-from trio_pd.spec import WorkerSpec
+from trio_pd.spec import ENGINES, WorkerSpec
 from trio_pd.upstream.urls import check_syntax
 
 WORKER_TYPES = ("prefill", "decode")
@@ -40,7 +41,10 @@ def spec_from_json(body: Mapping[str, Any]) -> WorkerSpec:
     for field in ("api_key", "admin_api_key"):
         if not usable_key(body.get(field)):
             raise ValueError(f"{field} must be visible ASCII (no spaces or control characters)")
+    engine = body.get("engine", "sglang")
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, not {engine!r}")
     return WorkerSpec(
         url, worker_type, port, body.get("model_id"), body.get("api_key"),
-        body.get("admin_api_key"),
+        body.get("admin_api_key"), engine,
     )  # fmt: skip

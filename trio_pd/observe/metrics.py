@@ -162,6 +162,27 @@ class RouterMetrics:
             ["client", "reason"],
             registry=r,
         )
+        # -- vLLM pairs (docs/vllm.md §4) ------------------------------------------------------
+        self.vllm_kv_params_missing = Counter(
+            "trio_pd_vllm_kv_params_missing",
+            "vLLM prefills that answered 200 without kv_transfer_params, by what the router did "
+            "(--vllm-missing-kv-params: decode-local, fail).",
+            ["action"],
+            registry=r,
+        )
+        self.vllm_prompts_recomputed = Counter(
+            "trio_pd_vllm_prompts_recomputed",
+            "vLLM decodes the router sent without KV, so they compute the prompt again, by why.",
+            ["reason"],
+            registry=r,
+        )
+        self.vllm_kv_read_failures = Counter(
+            "trio_pd_vllm_kv_read_failures",
+            "vLLM decodes that failed reading the prefill's KV blocks (kv_transfer_failed), by "
+            "whether the client's stream had started.",
+            ["stream"],
+            registry=r,
+        )
         self._gauges: SyncedGauges | None = None
         self._per_request: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
 

@@ -143,6 +143,9 @@ class Attempt:
     prefill_answer: Any = None  # prefill's first answer, parsed only when logprobs are merged
     prefill_answer_known: trio.Event = attrs.field(factory=trio.Event)
     stalled: bool = False  # the client stopped reading: nothing more can be sent to it
+    # What a relayed stream chunk becomes on its way to the client (None: sent as it came; a
+    # vLLM pair's attempt strips the handoff from it, `vllm_attempt.py`).
+    transform: Callable[[bytes], bytes] | None = None
 
     async def run(self) -> None:
         """Run both legs to completion; on return the legs' results say what happened."""
@@ -408,12 +411,14 @@ class Attempt:
         gaps = metrics.chunk_gap
         send = self.responder.send
         relayed = 1 + rest.count(b"\n\n")
+        transform = self.transform
         try:
             async with trio.open_nursery() as guard:
                 guard.start_soon(self._watch_stream, clock, response)
                 try:
                     clock.started += 1
-                    await send(event + rest)
+                    head = event + rest
+                    await send(head if transform is None else transform(head))
                     clock.sent += 1
                     async for chunk in chunks:
                         clock.chunks += 1
@@ -422,7 +427,7 @@ class Attempt:
                         last = now
                         relayed += chunk.count(b"\n\n")
                         clock.started += 1
-                        await send(chunk)
+                        await send(chunk if transform is None else transform(chunk))
                         clock.sent += 1
                 except UpstreamError as exc:  # decode broke mid-stream: dispatch sends a frame
                     self._fail_decode(LegFailure(exc.kind, str(exc)))

@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 import trio
 
+from trio_pd import jsonbody
 from trio_pd.config import RouterConfig
 from trio_pd.errors import RouterError, bad_request, no_worker
 from trio_pd.fleet.hints import RouteHints
@@ -39,10 +40,11 @@ from trio_pd.pd.injection import (
     splice,
 )
 from trio_pd.pd.outcome import FailureHistory, LegFailure, record_outcome
-from trio_pd.pd.payload import Inspected
+from trio_pd.pd.payload import GENERATE, Inspected
 from trio_pd.pd.relay import error_frame
 from trio_pd.pd.samples import dispatch_samples
 from trio_pd.pd.trace import RequestTrace
+from trio_pd.pd.vllm_attempt import VllmAttempt, prefill_body
 from trio_pd.respond import Responder
 from trio_pd.upstream.headers import admin_key, generation_key, worker_authorization
 from trio_pd.upstream.pool import UpstreamPool
@@ -205,6 +207,8 @@ def new_attempt(
     """An attempt on this pair, its body carrying fresh bootstrap fields; `times` are the
     request's start and deadline."""
     prefill, decode = pair
+    if prefill.spec.engine == "vllm":
+        return new_vllm_attempt(ctx, request, responder, cancel, pair, times)
     started, deadline = times
     inspected = request.inspected
     ranks = ranks or Ranks()
@@ -257,6 +261,67 @@ def new_attempt(
         request_started=started,
         account=request.account,
         event_limit=ctx.config.max_sse_event_bytes,
+    )
+
+
+def new_vllm_attempt(
+    ctx: DispatchContext,
+    request: PDRequest,
+    responder: Responder,
+    cancel: RequestCancel,
+    pair: tuple[Worker, Worker],
+    times: tuple[float, float],
+) -> VllmAttempt:
+    """An attempt on a vLLM pair (docs/vllm.md): the prefill's body now, the decode's once the
+    prefill answered. vLLM has no abort endpoint: closing a leg's connection is its abort."""
+    prefill, decode = pair
+    started, deadline = times
+    inspected = request.inspected
+    if request.path == GENERATE:
+        raise bad_request(
+            "vLLM workers serve /v1/completions and /v1/chat/completions, not /generate"
+        )
+    if inspected.batch is not None:
+        raise bad_request(
+            "a vLLM pair takes one prompt per request (the prefill's answer carries one KV "
+            "handoff): send the prompts as separate requests"
+        )
+    client = jsonbody.parse_object(inspected.body)
+    body = prefill_body(client)
+    if len(body) > ctx.config.max_payload_size:
+        raise RouterError(
+            413,
+            f"the request with the router's fields exceeds {ctx.config.max_payload_size} bytes",
+            "payload_too_large",
+        )
+
+    def leg(worker: Worker, leg_body: bytes) -> Leg:
+        return Leg(
+            worker.role,
+            worker,
+            leg_body,
+            leg_headers_for(ctx, request, worker),
+            partial(ctx.fleet.track, worker, None, request.routing_key),
+        )
+
+    return VllmAttempt(
+        pool=ctx.pool,
+        path=request.path,
+        prefill=leg(prefill, body),
+        decode=leg(decode, b""),  # written once the prefill answered
+        stream=inspected.stream,
+        logprobs=False,  # SGLang's merge; vLLM's prompt_logprobs are the attempt's own
+        responder=responder,
+        deadline=deadline,
+        timeouts=ctx.config.timeouts,
+        outer_cause=cancel.why,
+        metrics=ctx.metrics,
+        request_started=started,
+        account=request.account,
+        event_limit=ctx.config.max_sse_event_bytes,
+        client_body=client,
+        client_raw=inspected.body,
+        missing_params=ctx.config.vllm_missing_kv_params,
     )
 
 

@@ -25,7 +25,9 @@ if TYPE_CHECKING:
 
 # "overload": the router's memory budget could not hold the worker's answer (the router's state,
 # not the worker's fault, and no other worker would help now).
-FailureKind = Literal["status", "inband", "transport", "timeout", "overload"]
+# "kv_transfer": a vLLM decode failed after it was given the prefill's KV handoff
+# (docs/vllm.md §4): 502 `kv_transfer_failed`, retried with a fresh prefill, never the same params.
+FailureKind = Literal["status", "inband", "transport", "timeout", "overload", "kv_transfer"]
 Role = Literal["prefill", "decode"]
 RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -44,7 +46,7 @@ class LegFailure:
     @property
     def is_client_error(self) -> bool:
         """The worker refused the client's request (a 4xx status or in-band code)."""
-        return self.status is not None and 400 <= self.status < 500
+        return self.kind != "kv_transfer" and self.status is not None and 400 <= self.status < 500
 
     def client_reply(self, role: Role) -> Reply:
         """The answer a client gets for this failure (PROTOCOL.md §4, first and third rows)."""
@@ -54,6 +56,11 @@ class LegFailure:
                 return Reply(self.status, [(b"content-type", self.content_type)], self.body)
             message = f"prefill worker answered {self.status}: {self.message}"
             return error_reply(RouterError(502, message, "upstream_error"))
+        if self.kind == "kv_transfer":
+            message = f"{role} worker failed: {self.message}"
+            return error_reply(
+                RouterError(502, message, "upstream_error", code="kv_transfer_failed")
+            )
         if self.kind == "inband" and self.is_client_error:
             assert self.status is not None
             body = RouterError(self.status, self.message, "invalid_request_error").body()
@@ -74,7 +81,7 @@ class LegFailure:
 
     def retryable(self) -> bool:
         """May another attempt, on another pair, succeed? Never for the client's own fault."""
-        if self.kind in ("transport", "timeout"):
+        if self.kind in ("transport", "timeout", "kv_transfer"):
             return True
         if self.kind == "overload":
             return False

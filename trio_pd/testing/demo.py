@@ -62,7 +62,8 @@ async def wait_healthy(client: httpx2.AsyncClient, name: str, url: str, proc: An
             if proc.returncode is not None:
                 raise RuntimeError(f"{name} exited with status {proc.returncode}")
             try:
-                if (await client.get(url + "/health", timeout=1.0)).status_code == 200:
+                # SGLang-like /health is a 1-token generation of >= 1 s: a 1 s timeout never passes
+                if (await client.get(url + "/health", timeout=3.0)).status_code == 200:
                     return
             except httpx2.TransportError:
                 pass
@@ -167,6 +168,7 @@ class Demo:
         await self.normal(client)
         await self.streaming(client)
         await self.prefill_failure(client)
+        await self.vllm_pair(stack, client, nursery)
         print("\nstopping all processes")
         nursery.cancel_scope.cancel()
 
@@ -230,6 +232,78 @@ class Demo:
                 line("", "(freed at the engine's 1 s disconnect-poll tick)")
         else:
             line("  decode slot_freed", "not within 5 s (the slot is still held)")
+
+    # -- a vLLM pair (docs/vllm.md) -------------------------------------------------------------
+
+    async def vllm_pair(
+        self, stack: contextlib.ExitStack, client: httpx2.AsyncClient, nursery: trio.Nursery
+    ) -> None:
+        """The same containment on a vLLM pair: the simulator's vLLM mode behind a second
+        router started with --vllm-pd-disaggregation; the prefill's KV blocks are watched."""
+        print("\n4. a vLLM pair (NixlConnector pull: prefill first, then decode with its params)")
+        py = sys.executable
+        ports = {name: free_port() for name in ("vllm-prefill", "vllm-decode", "vllm-router")}
+        engine = [py, "-m", "trio_pd.testing.engine.vllm", "--host", HOST]
+        prefill = f"http://{HOST}:{ports['vllm-prefill']}"
+        decode = f"http://{HOST}:{ports['vllm-decode']}"
+        router = f"http://{HOST}:{ports['vllm-router']}"
+        commands = {
+            "vllm-prefill": [*engine, "--port", str(ports["vllm-prefill"]), "--role", "prefill",
+                             "--prefill-ms-per-token", "2"],
+            "vllm-decode": [*engine, "--port", str(ports["vllm-decode"]), "--role", "decode",
+                            "--inter-token-ms", "10"],
+            "vllm-router": [py, "-m", "trio_pd", "serve", "--vllm-pd-disaggregation",
+                            "--prefill", prefill, "--decode", decode, "--host", HOST,
+                            "--port", str(ports["vllm-router"]), "--log-level", "warning",
+                            "--prometheus-host", HOST, "--prometheus-port", str(free_port()),
+                            "--admin-port", str(free_port())],
+        }  # fmt: skip
+        urls = {"vllm-prefill": prefill, "vllm-decode": decode, "vllm-router": router}
+        for name, cmd in commands.items():
+            log = stack.enter_context((self.workdir / f"{name}.log").open("wb"))
+            run = partial(trio.run_process, cmd, check=False, stdout=log, stderr=log)
+            proc = await nursery.start(run)
+            try:
+                await wait_healthy(client, name, urls[name], proc)
+            except (RuntimeError, trio.TooSlowError) as exc:
+                print(f"  {name} did not start: {exc or 'timeout'}; logs in {self.workdir}")
+                self.failed = True
+                return
+            line(f"{name} up", urls[name])
+
+        async def blocks() -> dict[str, Any]:
+            return (await client.get(prefill + "/sim/kv_blocks")).json()
+
+        body = {"model": "sim-model", "prompt": "Hello from a vLLM pair", "max_tokens": 8}
+        r = await client.post(router + "/v1/completions", json=body)
+        line("status", r.status_code)
+        answer = r.json() if r.status_code == 200 else {}
+        line("text", answer.get("choices", [{}])[0].get("text", r.text[:120]))
+        line("kv_transfer_params in the answer", "kv_transfer_params" in answer)
+        after = await blocks()
+        line("prefill blocks held / freed by read", f"{after['held_blocks']} / "
+             f"{after['freed']['read']}  (the decode read the handoff)")  # fmt: skip
+
+        print('\n5. a vLLM prefill that fails ("sim_fault": "prefill:status:500")')
+        start = time.perf_counter()
+        failing = {**body, "sim_fault": "prefill:status:500"}
+        r = await client.post(router + "/v1/completions", json=failing)
+        line("client status", r.status_code)
+        line("client body", r.text[:160])
+        line("latency", f"{(time.perf_counter() - start) * 1000:.1f} ms")
+        after = await blocks()
+        line("prefill blocks held after it", f"{after['held_blocks']}  (nothing leaked)")
+
+        print("\n6. a client that leaves while the vLLM prefill computes")
+        slow = {**body, "prompt": " ".join(["word"] * 400)}  # 400 tokens at 2 ms: 0.8 s
+        with trio.move_on_after(0.3):
+            await client.post(router + "/v1/completions", json=slow)
+        with trio.move_on_after(3):
+            while (await blocks())["freed"]["aborted"] < 1:  # noqa: ASYNC110 - another process
+                await trio.sleep(0.05)
+        after = await blocks()
+        line("prefill blocks freed (connection closed)", f"{after['freed']['aborted']}  "
+             f"held now: {after['held_blocks']}")  # fmt: skip
 
 
 def main() -> None:
