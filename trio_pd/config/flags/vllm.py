@@ -17,7 +17,6 @@ VLLM: tuple[Flag, ...] = (
         field="vllm_pd_disaggregation",  # build.py: also set by --backend vllm
         action=SWITCH,
         group="vLLM PD",
-        differs="vllm-router's flag; SGLang's router has no vLLM mode",
     ),
     Flag(
         "--kv-connector",
@@ -26,7 +25,6 @@ VLLM: tuple[Flag, ...] = (
         default="nixl",
         choices=KV_CONNECTORS,
         group="vLLM PD",
-        differs="vllm-router's flag; a push connector is refused at start, not served wrongly",
     ),
     Flag(
         "--vllm-missing-kv-params",
@@ -37,6 +35,5 @@ VLLM: tuple[Flag, ...] = (
         default="decode-local",
         choices=MISSING_KV_PARAMS,
         group="vLLM PD",
-        differs="trio_pd's own",
     ),
 )
