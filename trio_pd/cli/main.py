@@ -940,7 +940,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the PD router",
         description="Run the PD router. Takes every flag of SGLang's router "
         "(python -m sglang_router.launch_router, sglang-router 0.3.2) with the same meaning; "
-        "the README's flag table says where trio_pd differs.",
+        "docs/flags.md says where trio_pd differs.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_serve_arguments(serve)

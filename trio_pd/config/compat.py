@@ -41,7 +41,7 @@ class Foreign:
 
     flag: str
     why: str  # the warning or the error, without the flag's name
-    status: str  # for --help and the README: "ignored", "refused", ...
+    status: str  # for --help and docs/flags.md: "ignored", "refused", ...
     refuse: Callable[[Any], bool] = _never
     matches: Callable[[Any], bool] = _never
     kwargs: dict[str, Any] = attrs.field(factory=dict)  # argparse arity: nargs, type, choices
@@ -187,8 +187,8 @@ def check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 
 # Implemented flags whose meaning in trio_pd is wider or stricter than in SGLang's router: the
-# README's flag table shows these notes (tests/flag_surface.py), and a default that differs from
-# SGLang's must have one (tests/test_flag_surface.py).
+# flag table of docs/flags.md shows these notes (tests/flag_surface.py), and a default that
+# differs from SGLang's must have one (tests/test_flag_surface.py).
 DIFFERS: dict[str, str] = {
     "--prefill": "also takes `model=NAME`, the model the worker serves (else learned from it)",
     "--decode": "also takes `model=NAME`",
