@@ -2,7 +2,7 @@
 
 A bare ASGI app, no framework: hypercorn calls ``Router.__call__`` for every request and once for
 the lifespan, whose nursery holds every long-lived task (`background.py`). Whatever happens
-inside a handler, the client gets the PROTOCOL.md §7 envelope with its `x-request-id` (or, once
+inside a handler, the client gets the docs/protocol.md §7 envelope with its `x-request-id` (or, once
 a stream has started, an error event): never hypercorn's empty 500.
 """
 
