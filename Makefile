@@ -31,7 +31,7 @@ format: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/trio-pd demo
 
-# Benchmarks (bench/README.md). BENCH_ARGS passes extra flags, e.g. BENCH_ARGS=--quick.
+# Benchmarks (docs/benchmarks.md). BENCH_ARGS passes extra flags, e.g. BENCH_ARGS=--quick.
 WRK_INSTALL = command -v wrk >/dev/null 2>&1 || apt-get install -y -qq wrk >/dev/null 2>&1 \
 	|| (apt-get update -qq && apt-get install -y -qq wrk) >/dev/null 2>&1 \
 	|| echo "wrk unavailable: the Python load generator runs alone (router-bound needs wrk)"

@@ -1,6 +1,6 @@
-"""SGLang's router flags beside `trio-pd serve`'s, and the README tables made from them.
+"""SGLang's router flags beside `trio-pd serve`'s, and the docs/flags.md tables made from them.
 
-`python -m tests.flag_surface` rewrites the README's two flag tables (between their markers);
+`python -m tests.flag_surface` rewrites docs/flags.md's two flag tables (between their markers);
 `tests/test_flag_surface.py` fails while they are not what this prints.
 """
 
@@ -18,7 +18,7 @@ from trio_pd.config.flags import BY_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 SGLANG_FLAGS = ROOT / "tests" / "data" / "sglang_router_0.3.2_flags.json"
-README = ROOT / "README.md"
+FLAGS_PAGE = ROOT / "docs" / "flags.md"
 MARKERS = {
     "sglang": ("<!-- flag table: SGLang's flags (tests/flag_surface.py) -->", "<!-- end -->"),
     "ours": ("<!-- flag table: trio_pd's own flags (tests/flag_surface.py) -->", "<!-- end -->"),
@@ -121,22 +121,22 @@ def ours_table() -> str:
 TABLES = {"sglang": sglang_table, "ours": ours_table}
 
 
-def readme_section(text: str, which: str) -> str:
+def page_section(text: str, which: str) -> str:
     start, end = MARKERS[which]
     begin = text.index(start) + len(start)
     return text[begin : text.index(end, begin)].strip("\n")
 
 
-def rewrite_readme() -> None:
-    text = README.read_text()
+def rewrite_page() -> None:
+    text = FLAGS_PAGE.read_text()
     for which, table in TABLES.items():
         start, end = MARKERS[which]
         begin = text.index(start) + len(start)
         finish = text.index(end, begin)
         text = text[:begin] + "\n" + table() + "\n" + text[finish:]
-    README.write_text(text)
+    FLAGS_PAGE.write_text(text)
 
 
 if __name__ == "__main__":
-    rewrite_readme()
-    sys.stdout.write("README.md flag tables rewritten\n")
+    rewrite_page()
+    sys.stdout.write("docs/flags.md flag tables rewritten\n")

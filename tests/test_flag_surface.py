@@ -3,7 +3,7 @@
 Every flag of `python -m sglang_router.launch_router` (tests/data, with its provenance) is in
 `trio-pd serve --help`, parses with SGLang's arity, and is either implemented with SGLang's
 default, ignored with a warning naming it, or refused with a message naming it: never argparse's
-"unrecognized arguments". The README's tables are the ones `tests/flag_surface.py` makes.
+"unrecognized arguments". docs/flags.md's tables are the ones `tests/flag_surface.py` makes.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from tests.flag_surface import (
-    README,
+    FLAGS_PAGE,
     TABLES,
-    readme_section,
+    page_section,
     same_default,
     serve_actions,
     serve_parser,
@@ -176,9 +176,9 @@ def test_mini_lb_routes_at_random() -> None:
 
 
 @pytest.mark.parametrize("which", sorted(TABLES))
-def test_the_readme_tables_are_current(which: str) -> None:
+def test_the_flag_tables_are_current(which: str) -> None:
     expected = TABLES[which]()
     assert expected.count("\n") > 10
-    assert readme_section(README.read_text(), which) == expected, (
-        "README flag table out of date: run `python -m tests.flag_surface`"
+    assert page_section(FLAGS_PAGE.read_text(), which) == expected, (
+        "docs/flags.md flag table out of date: run `python -m tests.flag_surface`"
     )

@@ -1,4 +1,4 @@
-"""The one exception family of the router and its JSON error envelope (PROTOCOL.md §7)."""
+"""The one exception family of the router and its JSON error envelope (docs/protocol.md §7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Bad client input gets a clear JSON error and reaches no worker (PROTOCOL.md §7)."""
+"""Bad client input gets a clear JSON error and reaches no worker (docs/protocol.md §7)."""
 
 from __future__ import annotations
 

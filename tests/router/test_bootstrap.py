@@ -1,4 +1,4 @@
-"""Bootstrap injection on the wire (PROTOCOL.md §2): batch shapes, fresh rooms, passthrough."""
+"""Bootstrap injection on the wire (docs/protocol.md §2): batch shapes, fresh rooms, passthrough."""
 
 from __future__ import annotations
 

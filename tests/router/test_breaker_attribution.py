@@ -1,4 +1,4 @@
-"""Circuit-breaker attribution (PROTOCOL.md §5) for every outcome of §4, over real sockets:
+"""Circuit-breaker attribution (docs/protocol.md §5) for every outcome of §4, over real sockets:
 who records what, read from the router's breakers after the engines saw the request."""
 
 from __future__ import annotations

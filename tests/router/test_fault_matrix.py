@@ -1,4 +1,4 @@
-"""The rest of the PROTOCOL.md §4 matrix, each case checked on both sides: what the client got,
+"""The rest of the docs/protocol.md §4 matrix, each case checked on both sides: what the client got,
 what the engines saw (connection closed, slot freed, KV or not), and that the router's pool holds
 no active connection afterwards.
 

@@ -3,7 +3,7 @@
 Every request goes through a real router over real sockets to the engine simulator, and for each
 one the test checks, on both sides:
 
-- the client's answer: an `x-request-id` (ours, echoed); any 5xx carries the PROTOCOL.md §7
+- the client's answer: an `x-request-id` (ours, echoed); any 5xx carries the docs/protocol.md §7
   envelope; never the router's own `internal_error`;
 - the router's own refusals: a body that is not a JSON object (by the strict oracle below) or
   a batch over `--max-batch-size` is a 400 that reached no worker (no `request_start` with its
@@ -396,7 +396,7 @@ def has_lone_surrogate(value: Any) -> bool:
 
 
 def batch_size(path: str, body: dict[str, Any]) -> int | None:
-    """PROTOCOL.md §2's table: how many sequences (None: one, scalar bootstrap fields)."""
+    """docs/protocol.md §2's table: how many sequences (None: one, scalar bootstrap fields)."""
     if path == GENERATE:
         text, ids = body.get("text"), body.get("input_ids")
         if isinstance(text, list):
@@ -733,7 +733,7 @@ header_bytes = st.binary(min_size=1, max_size=24).map(
 
 async def test_request_id_bytes_are_echoed_exactly(cluster: Cluster) -> None:
     """A client's x-request-id of visible ASCII comes back in the response and reaches the
-    workers byte for byte (PROTOCOL.md §3), on a refused request and on a forwarded one; one
+    workers byte for byte (docs/protocol.md §3), on a refused request and on a forwarded one; one
     with obs-text (0x80-0xFF) is replaced by a new id, as SGLang's router does
     (`request_ids.py`), and that id is what the client and the workers get."""
     seen: list[bytes] = []

@@ -1,4 +1,4 @@
-"""Logprob merge (PROTOCOL.md §6): prefill's input logprobs go in front of decode's."""
+"""Logprob merge (docs/protocol.md §6): prefill's input logprobs go in front of decode's."""
 
 from __future__ import annotations
 

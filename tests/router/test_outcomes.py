@@ -1,4 +1,4 @@
-"""Every row of the outcome table (PROTOCOL.md §4), streaming and not, checked on both sides:
+"""Every row of the outcome table (docs/protocol.md §4), streaming and not, checked on both sides:
 what the client got, and what the engines saw (connection closed, slot freed).
 
 Bounds are loose (seconds): the engines' KV waiting timeout is 60 s here, so a decode leg the

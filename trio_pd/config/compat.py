@@ -40,7 +40,7 @@ class Foreign:
 
     flag: str
     why: str  # the warning or the error, without the flag's name
-    status: str  # for --help and the README: "ignored", "refused", ...
+    status: str  # for --help and docs/flags.md: "ignored", "refused", ...
     refuse: Callable[[Any], bool] = _never
     matches: Callable[[Any], bool] = _never
     kwargs: dict[str, Any] = attrs.field(factory=dict)  # argparse arity: nargs, type, choices

@@ -63,7 +63,7 @@ class HealthConfig:
 @attrs.frozen
 class TimeoutConfig:
     """Idle timeouts (seconds), in the spirit of AIBrix's decode watchdog. Each ends the request
-    with the PROTOCOL.md §4 answer (504 before headers, an error frame after) and closes both
+    with the docs/protocol.md §4 answer (504 before headers, an error frame after) and closes both
     legs; the request deadline (`--request-timeout-secs`) still bounds the whole."""
 
     first_token_secs: float = 60.0  # stream: dispatch -> decode's first event

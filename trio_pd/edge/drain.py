@@ -5,7 +5,7 @@ new generation request on a connection still open is answered 503 with `Retry-Af
 `Connection: close`, and hypercorn (through its `shutdown_trigger`) closes the listening sockets,
 so new connections are refused. Requests in flight, streams included, run on for up to
 `--shutdown-grace-period-secs`; whatever still runs then is cancelled with cause "shutdown" and
-ends with the PROTOCOL.md §4 answer (504, or an error frame once a stream has started), both of
+ends with the docs/protocol.md §4 answer (504, or an error frame once a stream has started), both of
 its legs closed. A second signal ends the grace period at once. Hypercorn's own graceful timeout
 is set a little past the grace period, as a backstop.
 """
@@ -38,7 +38,7 @@ def shutting_down() -> RouterError:
 
 
 def cut_by_shutdown(grace_secs: float) -> RouterError:
-    """The answer to a request the end of the grace period cut (PROTOCOL.md §4: 504)."""
+    """The answer to a request the end of the grace period cut (docs/protocol.md §4: 504)."""
     return RouterError(
         504,
         f"the router shut down before the request finished (grace period {grace_secs:g}s)",

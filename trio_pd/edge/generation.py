@@ -162,7 +162,8 @@ def owned_keys(config: RouterConfig) -> frozenset[str]:
 
 
 async def answer_cut(rsp: Responder, error: RouterError) -> None:
-    """The §4 answer of a request ended from outside: an error, or a frame after the start."""
+    """The answer of a request ended from outside (docs/protocol.md §4): an error, or a frame
+    after the start."""
     if not rsp.started:
         await rsp.error(error)
     elif not rsp.finished:

@@ -1,4 +1,4 @@
-"""Per-worker circuit breaker (PROTOCOL.md §5), timed with `trio.current_time()` only.
+"""Per-worker circuit breaker (docs/protocol.md §5), timed with `trio.current_time()` only.
 
 closed -> open after `failure_threshold` consecutive failures; open -> half_open once
 `timeout_duration_secs` have passed since it opened (evaluated lazily, whenever `state` is read);

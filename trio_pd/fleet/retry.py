@@ -1,7 +1,8 @@
 """Retry arithmetic, as SMG counts it: `max_retries` is the total number of attempts.
 
 Only the numbers live here; `outcome.py` says what may be retried (never once bytes reached the
-client, PROTOCOL.md §8) and the dispatcher sleeps with `trio.sleep(backoff_delay(...))`.
+client, docs/behaviour.md "Retries") and the dispatcher sleeps with
+`trio.sleep(backoff_delay(...))`.
 """
 
 from __future__ import annotations

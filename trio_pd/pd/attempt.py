@@ -1,6 +1,6 @@
 """One PD attempt: the prefill and decode legs as siblings in one trio nursery.
 
-This module is the outcome table of PROTOCOL.md §4 in code:
+This module is the outcome table of docs/protocol.md §4 in code:
 
 - prefill fails (status, transport, timeout, in-band) -> the decode leg is cancelled at once; its
   connection is closed by cancellation, not by an explicit drop;
@@ -209,7 +209,7 @@ class Attempt:
             self.decode.result = LegFailure("transport", f"answer the router cannot merge: {exc}")
 
     def culprit(self) -> Leg | None:
-        """The leg whose failure decided the attempt (prefill's comes first, PROTOCOL.md §4)."""
+        """The leg whose failure decided the attempt (docs/protocol.md §4: prefill's first)."""
         if self.prefill.failed:
             return self.prefill
         if self.decode.failed:

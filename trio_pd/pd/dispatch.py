@@ -225,7 +225,7 @@ def new_attempt(
     decode_body = (
         splice(inspected.body, inspected.empty, {**fields, **ranks.decode_fields})
         if ranks.decode_fields or ranks.prefill_fields
-        else prefill_body  # the same bytes to both legs (PROTOCOL.md §1) unless ranks differ
+        else prefill_body  # the same bytes to both legs (docs/protocol.md §1) unless ranks differ
     )
     if max(len(prefill_body), len(decode_body)) > ctx.config.max_payload_size:
         raise RouterError(
@@ -436,7 +436,7 @@ def leg_headers_for(
 
 
 def stream_error_frame(attempt: Attempt) -> bytes:
-    """The error event that ends a stream cut after it started (PROTOCOL.md §4)."""
+    """The error event that ends a stream cut after it started (docs/protocol.md §4)."""
     failure = attempt.decode.result
     if isinstance(failure, LegFailure) and failure.kind != "timeout":
         return error_frame(f"decode worker failed: {failure.message}", "upstream_error", 502)

@@ -1,4 +1,5 @@
-"""The fields the router writes into a client's body for one attempt (PROTOCOL.md §2, §10, §11).
+"""The fields the router writes into a client's body for one attempt (docs/protocol.md §2, §10,
+§11).
 
 `bootstrap_host`, `bootstrap_port` and a fresh random `bootstrap_room` per attempt (lists of the
 batch's length for batches, distinct rooms), the request's `rid` on the legs, and with

@@ -1,6 +1,6 @@
 """What one leg's end means: for the client, for the circuit breakers, for retries.
 
-PROTOCOL.md §4 and §5 as values and pure functions, apart from the I/O of the legs
+docs/protocol.md §4 and §5 as values and pure functions, apart from the I/O of the legs
 (`attempt.py`) and the retry loop (`dispatch.py`):
 
 - `LegFailure.client_reply(role)`: the answer a client gets for a failed leg;
@@ -49,7 +49,7 @@ class LegFailure:
         return self.kind != "kv_transfer" and self.status is not None and 400 <= self.status < 500
 
     def client_reply(self, role: Role) -> Reply:
-        """The answer a client gets for this failure (PROTOCOL.md §4, first and third rows)."""
+        """The answer a client gets for this failure (docs/protocol.md §4, first and third rows)."""
         if self.kind == "status":
             assert self.status is not None
             if role == "decode" or self.is_client_error:
@@ -129,7 +129,7 @@ def record_outcome(
     decode: tuple[Worker, LegResult],
     history: FailureHistory,
 ) -> None:
-    """Circuit-breaker attribution for one attempt (PROTOCOL.md §5).
+    """Circuit-breaker attribution for one attempt (docs/protocol.md §5).
 
     Prefill failed: only prefill records (a refused request is a success: the client's fault);
     decode was a victim. Decode failed: only decode records. Both fine: both succeed. A client

@@ -1,4 +1,4 @@
-"""SSE payloads, in-band failure detection and the logprob merge (PROTOCOL.md §4, §6).
+"""SSE payloads, in-band failure detection and the logprob merge (docs/protocol.md §4, §6).
 
 Decode's bytes are relayed raw; only what a decision needs is parsed: the first event of a stream,
 a prefill answer, an error marker. Events are cut out of the byte stream by `sse.EventReader`.
@@ -34,7 +34,7 @@ def parse_json(data: bytes) -> Any:
 class InbandError:
     """A failure carried inside a 2xx answer. ``code`` is its HTTP-like status when the worker
     gave one (the error object's `code`, an abort's `status_code`): a 4xx there is the client's
-    request being refused (PROTOCOL.md §4), anything else the worker's failure."""
+    request being refused (docs/protocol.md §4), anything else the worker's failure."""
 
     message: str
     code: int | None = None

@@ -1,4 +1,4 @@
-"""The headers of the legs and of relayed answers (PROTOCOL.md §3).
+"""The headers of the legs and of relayed answers (docs/protocol.md §3).
 
 One place decides what a worker is sent (the forwarded tracing headers, the router's request
 id, the worker's authorization) and what of a worker's answer reaches the client (less
@@ -169,7 +169,7 @@ def worker_authorization(
     worker_key: str | None, client_value: bytes | None
 ) -> list[tuple[bytes, bytes]]:
     """The authorization a worker gets: its key (the worker's own, else `--api-key`) replacing
-    the client's header; without a key, the client's header as it came (PROTOCOL.md §3)."""
+    the client's header; without a key, the client's header as it came (docs/protocol.md §3)."""
     if worker_key:
         return [(b"authorization", b"Bearer " + worker_key.encode())]
     if client_value:

@@ -1,6 +1,6 @@
 """A simulated SGLang 0.5.23 prefill/decode engine pair, for testing and demonstrating PD routers.
 
-A separate program that speaks the PD wire protocol (PROTOCOL.md): it imports nothing from the
+A separate program that speaks the PD wire protocol (docs/protocol.md): it imports nothing from the
 rest of trio_pd. It models what a router can observe of SGLang 0.5.23 (`sglang/srt/...`; where a
 summary and that code disagree, the code wins), each module citing its source:
 
