@@ -1,11 +1,11 @@
 """The floor of the stack: a bare ASGI app served exactly like trio_pd serves its router.
 
-Same server code path as `trio-pd serve` with one worker: `trio_pd.serving.serve_app` (hypercorn's
-trio connection handling with trio_pd's fair accept loop) on the
-sockets `trio_pd.server.make_sockets` makes, with the config `trio_pd.server.hypercorn_config`
-builds (keep-alive 5 s, no access log, backlog 4096), the app wrapped by `hypercorn.utils.wrap_app`.
-What the app does is as little as an HTTP answer can be, so its CPU is hypercorn + trio + the
-ASGI hop, with no routing, JSON or upstream connection:
+Same server code path as `trio-pd serve` with one worker: `trio_pd.serve.accept.serve_app`
+(hypercorn's trio connection handling with trio_pd's fair accept loop) on the sockets
+`trio_pd.serve.listeners.make_sockets` makes, with the config `hypercorn_config` builds (keep-alive
+5 s, no access log, backlog 4096), the app wrapped by `wrap_asgi`. What the app does is as little as
+an HTTP answer can be, so its CPU is hypercorn + trio + the ASGI hop, with no routing, JSON or
+upstream connection:
 
 - any POST but /stream: read the body (every `http.request` message), answer a small fixed JSON;
 - POST /stream: read the body, then K small SSE events T ms apart and `data: [DONE]` (chunked).
@@ -32,10 +32,9 @@ from typing import Any
 
 import orjson
 import trio
-from hypercorn.utils import wrap_app
 
 from trio_pd.config import RouterConfig
-from trio_pd.serve.accept import serve_app
+from trio_pd.serve.accept import serve_app, wrap_asgi
 from trio_pd.serve.listeners import hypercorn_config, make_sockets
 
 JSON = b'{"text":" the quick brown fox jumps over the lazy dog","meta_info":{"id":"floor"}}'
@@ -131,7 +130,7 @@ async def serve(args: argparse.Namespace) -> None:
     for sock in (*sockets.secure_sockets, *sockets.insecure_sockets):
         sock.listen(hc.backlog)
     floor = FloorApp(args.events, args.interval_ms / 1000.0, args.stats_file)
-    app = wrap_app(floor, hc.wsgi_max_body_size, "asgi")
+    app = wrap_asgi(floor, hc)
     stop = trio.Event()
 
     async def on_signals() -> None:

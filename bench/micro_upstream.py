@@ -1,5 +1,5 @@
-"""Client CPU per upstream call: httpcore2's AsyncHTTP11Connection (what trio_pd/upstream.py
-uses today) vs trio_pd.http11.Connection (httptools).
+"""Client CPU per upstream call: httpcore2's AsyncHTTP11Connection (what the control plane's
+client uses) vs trio_pd.upstream.http11.Connection (httptools, the hot path's).
 
 One trio process drives 32 keep-alive connections against an instant HTTP server running in a
 separate process (an asyncio protocol in this file, `--serve`), so only the client's CPU is

@@ -14,7 +14,7 @@ pass (the checker follows fleet membership). The answers have SMG 1.13's shape (
 `status`; the listing has `stats`), with trio_pd's own fields beside them. A removed worker is
 never selected again; requests already running on it finish. URLs that cannot be a worker
 (link-local, cloud metadata, this router itself) are refused before anything is stored
-(`urls.py`).
+(`upstream/destinations.py`).
 """
 
 from __future__ import annotations

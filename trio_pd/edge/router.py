@@ -204,7 +204,7 @@ class Router:
 
     @property
     def sources(self) -> tuple[MembershipSource, ...]:
-        """The long-lived membership readers, run in the lifespan (`background.py`)."""
+        """The long-lived membership readers, run in the lifespan (`services.py`)."""
         return self.membership.sources
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -28,7 +28,7 @@ once per attempt; this module and OpenTelemetry are not even imported). When it 
 are built at the request's start and end (the legs' ends are read off the finished attempt,
 not hooked into the legs), and exported from the batch processor's own thread.
 
-Every router process builds its own provider in its lifespan startup (`app.py`), so with
+Every router process builds its own provider in its lifespan startup (`lifespan.py`), so with
 `--workers N` each spawned process exports its own spans over its own gRPC channel; the spans
 of a process are flushed (bounded) when its lifespan ends, after the drain.
 """

@@ -20,7 +20,7 @@ Rules (SMG's thresholds, with one exception for new workers):
   `timeout_secs` is a failure;
 - a removed worker's checker is cancelled and never flips it again;
 - every failure says why (`ProbeFailed`, or the exception or timeout), kept on the worker
-  (`health_error`, shown by `GET /workers` and in the 503 of a request that found no worker),
+  (`health_error`, shown by `GET /workers`; never in a client's 503, which must not show workers),
   handed to `on_failure` (the router counts it: `trio_pd_health_check_failures_total`) and
   logged: at WARNING when a worker goes down or, while it has never passed, when the reason
   changes and at most every `REPEAT_LOG_SECS` while it stays the same; so a worker that never

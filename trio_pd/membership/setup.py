@@ -1,7 +1,7 @@
 """Which membership store and sources a router runs: decided here, and only here.
 
-The store is where the admin API writes (`POST /workers`, `DELETE /workers/{id}`); the sources
-are the long-lived tasks feeding the Fleet (`background.py` runs each under `supervised`).
+The store is where the admin API writes (`POST /workers`, `DELETE /workers/{id}`); the sources are
+the long-lived tasks feeding the Fleet (`edge/services.py` runs each under the crash-only guard).
 
 - `--etcd-endpoints`: etcd is the store and a source. Admin changes on any replica are written
   to etcd and reach every replica through its watch (`membership/etcd.py`).
@@ -21,7 +21,7 @@ URL and role) belongs to the first that registered it.
 
 `--workers N` with etcd or Kubernetes: every process runs its own watch. They agree because the
 source is the same and the ids come from it (etcd keys, pod names), exactly as separate replicas
-agree; no file is involved for etcd (`processes.per_process`).
+agree; no file is involved for etcd (`serve/supervisor.py` `per_process`).
 """
 
 from __future__ import annotations

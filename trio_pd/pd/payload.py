@@ -9,7 +9,7 @@ twice.
 Everything here is a pure function of the bytes and runs before any leg starts. Its cost is
 bounded: list lengths are capped (`--max-batch-size`) before the router builds a room per item,
 and the routing text is cut to `ROUTING_TEXT_LIMIT` characters. Parsing itself costs time in
-proportion to the body (up to ~0.3 µs per JSON value), so `app.py` runs this function in a worker
+proportion to the body (up to ~0.3 µs per JSON value), so `edge/intake.py` runs it in a worker
 process for bodies of `OFFLOAD_BYTES` or more: a large body never stalls the event loop that
 relays everyone else's tokens. That is why the result is a plain picklable value.
 """

@@ -1,9 +1,9 @@
 """Serving a Router with hypercorn's trio worker: one process, or several sharing the sockets.
 
-Every mode runs `serve`: hypercorn's trio connection handling (`serving.py`, with a fair accept
-loop) on sockets made here (so they get TCP_USER_TIMEOUT, see `make_sockets`) with the router's
-drain as the shutdown trigger: the server drains through that trigger, never by having `serve`
-cancelled from outside (`drain.py`).
+Every mode runs `serve`: hypercorn's trio connection handling (`accept.py`, with a fair accept loop)
+on sockets made by `listeners.py` (so they get TCP_USER_TIMEOUT, see `make_sockets`) with the
+router's drain as the shutdown trigger: the server drains through that trigger, never by having
+`serve` cancelled from outside (`drain.py`).
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def worker_main(
     ready: Any,
     admin_sockets: Sockets | None = None,
 ) -> None:
-    """A router process of `--workers N` (spawned by `processes.Supervisor`).
+    """A router process of `--workers N` (spawned by `supervisor.Supervisor`).
 
     It answers SIGTERM only: a terminal's Ctrl-C reaches the parent, which forwards SIGTERM
     (were SIGINT taken here too, one Ctrl-C would count as two signals). If the parent dies,

@@ -1,4 +1,4 @@
-"""The control plane's HTTP client (httpx2): health probes, fan-out, admin checks, aborts.
+"""The control plane's HTTP client (httpx2): health probes, fan-out, admin checks.
 
 Off the hot path on purpose: the legs use `pool.py`'s httptools client. One per router process,
 opened by the lifespan; no redirects, no proxies from the environment, HTTP/1.1 only.
