@@ -82,6 +82,10 @@ async def test_a_vllm_worker_added_by_the_admin_api_pairs_only_with_vllm(
     async with httpx2.AsyncClient(base_url=url, timeout=20) as client, admin:
         # Only an SGLang decode: the vLLM prefill has no partner, so nothing is sent anywhere.
         await settle(lambda: all(w.healthy for w in router.fleet.workers()))
+        assert len(router.fleet.routable("prefill")) == len(router.fleet.routable("decode")) == 1
+        unready = await client.get("/readiness")  # both roles healthy, yet no pair can form
+        assert unready.status_code == 503
+        assert unready.json()["reason"] == "no prefill and decode of one engine"
         body = {"model": "sim-model", "prompt": "no partner yet", "max_tokens": 2}
         refused = await client.post("/v1/completions", json=body)
         assert refused.status_code == 503
@@ -94,6 +98,7 @@ async def test_a_vllm_worker_added_by_the_admin_api_pairs_only_with_vllm(
         )
         assert added.status_code == 202 and added.json()["engine"] == "vllm"
         await settle(lambda: all(w.healthy for w in router.fleet.workers()))
+        assert (await client.get("/readiness")).status_code == 200
         response = await client.post("/v1/completions", json=body)
         assert response.status_code == 200
     assert len(v_decode.events.find("request_start")) == 1

@@ -56,10 +56,15 @@ async def handle_readiness(
         "total_workers": len(workers),
     }
     missing = [role for role in ("prefill", "decode") if not fleet.routable(role)]
-    if missing:
-        message = f"no available {' or '.join(missing)} worker"
+    if missing or fleet.unpaired_engines():
+        if missing:
+            message = f"no available {' or '.join(missing)} worker"
+            reason = "insufficient healthy workers"
+        else:
+            message = "no healthy prefill and decode worker of the same engine (sglang, vllm)"
+            reason = "no prefill and decode of one engine"
         error = {"message": message, "type": "service_unavailable", "code": 503}
-        body = {"status": "not ready", "reason": "insufficient healthy workers", **counts}
+        body = {"status": "not ready", "reason": reason, **counts}
         await json_reply(rsp, 503, {**body, "error": error, **extra})
     else:
         if "down" in membership.values():

@@ -173,6 +173,13 @@ class Fleet:
             and (model is None or w.model == model)
         ]
 
+    def unpaired_engines(self) -> bool:
+        """Both roles have routable workers, yet no prefill and decode of the same engine: every
+        request would find no pair (`select_pair` never mixes engines)."""
+        prefill = {w.spec.engine for w in self.routable("prefill")}
+        decode = {w.spec.engine for w in self.routable("decode")}
+        return bool(prefill and decode) and not prefill & decode
+
     # -- selection -----------------------------------------------------------------------------
 
     def select(
