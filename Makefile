@@ -4,7 +4,7 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint format demo bench bench-peers bench-router-bound bench-vllm clean sglang-env \
+.PHONY: install test lint format demo bench bench-peers bench-router-bound bench-vllm bench-aborts clean sglang-env \
 	test-sglang demo-sglang
 
 $(STAMP): pyproject.toml
@@ -51,6 +51,11 @@ bench-peers: $(STAMP)
 bench-vllm: $(STAMP)
 	$(PEERS_INSTALL)
 	$(BIN)/python -m bench.storm_vllm $(BENCH_ARGS)
+
+# Aborts at storm rate (issue 19, bench/abort_rate.py): 100-750 failing req/s, aborts on and off
+# (about 3 minutes; BENCH_ARGS=--quick about 1).
+bench-aborts: $(STAMP)
+	$(BIN)/python -m bench.abort_rate $(BENCH_ARGS)
 
 # The router-bound scenario alone, all four routers, 3 repetitions (about 12 minutes on 2 cores;
 # BENCH_ARGS=--quick about 6).
