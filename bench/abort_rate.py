@@ -28,9 +28,11 @@ and reads, per rate:
 - `router_cpu_s` over the load and the wait, and per request.
 
 The baseline in the same run is the same load on `--no-abort-on-cancel`: every doomed decode keeps
-its slot until the hold timeout. Each (mode, rate) gets fresh processes.
+its slot until the hold timeout. Each (mode, rate) gets fresh processes, `--repeat` times
+interleaved; the table has the medians, the JSON every run too.
 
     .venv/bin/python -m bench.abort_rate [--quick] [--rates 100,250,500,750] [--seconds 10]
+        [--repeat 3] [--modes aborts,noabort] [--profile]   # py-spy the router (pip install)
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import asyncio
 import contextlib
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -255,13 +258,29 @@ def abort_counters(metrics_port: int) -> dict[str, float]:
 
 
 # ---- one (mode, rate) -----------------------------------------------------------------------
-def measure(mode: str, rate: float, seconds: float) -> dict[str, Any]:
+def py_spy(pid: int, seconds: float, out: Path) -> subprocess.Popen[bytes]:
+    """py-spy recording the router through the load (`--profile`; bench/profile.py reads it)."""
+    spy = shutil.which("py-spy") or str(common.VENV_BIN / "py-spy")
+    argv = [spy, "record", "--native", "--format", "raw", "--pid", str(pid), "--duration",
+            str(max(1, int(seconds))), "--rate", "200", "--output", str(out)]  # fmt: skip
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def measure(mode: str, rate: float, seconds: float, profile: bool = False) -> dict[str, Any]:
     with started(mode) as (c, metrics_port):
         assert c.router is not None
         before = abort_counters(metrics_port)
         cpu0 = common.tree_cpu(c.router.pid)
         t0 = time.monotonic() + 0.2
+        spy = None
+        if profile:
+            common.RESULTS.mkdir(parents=True, exist_ok=True)
+            raw = common.RESULTS / f"{NAME}-profile-{mode}-{rate:g}.raw"
+            spy = py_spy(c.router.pid, seconds, raw)
         client = drive(c.router_port, rate, seconds, t0)
+        if spy is not None:
+            spy.wait(30)
+            print_flush(f"  profile: python -m bench.profile --summarize {raw}")
         t_load_end = time.monotonic()
         time.sleep(REPEAT_WAIT)
         router_cpu = common.tree_cpu(c.router.pid) - cpu0
@@ -328,24 +347,55 @@ def summarize(
     }
 
 
-def run(rates: list[float], seconds: float, modes: list[str]) -> dict[str, Any]:
+def run(
+    rates: list[float], seconds: float, modes: list[str], repeat: int = 1, profile: bool = False
+) -> dict[str, Any]:
+    """Every (mode, rate) `repeat` times, interleaved (the machine's noise spreads over all),
+    and their medians."""
     rows = []
-    for rate in rates:
-        for mode in modes:
-            row = measure(mode, rate, seconds)
-            print_flush(
-                f"  {mode} @ {rate:g}/s: sent {row['sent']} (achieved {row['achieved']}/s), "
-                f"aborted {row['rids_aborted']}/{row['legs_cancelled']:g} rids, "
-                f"dropped {row['dropped']:g}, p50/p99 {row['abort_p50_ms']}/"
-                f"{row['abort_p99_ms']} ms, held at end {row['held_end']}, "
-                f"router CPU {row['router_cpu_s']} s"
-            )
-            rows.append(row)
+    for rep in range(repeat):
+        for rate in rates:
+            for mode in modes:
+                row = measure(mode, rate, seconds, profile)
+                row["rep"] = rep
+                print_flush(
+                    f"  {mode} @ {rate:g}/s: sent {row['sent']} (achieved {row['achieved']}/s), "
+                    f"aborted {row['rids_aborted']}/{row['legs_cancelled']:g} rids, "
+                    f"dropped {row['dropped']:g}, p50/p99 {row['abort_p50_ms']}/"
+                    f"{row['abort_p99_ms']} ms, held at end {row['held_end']}, "
+                    f"router CPU {row['router_cpu_s']} s"
+                )
+                rows.append(row)
     return {
         "scenario": NAME,
-        "settings": {"rates": rates, "seconds": seconds, "hold_secs": HOLD_SECS, "modes": modes},
-        "rows": rows,
+        "settings": {
+            "rates": rates,
+            "seconds": seconds,
+            "hold_secs": HOLD_SECS,
+            "modes": modes,
+            "repeat": repeat,
+        },
+        "runs": rows,
+        "rows": medians(rows, rates, modes),
     }
+
+
+def medians(rows: list[dict[str, Any]], rates: list[float], modes: list[str]) -> list[dict]:
+    """One row per (mode, rate): the median of each figure over the repetitions."""
+    out = []
+    for rate in rates:
+        for mode in modes:
+            reps = [r for r in rows if r["mode"] == mode and r["rate"] == rate]
+            row: dict[str, Any] = {"mode": mode, "rate": rate, "reps": len(reps)}
+            for key, value in reps[0].items():
+                if key in row or key == "rep":
+                    continue
+                if isinstance(value, (int, float)) or value is None:
+                    row[key] = stats.median(r[key] for r in reps)
+                else:
+                    row[key] = value
+            out.append(row)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -354,6 +404,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rates", default=None, help="comma-separated req/s")
     parser.add_argument("--seconds", type=float, default=None)
     parser.add_argument("--modes", default="aborts,noabort")
+    parser.add_argument("--repeat", type=int, default=None, help="repetitions (default 3; quick 1)")
+    parser.add_argument("--profile", action="store_true", help="py-spy the router (pip install)")
     args = parser.parse_args(argv)
     default_rates = "100,500" if args.quick else "100,250,500,750"
     rates = [float(r) for r in (args.rates or default_rates).split(",")]
@@ -362,9 +414,11 @@ def main(argv: list[str] | None = None) -> None:
     for mode in modes:
         if mode not in MODES:
             raise SystemExit(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
-    result = run(rates, seconds, modes)
+    repeat = args.repeat or (1 if args.quick else 3)
+    result = run(rates, seconds, modes, repeat, args.profile)
     result["quick"] = args.quick
-    common.report(NAME, result, COLUMNS, f"aborts at storm rate ({seconds:g} s per rate)")
+    title = f"aborts at storm rate ({seconds:g} s per rate, medians of {repeat})"
+    common.report(NAME, result, COLUMNS, title)
 
 
 if __name__ == "__main__":
