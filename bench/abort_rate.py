@@ -17,9 +17,11 @@ and reads, per rate:
 - `sent`, `failed` (the client's non-2xx), `decode_got` (requests the decode engine held: the
   rest were cancelled before their bytes went out, a race with the prefill's instant 500);
 - `legs_cancelled` (the router's `trio_pd_legs_cancelled_total`: the abort jobs expected, one per
-  rid), `rids_aborted` (rids the decode engine received an abort for), `missing` (the
-  difference), `posts` (abort POSTs received; 2 per rid when all is well), `got_not_freed`
-  (held requests no abort freed: the figure that must be 0);
+  rid), `rids_aborted` (rids the decode engine received an abort for), `not_posted` (the
+  difference: legs the router counts although their task began after the prefill's 500 had
+  cancelled them, so no byte went out and no abort is due; the engine never saw those rids,
+  which `got_not_freed` = 0 shows), `posts` (abort POSTs received; 2 per rid when all is
+  well), `got_not_freed` (held requests no abort freed: the figure that must be 0);
 - `dropped` / `failed_posts` (the router's `trio_pd_aborts_total` counters, from /metrics);
 - `abort_p50_ms` / `abort_p99_ms`: from the prefill's failure to the decode engine receiving the
   rid's first abort; `freed_p99_ms`: to the abort that freed the slot (the first one can land
@@ -65,8 +67,8 @@ MAX_CONNECTIONS = 4096
 MODES = {"aborts": "trio_pd", "noabort": "trio_pd_noabort"}
 COLUMNS = (
     "mode", "rate", "achieved", "sent", "failed", "decode_got", "legs_cancelled", "rids_aborted",
-    "missing", "posts", "dropped", "failed_posts", "abort_p50_ms", "abort_p99_ms", "freed_p99_ms",
-    "held_end", "router_cpu_s", "cpu_ms_per_req", "client_p50_ms",
+    "not_posted", "posts", "dropped", "failed_posts", "abort_p50_ms", "abort_p99_ms",
+    "freed_p99_ms", "held_end", "router_cpu_s", "cpu_ms_per_req", "client_p50_ms",
 )  # fmt: skip
 BODY = orjson.dumps({"text": "abort storm", "sampling_params": {"max_new_tokens": 16}})
 
@@ -328,7 +330,7 @@ def summarize(
         "prefill_failures": len(failures),
         "legs_cancelled": counters.get("legs_cancelled", 0.0),
         "rids_aborted": len(first),
-        "missing": counters.get("legs_cancelled", 0.0) - len(first),
+        "not_posted": counters.get("legs_cancelled", 0.0) - len(first),
         "got_not_freed": sum(1 for rid in got if rid not in freed),
         "posts": posts,
         "dropped": counters.get("dropped", 0.0),
