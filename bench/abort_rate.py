@@ -26,7 +26,9 @@ and reads, per rate:
 - `abort_p50_ms` / `abort_p99_ms`: from the prefill's failure to the decode engine receiving the
   rid's first abort; `freed_p99_ms`: to the abort that freed the slot (the first one can land
   before the decode request did, and the engine drops it: the repeat frees it);
-- `held_end`: decode slots still held at the end (0 when every abort arrived);
+- `held_end`: decode slots still held at the end (0 when every abort arrived), once the router's
+  abort counters stopped moving; `settle_s`: how long after the load that was (a saturated
+  router is still sending its backlog);
 - `router_cpu_s` over the load and the wait, and per request.
 
 The baseline in the same run is the same load on `--no-abort-on-cancel`: every doomed decode keeps
@@ -63,12 +65,13 @@ from bench.stats import pct
 NAME = "abort_rate"
 HOLD_SECS = 30.0  # the decode's hold timeout (SGLang's KV waiting timeout in the storm)
 REPEAT_WAIT = 3.0  # after the last answer: the 2 s repeat, and some
+SETTLE_MAX = 30.0  # then until the router's abort counters stop moving, at most this long
 MAX_CONNECTIONS = 4096
 MODES = {"aborts": "trio_pd", "noabort": "trio_pd_noabort"}
 COLUMNS = (
     "mode", "rate", "achieved", "sent", "failed", "decode_got", "legs_cancelled", "rids_aborted",
     "not_posted", "posts", "dropped", "failed_posts", "abort_p50_ms", "abort_p99_ms",
-    "freed_p99_ms", "held_end", "router_cpu_s", "cpu_ms_per_req", "client_p50_ms",
+    "freed_p99_ms", "held_end", "settle_s", "router_cpu_s", "cpu_ms_per_req", "client_p50_ms",
 )  # fmt: skip
 BODY = orjson.dumps({"text": "abort storm", "sampling_params": {"max_new_tokens": 16}})
 
@@ -285,12 +288,30 @@ def measure(mode: str, rate: float, seconds: float, profile: bool = False) -> di
             print_flush(f"  profile: python -m bench.profile --summarize {raw}")
         t_load_end = time.monotonic()
         time.sleep(REPEAT_WAIT)
+        settled = settle(metrics_port) - t_load_end
         router_cpu = common.tree_cpu(c.router.pid) - cpu0
         after = abort_counters(metrics_port)
         prefill, decode = records(c.prefill.port), records(c.decode.port)
     counters = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     window = (t0, t_load_end)
-    return summarize(mode, rate, seconds, client, window, prefill, decode, counters, router_cpu)
+    row = summarize(mode, rate, seconds, client, window, prefill, decode, counters, router_cpu)
+    row["settle_s"] = round(settled, 1)
+    return row
+
+
+def settle(metrics_port: int) -> float:
+    """Wait until the router has sent no abort for a second (a saturated router is still
+    working through its queue after the load); returns when it settled."""
+    deadline = time.monotonic() + SETTLE_MAX
+    last = None
+    while time.monotonic() < deadline:
+        counters = abort_counters(metrics_port)
+        done = sum(counters.get(k, 0.0) for k in ("sent", "failed", "dropped"))
+        if done == last:
+            return time.monotonic() - 1.0
+        last = done
+        time.sleep(1.0)
+    return time.monotonic()
 
 
 def summarize(
