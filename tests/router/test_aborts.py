@@ -186,8 +186,6 @@ async def test_aborts_keep_connections_of_their_own(nursery: trio.Nursery) -> No
         )
         assert freed["reason"] == "aborted_request"
     # The aborts went over the service's own connections, and none is in the shared pool.
-    assert aborts.connections() and {url for url, _ in aborts.connections()} == {
-        cluster.decode.url
-    }
+    assert aborts.connections() and {url for url, _ in aborts.connections()} == {cluster.decode.url}
     assert cluster.upstream_connections(cluster.decode) == []
     await cluster.client.aclose()
