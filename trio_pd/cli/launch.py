@@ -37,7 +37,8 @@ def serve_foreign_under_launch(foreign: compat.Foreign) -> compat.Foreign:
         kwargs["choices"] = list(WIDER_CHOICES[foreign.flag][0])
     if foreign.flag in REPEATABLE:
         kwargs["action"] = "extend"
-    return attrs.evolve(foreign, kwargs=kwargs)
+    status = "`sglang`, `vllm` accepted, others refused" if foreign.flag == "--backend" else None
+    return attrs.evolve(foreign, kwargs=kwargs, status=status or foreign.status)
 
 
 def foreign_rows() -> tuple[compat.Foreign, ...]:

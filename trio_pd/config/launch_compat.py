@@ -327,5 +327,12 @@ def build_launch_config(
     values = dict(values)
     if values.get("prometheus_host") is None:
         values["prometheus_host"] = metrics_host(values.get("host") or "0.0.0.0")
+    origins = values.get("cors_allowed_origins") or []
+    if "*" in origins:  # SMG 1.13: `*` anywhere in the list is any origin (serve's empty list)
+        values["cors_allowed_origins"] = []
     config = build_config(values, given, environ, table=LAUNCH_FLAGS)
-    return attrs.evolve(config, startup_warnings=(*warnings, *config.startup_warnings))
+    return attrs.evolve(
+        config,
+        cors_enabled=bool(origins),  # SMG 1.13: no origins given, no cross-origin allowance
+        startup_warnings=(*warnings, *config.startup_warnings),
+    )

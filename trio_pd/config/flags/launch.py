@@ -84,6 +84,13 @@ LAUNCH_DIFFERS: dict[str, str] = {
     "--policy": "SMG 1.13 adds passthrough, least_load, consistent_hashing and prefix_hash: "
     "refused with the reason where trio_pd has no such policy",
     "--backend": "SMG 1.13 adds anthropic and tokenspeed: refused, as openai",
+    "--cors-allowed-origins": "under launch as SMG 1.13: without it (or with none listed) no "
+    "origin is allowed, and `*` allows any; under serve (0.3.2) no origins means any origin "
+    "and `*` is refused",
+    "--balance-abs-threshold": "SMG 1.13 made the two thresholds one spill gate (a worker's "
+    "load above the fleet's mean by both); trio_pd's cache_aware keeps SGLang 0.3.2's rule "
+    "(the gap between the busiest and the idlest worker), its tree and its defaults",
+    "--balance-rel-threshold": "as --balance-abs-threshold: SGLang 0.3.2's balance rule",
     **{flag: "repeatable under launch (each occurrence adds, as SMG 1.13); under serve the "
        "last one wins (0.3.2)" for flag in ("--selector", "--prefill-selector",
                                             "--decode-selector")},
