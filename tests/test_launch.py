@@ -251,8 +251,8 @@ def test_a_wider_choice_is_refused_with_its_reason(capsys: pytest.CaptureFixture
 
 
 def run_launch(*argv: str) -> subprocess.CompletedProcess[str]:
-    """`python -m trio_pd launch ...` up to its config: `--help`-free lines that fail exit at
-    once; the ones that would serve are not run here (tests/ops/test_launch_lines.py is)."""
+    """`python -m trio_pd launch ...` for a line refused before anything is served (the one
+    that serves is tests/ops/test_launch_lines.py's)."""
     return subprocess.run(
         [sys.executable, "-m", "trio_pd", "launch", *WORKERS, *argv],
         capture_output=True,

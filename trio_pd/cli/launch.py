@@ -48,6 +48,11 @@ def foreign_rows() -> tuple[compat.Foreign, ...]:
     )
 
 
+def aliases(flag: str) -> tuple[str, ...]:
+    """SMG's second spellings of `flag`, but a serve row's own name (it is that row)."""
+    return tuple(alias for alias in ALIASES.get(flag, ()) if alias not in BY_NAME)
+
+
 def add_launch_arguments(parser: argparse.ArgumentParser, suppress: bool = False) -> None:
     """Every row of launch's table, grouped as serve groups them, SMG's own flags, `--config`."""
     parser.add_argument(
@@ -60,14 +65,14 @@ def add_launch_arguments(parser: argparse.ArgumentParser, suppress: bool = False
     for row in LAUNCH_FLAGS:
         if row.group not in groups:
             groups[row.group] = parser.add_argument_group(row.group)
-        add_flag(groups[row.group], row, suppress, ALIASES.get(row.name, ()))
+        add_flag(groups[row.group], row, suppress, aliases(row.name))
     foreign = parser.add_argument_group(
         "SMG flags outside a PD router",
         "accepted for drop-in compatibility with `smg launch`: ignored with a warning when "
         "ignoring them cannot change routing or security, refused with the reason otherwise",
     )
     for foreign_row in foreign_rows():
-        add_foreign(foreign, foreign_row, suppress, ALIASES.get(foreign_row.flag, ()))
+        add_foreign(foreign, foreign_row, suppress, aliases(foreign_row.flag))
 
 
 def given_flags(argv: Sequence[str]) -> list[str]:

@@ -64,7 +64,7 @@ PENDING_ARITY: dict[str, dict[str, Any]] = {
     "--prefill-queue-size": {"type": int},
     "--prefill-queue-timeout-secs": {"type": int},
     "--pd-admission-wait-secs": {"type": int},
-    "--routing-key-override": {"switch": True, "aliases": ("--sticky-sessions",)},
+    "--routing-key-override": {"switch": True},
     "--routing-key-headers": {"nargs": "*", "action": "extend"},
     "--assignment-mode": {"choices": ["random", "min_load", "min_group", "delegate"]},
     "--power-of-two-load-metric": {"choices": ["expected_wait", "requests", "least_requests"]},
@@ -84,7 +84,7 @@ PENDING_ARITY: dict[str, dict[str, Any]] = {
     "--discovery-file": {},
     "--discovery-check-interval-secs": {"type": int},
     "--model-alias": {"action": "append"},
-    "--remove-unhealthy-workers": {"switch": "optional", "aliases": ("--worker-auto-recovery",)},
+    "--remove-unhealthy-workers": {"switch": "optional"},  # and --no-..., as SMG
 }
 
 UPSTREAM_HTTP2 = (

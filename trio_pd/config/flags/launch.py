@@ -18,13 +18,17 @@ import attrs
 
 from trio_pd.config.flags import SERVE_FLAGS, Flag
 
-# SMG 1.13's second spellings of flags serve has (smg/router_args.py `add_cli_args`).
+# SMG 1.13's second spellings of flags serve has (smg/router_args.py `add_cli_args`); one that
+# is a row's own name is that row's, not an alias (`cli/launch.py` skips it).
 ALIASES: dict[str, tuple[str, ...]] = {
     "--cache-threshold": ("--cache-match-threshold",),
     "--balance-abs-threshold": ("--spill-abs-threshold",),
     "--balance-rel-threshold": ("--spill-rel-threshold",),
     "--max-idle-secs": ("--sticky-key-idle-secs",),
     "--model-path": ("--model",),
+    # Pending serve rows (`config/launch_compat.py`), once they land:
+    "--routing-key-override": ("--sticky-sessions",),
+    "--remove-unhealthy-workers": ("--worker-auto-recovery",),
 }
 # List flags SMG 1.13 accumulates over occurrences (argparse `extend`); 0.3.2 kept the last.
 REPEATABLE: frozenset[str] = frozenset(
