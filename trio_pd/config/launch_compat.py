@@ -88,9 +88,10 @@ PENDING_ARITY: dict[str, dict[str, Any]] = {
 }
 
 UPSTREAM_HTTP2 = (
-    "trio_pd's upstream is its own HTTP/1.1 keep-alive pool (trio_pd/upstream/http11.py); "
-    "h2c to the workers is not supported, and was not measured to pay for a PD router's two "
-    "legs (drop the flag: every worker speaks HTTP/1.1)"
+    "trio_pd's upstream is its own HTTP/1.1 keep-alive pool (trio_pd/upstream/http11.py) and "
+    "h2c to the workers is not supported: a Python h2c client (the h2 library) spent 5.7-6.5x "
+    "its CPU per call on a JSON answer and 24-30x on a 64-event stream (bench/upstream_http2.py); "
+    "drop the flag, every worker speaks HTTP/1.1"
 )
 EPD = (
     "EPD (encode/prefill/decode) disaggregation is not supported: trio_pd routes prefill/decode "
