@@ -19,7 +19,7 @@ from tests.flag_surface import cell, same_default, shown
 from trio_pd.cli.launch import foreign_rows
 from trio_pd.cli.main import build_parser
 from trio_pd.config.flags import BY_NAME
-from trio_pd.config.flags.launch import ALIASES, LAUNCH_DIFFERS
+from trio_pd.config.flags.launch import ALIASES, FOLLOWS_1_13, LAUNCH_FLAGS
 from trio_pd.config.launch_compat import PENDING_SERVE_ROWS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,6 +55,9 @@ def launch_actions() -> dict[str, argparse.Action]:
     return actions
 
 
+AS_1_13 = "as in SMG 1.13 (serve: 0.3.2's)"
+
+
 class Unclassified(LookupError):
     """An SMG flag trio_pd neither implements, nor ignores, nor refuses."""
 
@@ -62,15 +65,16 @@ class Unclassified(LookupError):
 def treatment(flag: str) -> tuple[str, str]:
     """(what `trio-pd launch` does with an SMG 1.13 flag, why or how)."""
     foreign = {row.flag: row for row in foreign_rows()}
-    row = BY_NAME.get(flag)
+    row = {row.name: row for row in LAUNCH_FLAGS}.get(flag)
     if flag in PENDING_SERVE_ROWS and row is None:
         return "pending", "the serve row of the same name, being added (until then: ignored)"
     if row is not None:
-        note = LAUNCH_DIFFERS.get(flag) or row.differs
         help_text = (row.help or "").replace("%%", "%")
-        return (
-            ("differs", f"{help_text}. **Differs:** {note}") if note else ("as in SMG", help_text)
-        )
+        if row.differs:
+            return "differs", f"{help_text}. **Differs:** {row.differs}"
+        if flag in FOLLOWS_1_13:
+            return AS_1_13, f"{help_text}. **As SMG 1.13:** {FOLLOWS_1_13[flag]}"
+        return "as in SMG", help_text
     if flag in foreign:
         return foreign[flag].status, foreign[flag].why
     raise Unclassified(flag)

@@ -19,6 +19,7 @@ import pytest
 
 from tests.flag_surface import sglang_flags
 from tests.launch_surface import (
+    AS_1_13,
     PAGE,
     launch_actions,
     page_section,
@@ -31,7 +32,12 @@ from tests.test_flag_surface import COMPANIONS, SAMPLES, WORKERS
 from trio_pd.cli.launch import foreign_rows
 from trio_pd.cli.main import build_parser, router_config
 from trio_pd.config.flags import BY_NAME
-from trio_pd.config.flags.launch import LAUNCH_DIFFERS, WIDER_CHOICES, available_cores
+from trio_pd.config.flags.launch import (
+    FOLLOWS_1_13,
+    LAUNCH_DIFFERS,
+    WIDER_CHOICES,
+    available_cores,
+)
 from trio_pd.config.launch_compat import PENDING_SERVE_ROWS, UPSTREAM_HTTP2
 
 SMG = smg_flags()
@@ -85,11 +91,11 @@ def test_every_smg_flag_is_classified() -> None:
     """A flag 1.13 has and trio_pd neither implements, nor ignores, nor refuses fails here (as
     one a newer list would add); so does a note or a pending row naming no SMG flag."""
     treated = {flag: treatment(flag)[0] for flag in SMG}  # Unclassified raises
-    assert set(treated.values()) <= {"as in SMG", "differs", "pending", "ignored", "refused"} | {
-        row.status for row in foreign_rows()
-    }
+    statuses = {"as in SMG", AS_1_13, "differs", "pending", "ignored", "refused"}
+    assert set(treated.values()) <= statuses | {row.status for row in foreign_rows()}
     assert not PENDING_SERVE_ROWS - set(SMG)
     assert not set(LAUNCH_DIFFERS) - set(SMG)
+    assert not set(FOLLOWS_1_13) - set(SMG)
     assert not set(WIDER_CHOICES) - set(SMG)
     launch_only = [row.flag for row in foreign_rows() if row.flag not in BY_NAME]
     stale = [f for f in launch_only if f not in SMG and f not in sglang_flags()]
