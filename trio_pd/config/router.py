@@ -133,6 +133,8 @@ class RouterConfig:
     rate_limit_tokens_per_second: float | None = None  # admissions/s after a burst; None, 0: none
     request_id_headers: tuple[str, ...] | None = None  # None: request_ids.DEFAULT_HEADERS
     cors_allowed_origins: tuple[str, ...] = ()  # empty: any origin (SMG's meaning)
+    # False: no origin is allowed, whatever the list (SMG 1.13 without --cors-allowed-origins)
+    cors_enabled: bool = True
     api_key: str | None = attrs.field(default=None, repr=False)  # sent TO workers (SMG's meaning)
     # Sent on the workers' /abort_request (engines with --admin-api-key take only it there).
     worker_admin_api_key: str | None = attrs.field(default=None, repr=False)
