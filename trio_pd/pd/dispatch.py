@@ -23,7 +23,7 @@ from trio_pd import jsonbody
 from trio_pd.config import RouterConfig
 from trio_pd.errors import RouterError, bad_request, no_worker
 from trio_pd.fleet.hints import RouteHints
-from trio_pd.fleet.registry import Fleet
+from trio_pd.fleet.registry import NO_COMPATIBLE_PAIR, Fleet
 from trio_pd.fleet.retry import attempts, backoff_delay
 from trio_pd.fleet.worker import NoWorkerAvailable, RankHold, Worker
 from trio_pd.observe.metrics import RouterMetrics
@@ -120,7 +120,8 @@ async def dispatch(
         try:
             prefill, decode = ctx.fleet.select_pair(hints, frozenset(avoid))
         except NoWorkerAvailable as exc:
-            await responder.error(no_worker(str(exc)))
+            code = exc.reason if exc.reason == NO_COMPATIBLE_PAIR else None
+            await responder.error(no_worker(str(exc), code))
             return
         ranks = choose_ranks(ctx, prefill, decode)
         try:

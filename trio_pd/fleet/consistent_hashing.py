@@ -1,0 +1,114 @@
+"""SMG 1.13's `consistent_hashing` policy: a routing key always lands on the same worker.
+
+Every worker of the role sits on a hash ring at `VNODES` positions (a hash of `url#n`); a key
+hashes to a point and walks clockwise to the first worker that is a candidate. So a key keeps
+its worker while that worker takes traffic, a worker that leaves (unhealthy, removed, breaker
+open, avoided by a retry) hands only its own keys to the next worker on the ring, and one that
+joins takes about 1/N of the keys. Workers are named by URL, so a worker re-registered under the
+same URL keeps its keys; positions are blake2b digests, the same in every process and replica.
+
+The key is the client's routing key (`X-SMG-Routing-Key`, `--routing-key-headers`; with the
+sticky override also the `rid` lineage: `edge/routing_key.py`). A request without one goes to a
+random candidate. SMG also reads `X-SMG-Target-Worker` (a worker index) and keys on
+`x-forwarded-for` or `cookie` when there is no routing key; trio_pd does neither (a policy sees
+`RouteHints`, never the headers).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import random
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from trio_pd.fleet.hints import RouteHints
+
+if TYPE_CHECKING:
+    from trio_pd.fleet.worker import Worker
+
+VNODES = 150  # SMG's VIRTUAL_NODES_PER_WORKER
+
+
+def position(data: bytes) -> int:
+    """A point on the ring: stable across processes (Python's `hash` is salted)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+def key_position(key: str) -> int:
+    return position(key.encode("utf-8", "surrogatepass"))
+
+
+class HashRing:
+    """URLs at `VNODES` points each; rebuilt lazily after a membership change."""
+
+    def __init__(self) -> None:
+        self._urls: dict[str, int] = {}  # url -> workers holding it (one per role, usually)
+        self._points: list[int] = []
+        self._owners: list[str] = []
+        self._dirty = False
+
+    def add(self, url: str) -> None:
+        self._urls[url] = self._urls.get(url, 0) + 1
+        self._dirty = True
+
+    def remove(self, url: str) -> None:
+        left = self._urls.pop(url, 1) - 1
+        if left > 0:
+            self._urls[url] = left
+        self._dirty = True
+
+    def _rebuild(self) -> None:
+        ring = sorted(
+            (position(f"{url}#{n}".encode("utf-8", "surrogatepass")), url)
+            for url in self._urls
+            for n in range(VNODES)
+        )
+        self._points = [point for point, _ in ring]
+        self._owners = [url for _, url in ring]
+        self._dirty = False
+
+    def find(self, point: int, candidates: Sequence[Worker]) -> Worker | None:
+        """The first candidate clockwise from `point`, or None when no candidate is on it."""
+        if self._dirty:
+            self._rebuild()
+        by_url = {w.url: w for w in candidates}
+        owners = self._owners
+        if not owners:
+            return None
+        start = bisect.bisect_left(self._points, point)
+        seen: set[str] = set()
+        for step in range(len(owners)):
+            url = owners[(start + step) % len(owners)]
+            if url in seen:
+                continue
+            worker = by_url.get(url)
+            if worker is not None:
+                return worker
+            seen.add(url)
+            if len(seen) == len(self._urls):
+                break
+        return None
+
+
+class ConsistentHashingPolicy:
+    name = "consistent_hashing"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self.rng = rng or random.Random()
+        self.ring = HashRing()
+
+    def choose(self, candidates: Sequence[Worker], hints: RouteHints) -> Worker:
+        if hints.key is None:
+            return self.rng.choice(candidates)
+        found = self.ring.find(key_position(hints.key), candidates)
+        return found if found is not None else self.rng.choice(candidates)
+
+    def add_worker(self, worker: Worker) -> None:
+        self.ring.add(worker.url)
+
+    def remove_worker(self, worker: Worker) -> None:
+        self.ring.remove(worker.url)
+
+    def evict(self) -> None:
+        pass
