@@ -72,11 +72,12 @@ class SincePoll:
             self.tokens -= self.dispatches.popleft()[1]
 
     def release_through(self, reported_at: float | None) -> None:
-        """Forget the dispatches made at or before the report (it counted them)."""
+        """Forget the dispatches made before the report (it counted them); one made at the
+        very instant of the report is kept (it may not have reached the engine)."""
         if reported_at is None:
             return
         dispatches = self.dispatches
-        while dispatches and dispatches[0][0] <= reported_at:
+        while dispatches and dispatches[0][0] < reported_at:
             self.tokens -= dispatches.popleft()[1]
 
     @property
