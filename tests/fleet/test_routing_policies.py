@@ -15,6 +15,7 @@ from trio_pd.edge.routing_key import MAX_KEY_BYTES, RoutingKeys, strip_lineage
 from trio_pd.fleet.consistent_hashing import ConsistentHashingPolicy
 from trio_pd.fleet.hints import NO_HINTS, RouteHints
 from trio_pd.fleet.least_load import LeastLoadPolicy
+from trio_pd.fleet.loads import polled_roles
 from trio_pd.fleet.manual import ManualPolicy
 from trio_pd.fleet.policies import PowerOfTwoPolicy, RoundRobinPolicy, make_policy
 from trio_pd.fleet.prefix_hash import PrefixHashPolicy
@@ -293,3 +294,10 @@ def test_no_compatible_pair_is_its_own_failure():
     unknown = pd_fleet(((None,), ("nixl",)))  # a backend not reported pairs with any
     assert not unknown.incompatible_backends()
     unknown.select_pair()
+
+
+def test_least_load_roles_are_polled_for_engine_loads():
+    assert polled_roles(PolicyConfig(policy="least_load")) == ("prefill", "decode")
+    assert polled_roles(PolicyConfig(policy="round_robin", decode_policy="least_load")) == (
+        "decode",
+    )
