@@ -10,6 +10,7 @@ from collections import Counter
 import attrs
 import pytest
 
+from trio_pd.cli.main import build_parser, router_config
 from trio_pd.config import PolicyConfig, RouterConfig
 from trio_pd.edge.routing_key import MAX_KEY_BYTES, RoutingKeys, strip_lineage
 from trio_pd.fleet.consistent_hashing import ConsistentHashingPolicy
@@ -301,3 +302,36 @@ def test_least_load_roles_are_polled_for_engine_loads():
     assert polled_roles(PolicyConfig(policy="round_robin", decode_policy="least_load")) == (
         "decode",
     )
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--power-of-two-load-metric", "tokens"],
+        ["--prefix-hash-load-factor", "0.5"],
+        ["--prefix-token-count", "0"],
+        ["--least-load-default-throughput", "0"],
+        ["--least-load-kv-pressure-weight", "-1"],
+        ["--least-load-mean-prefill-tokens", "0"],
+        ["--least-load-max-waiting-requests", "-1"],
+        ["--routing-key-headers", "bad header"],
+        ["--assignment-mode", "sticky"],
+    ],
+)
+def test_routing_flags_refuse_what_smg_refuses(bad):
+    with pytest.raises(SystemExit):
+        router_config(build_parser().parse_args(["serve", *bad]))
+
+
+def test_routing_flags_reach_the_policies():
+    args = build_parser().parse_args(
+        ["serve", "--prefill-policy", "prefix_hash", "--decode-policy", "least_load",
+         "--sticky-sessions", "--routing-key-headers", "X-Session"]
+    )  # fmt: skip
+    policy = router_config(args).policy
+    assert policy.routing_key_override and policy.routing_key_headers == ("X-Session",)
+    assert policy.sticky_assignment_mode == "delegate"
+    assert RoutingKeys.of(policy) == RoutingKeys((b"x-session",), lineage=True)
+    prefill, decode = make_policy("prefix_hash", policy), make_policy("least_load", policy)
+    assert isinstance(prefill, StickyPolicy) and isinstance(prefill.inner, PrefixHashPolicy)
+    assert isinstance(decode, StickyPolicy) and isinstance(decode.inner, LeastLoadPolicy)

@@ -169,3 +169,18 @@ async def test_no_compatible_pair_is_503_and_not_ready(nursery: trio.Nursery) ->
         assert response.status_code == 503
         assert response.json()["error"]["code"] == "no_compatible_pd_pair"
         assert not who_started([prefill, decode], "nopair")  # it never reached a worker
+
+
+async def test_per_role_policies_take_the_new_names(nursery: trio.Nursery) -> None:
+    """--prefill-policy consistent_hashing --decode-policy round_robin: a key keeps its
+    prefill while its decodes go round."""
+    policy = PolicyConfig(
+        policy="random", prefill_policy="consistent_hashing", decode_policy="round_robin"
+    )
+    cluster = await start_cluster(nursery, n_prefill=3, n_decode=3, policy=policy)
+    for i in range(6):
+        await send(cluster, f"role-{i}", {"x-smg-routing-key": "one-tenant"})
+    placements = [placement(cluster, f"role-{i}") for i in range(6)]
+    assert len({p for p, _ in placements}) == 1
+    assert [d for _, d in placements] == [0, 1, 2, 0, 1, 2]
+    await cluster.client.aclose()
