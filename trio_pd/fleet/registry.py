@@ -262,12 +262,17 @@ class Fleet:
         transfer backends (`pairable`): a prefill is a candidate only with a routable decode it
         can pair with, the decode only if it pairs with the chosen prefill; none left is
         `no_compatible_pd_pair` (SMG 1.13's lenient pairing)."""
-        decodes = self.routable("decode", hints.model)
+        backends: dict[str, set[str | None]] = {}  # engine -> its decodes' backends
+        for d in self.routable("decode", hints.model):
+            backends.setdefault(d.spec.engine, set()).add(d.server_info.transfer_backend)
 
         def has_partner(prefill: Worker) -> bool:
-            same = [d for d in decodes if d.spec.engine == prefill.spec.engine]
+            found = backends.get(prefill.spec.engine)
             # No decode of its engine at all: the decode's selection says so (no_engine_match).
-            return not same or any(pairable(prefill, d) for d in same)
+            if not found:
+                return True
+            backend = prefill.server_info.transfer_backend
+            return backend is None or None in found or backend in found
 
         prefill = self.select("prefill", hints, avoid, fits=has_partner)
         decode = self.select(
