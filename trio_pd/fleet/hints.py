@@ -13,7 +13,8 @@ import attrs
 class RouteHints:
     """`text`: the routing text (the prompt or conversation, capped) cache-aware matches on.
     `length`: the prompt's length in characters, uncapped (bucket); 0 without text (token ids).
-    `key`: the client's routing key (manual); None when it sent none or no policy reads it.
+    `key`: the client's routing key (manual, consistent_hashing, prefix_hash, the sticky
+    override: `edge/routing_key.py`); None when it sent none or no policy reads it.
     `model`: the model whose workers are the candidates; None when the router serves one."""
 
     text: str | None = None

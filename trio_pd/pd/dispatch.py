@@ -63,7 +63,7 @@ class PDRequest:
     headers: list[tuple[bytes, bytes]]  # the legs' headers, less authorization
     authorization: bytes | None = None  # the client's, forwarded when a worker has no key
     request_id: str = ""
-    routing_key: str | None = None  # X-SMG-Routing-Key, read only for a manual policy
+    routing_key: str | None = None  # read only when a policy routes by it (edge/routing_key.py)
     trace: RequestTrace | None = None  # its span (`--enable-trace`), else None
     account: Account | None = None  # its share of --max-buffered-bytes (budget.py)
 
