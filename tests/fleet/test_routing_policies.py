@@ -148,8 +148,9 @@ def test_consistent_hashing_keeps_a_key_and_moves_only_a_leavers_keys():
     moved = [k for k in keys if after[k] is not before[k]]
     assert moved and all(before[k] is gone for k in moved)
     # Another process (or replica) with the same workers places every key the same way.
-    other = ring_of(workers(4))
-    assert all(other.choose(ws, key(k)).url == before[k].url for k in keys)
+    theirs = workers(4)
+    other = ring_of(theirs)
+    assert all(other.choose(theirs, key(k)).url == before[k].url for k in keys)
 
 
 def test_consistent_hashing_without_a_key_spreads():

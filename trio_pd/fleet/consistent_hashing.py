@@ -40,54 +40,48 @@ def key_position(key: str) -> int:
 
 
 class HashRing:
-    """URLs at `VNODES` points each; rebuilt lazily after a membership change."""
+    """Workers at `VNODES` points each (placed by URL); rebuilt lazily after a membership
+    change. A lookup is a bisection and a walk over identity checks."""
 
     def __init__(self) -> None:
-        self._urls: dict[str, int] = {}  # url -> workers holding it (one per role, usually)
+        self._workers: list[Worker] = []
         self._points: list[int] = []
-        self._owners: list[str] = []
+        self._owners: list[Worker] = []
         self._dirty = False
 
-    def add(self, url: str) -> None:
-        self._urls[url] = self._urls.get(url, 0) + 1
+    def add(self, worker: Worker) -> None:
+        self._workers.append(worker)
         self._dirty = True
 
-    def remove(self, url: str) -> None:
-        left = self._urls.pop(url, 1) - 1
-        if left > 0:
-            self._urls[url] = left
-        self._dirty = True
+    def remove(self, worker: Worker) -> None:
+        if worker in self._workers:
+            self._workers.remove(worker)
+            self._dirty = True
 
     def _rebuild(self) -> None:
         ring = sorted(
-            (position(f"{url}#{n}".encode("utf-8", "surrogatepass")), url)
-            for url in self._urls
+            (position(f"{w.url}#{n}".encode("utf-8", "surrogatepass")), i)
+            for i, w in enumerate(self._workers)
             for n in range(VNODES)
         )
         self._points = [point for point, _ in ring]
-        self._owners = [url for _, url in ring]
+        self._owners = [self._workers[i] for _, i in ring]
         self._dirty = False
 
     def find(self, point: int, candidates: Sequence[Worker]) -> Worker | None:
         """The first candidate clockwise from `point`, or None when no candidate is on it."""
         if self._dirty:
             self._rebuild()
-        by_url = {w.url: w for w in candidates}
         owners = self._owners
         if not owners:
             return None
+        wanted = set(candidates)
         start = bisect.bisect_left(self._points, point)
-        seen: set[str] = set()
-        for step in range(len(owners)):
-            url = owners[(start + step) % len(owners)]
-            if url in seen:
-                continue
-            worker = by_url.get(url)
-            if worker is not None:
+        size = len(owners)
+        for step in range(size):
+            worker = owners[(start + step) % size]
+            if worker in wanted:
                 return worker
-            seen.add(url)
-            if len(seen) == len(self._urls):
-                break
         return None
 
 
@@ -105,10 +99,10 @@ class ConsistentHashingPolicy:
         return found if found is not None else self.rng.choice(candidates)
 
     def add_worker(self, worker: Worker) -> None:
-        self.ring.add(worker.url)
+        self.ring.add(worker)
 
     def remove_worker(self, worker: Worker) -> None:
-        self.ring.remove(worker.url)
+        self.ring.remove(worker)
 
     def evict(self) -> None:
         pass

@@ -48,10 +48,10 @@ SINCE_POLL_KEPT = 8_192  # dispatches remembered per worker between two reports 
 KV_CLAMP = 0.999
 
 
-def fresh_load(worker: Worker) -> EngineLoad | None:
-    """The worker's engine load report while it is fresh, else None."""
+def fresh_load(worker: Worker, now: float) -> EngineLoad | None:
+    """The worker's engine load report while it is fresh at `now`, else None."""
     load, at = worker.engine_load, worker.reported_at
-    if load is None or at is None or trio.current_time() - at >= worker.load_fresh_secs:
+    if load is None or at is None or now - at >= worker.load_fresh_secs:
         return None
     return load
 
@@ -122,9 +122,10 @@ class ExpectedWait:
         """The candidates under the waiting-queue cap (all of them when none is)."""
         if self.max_waiting <= 0:
             return candidates
+        now = trio.current_time()
         kept = []
         for worker in candidates:
-            load = fresh_load(worker)
+            load = fresh_load(worker, now)
             if load is not None:
                 tally = self._tally(worker)
                 queued = load.waiting + tally.requests + self._unaccounted(worker, load, tally)
@@ -133,8 +134,8 @@ class ExpectedWait:
             kept.append(worker)
         return kept or candidates
 
-    def scores(self, candidates: Sequence[Worker]) -> list[float]:
-        loads = [fresh_load(w) for w in candidates]
+    def scores(self, candidates: Sequence[Worker], now: float) -> list[float]:
+        loads = [fresh_load(w, now) for w in candidates]
         known = [self._known(w, load) for w, load in zip(candidates, loads, strict=True) if load]
         if not known:  # a dark fleet: join the shortest queue
             return [float(w.load()) for w in candidates]
@@ -153,11 +154,12 @@ class ExpectedWait:
     def pick(self, candidates: Sequence[Worker]) -> Worker:
         """The argmin (ties within TIE_EPSILON_SECS drawn uniformly), credited with one
         request's token-work until its engine's next report."""
-        scores = self.scores(candidates)
+        now = trio.current_time()
+        scores = self.scores(candidates, now)
         low = min(scores)
         tied = [w for w, s in zip(candidates, scores, strict=True) if s <= low + TIE_EPSILON_SECS]
         chosen = tied[0] if len(tied) == 1 else self.rng.choice(tied)
-        self._tally(chosen).record(trio.current_time(), self.mean_tokens)
+        self._tally(chosen).record(now, self.mean_tokens)
         return chosen
 
 

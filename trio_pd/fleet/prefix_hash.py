@@ -62,10 +62,10 @@ class PrefixHashPolicy:
         return min(fine, key=lambda pair: pair[1])[0]
 
     def add_worker(self, worker: Worker) -> None:
-        self.ring.add(worker.url)
+        self.ring.add(worker)
 
     def remove_worker(self, worker: Worker) -> None:
-        self.ring.remove(worker.url)
+        self.ring.remove(worker)
 
     def evict(self) -> None:
         pass
