@@ -54,14 +54,16 @@ ROUTING: tuple[Flag, ...] = (
     ),
     Flag(
         "--prefix-hash-load-factor",
-        "prefix_hash: a worker over this multiple of the mean load...",
+        "prefix_hash: a worker is overloaded over this multiple of the mean load (and "
+        "--prefix-hash-balance-abs-threshold over it): the least loaded worker instead",
         "policy.prefix_hash_load_factor",
         default=1.25,
         type=float,
     ),
     Flag(
         "--prefix-hash-balance-abs-threshold",
-        "...and this many requests over it is overloaded: the least loaded worker instead",
+        "prefix_hash: a worker is overloaded this many requests over the mean load (and "
+        "--prefix-hash-load-factor times it)",
         "policy.prefix_hash_balance_abs_threshold",
         default=10,
         type=int,
