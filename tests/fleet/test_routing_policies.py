@@ -159,6 +159,28 @@ def test_consistent_hashing_without_a_key_spreads():
     assert {policy.choose(ws, NO_HINTS) for _ in range(60)} == set(ws)
 
 
+def test_consistent_hashing_falls_back_to_the_client_affinity():
+    ws = workers(4)
+    policy = ring_of(ws)
+    clients = [f"10.0.0.{i}" for i in range(40)]
+    first = {c: policy.choose(ws, RouteHints(affinity=c)) for c in clients}
+    assert all(policy.choose(ws, RouteHints(affinity=c)) is first[c] for c in clients)
+    assert len(set(first.values())) > 1
+    # A routing key outranks it.
+    assert policy.choose(ws, RouteHints(key="k", affinity=clients[0])) is policy.choose(
+        ws, key("k")
+    )
+    keys = RoutingKeys.of(PolicyConfig(policy="consistent_hashing"))
+    assert keys is not None and keys.implicit
+    headers = [(b"cookie", b"session=abc"), (b"x-forwarded-for", b"10.1.2.3")]
+    assert keys.affinity(headers) == "10.1.2.3"  # x-forwarded-for first
+    assert keys.affinity([(b"cookie", b"session=abc")]) == "session=abc"
+    assert keys.affinity([(b"authorization", b"Bearer k")]) is None  # never a credential
+    assert len(keys.affinity([(b"cookie", b"c" * 5000)]) or "") <= MAX_KEY_BYTES
+    manual = RoutingKeys.of(PolicyConfig(policy="manual"))
+    assert manual is not None and manual.affinity(headers) is None
+
+
 # -- prefix_hash -------------------------------------------------------------------------------
 
 

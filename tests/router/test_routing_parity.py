@@ -78,6 +78,21 @@ async def test_consistent_hashing_keeps_each_key_on_one_pair(nursery: trio.Nurse
     await cluster.client.aclose()
 
 
+async def test_consistent_hashing_keys_clients_by_forwarded_for(nursery: trio.Nursery) -> None:
+    cluster = await start_cluster(
+        nursery, n_prefill=3, n_decode=3, policy=PolicyConfig(policy="consistent_hashing")
+    )
+    where: dict[str, set[tuple[int, int]]] = {}
+    for round_ in range(3):
+        for k in range(8):
+            rid = f"xff-{k}-{round_}"
+            await send(cluster, rid, {"x-forwarded-for": f"203.0.113.{k}"})
+            where.setdefault(f"client-{k}", set()).add(placement(cluster, rid))
+    assert all(len(pairs) == 1 for pairs in where.values()), where
+    assert len({p for pairs in where.values() for p, _ in pairs}) >= 2
+    await cluster.client.aclose()
+
+
 HEADS = [
     "You are a careful assistant for volcano research. Answer with citations only. ",
     "Translate the following railway timetable notes from German into plain English. ",

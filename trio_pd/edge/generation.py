@@ -143,6 +143,7 @@ async def admitted_run(
                 gen.routing_keys.key(scope["headers"], inspected.rid) if gen.routing_keys else None,
                 trace,
                 account,
+                gen.routing_keys.affinity(scope["headers"]) if gen.routing_keys else None,
             )
             nursery.start_soon(watch_disconnect, receive, rsp, cancel)
             await dispatch_request(gen.dispatch, request, rsp, cancel)

@@ -13,6 +13,9 @@ With the sticky override (SMG's `RoutingKeyOverrideConfig`), a request without a
 keyed by its body's `rid` (a string only), and both kinds lose one trailing `_r<n>` (a retry)
 and then one `_t<n>` (a turn): `conv_t2_r1` and `conv_t3` are the conversation `conv`, so every
 turn of it goes to the same worker. A `rid` that is nothing but such a suffix keys as itself.
+
+For consistent_hashing alone a request without a key is hashed by its `x-forwarded-for`, else its
+`cookie` (`affinity`, SMG's implicit key), bounded the same way.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from trio_pd.config import PolicyConfig
 
 ROUTING_KEY_HEADER = b"x-smg-routing-key"
 MAX_KEY_BYTES = 128
+# consistent_hashing's implicit key without a routing key (SMG 1.13): headers that name a client
+# or a session, never a credential (every client sharing an API key would land on one worker).
+AFFINITY_HEADERS = (b"x-forwarded-for", b"cookie")
 
 
 def _bounded(value: bytes) -> str:
@@ -73,6 +79,7 @@ class RoutingKeys:
 
     names: tuple[bytes, ...] = (ROUTING_KEY_HEADER,)
     lineage: bool = False
+    implicit: bool = False  # consistent_hashing reads `affinity` too
 
     @classmethod
     def of(cls, policy: PolicyConfig) -> RoutingKeys | None:
@@ -80,7 +87,8 @@ class RoutingKeys:
         if not policy.uses_routing_key:
             return None
         names = tuple(name.strip().lower().encode("latin-1") for name in policy.routing_key_headers)
-        return cls(names, policy.routing_key_override)
+        roles = (policy.for_role("prefill"), policy.for_role("decode"))
+        return cls(names, policy.routing_key_override, "consistent_hashing" in roles)
 
     def key(self, headers: list[tuple[bytes, bytes]], rid: object = None) -> str | None:
         raw = _raw_key(headers, self.names)
@@ -91,3 +99,11 @@ class RoutingKeys:
         if isinstance(rid, str) and rid:
             return _bounded(strip_lineage(rid).encode("utf-8", "surrogatepass"))
         return None
+
+    def affinity(self, headers: list[tuple[bytes, bytes]]) -> str | None:
+        """consistent_hashing's implicit key: `x-forwarded-for`, else `cookie` (None unless
+        that policy is used)."""
+        if not self.implicit:
+            return None
+        raw = _raw_key(headers, AFFINITY_HEADERS)
+        return None if raw is None else _bounded(raw)

@@ -8,10 +8,9 @@ joins takes about 1/N of the keys. Workers are named by URL, so a worker re-regi
 same URL keeps its keys; positions are blake2b digests, the same in every process and replica.
 
 The key is the client's routing key (`X-SMG-Routing-Key`, `--routing-key-headers`; with the
-sticky override also the `rid` lineage: `edge/routing_key.py`). A request without one goes to a
-random candidate. SMG also reads `X-SMG-Target-Worker` (a worker index) and keys on
-`x-forwarded-for` or `cookie` when there is no routing key; trio_pd does neither (a policy sees
-`RouteHints`, never the headers).
+sticky override also the `rid` lineage: `edge/routing_key.py`), else, as in SMG, the client's
+`x-forwarded-for` or its `cookie` (`RouteHints.affinity`); a request with none of them goes to
+a random candidate. SMG's `X-SMG-Target-Worker` (a worker by index) is not implemented.
 """
 
 from __future__ import annotations
@@ -93,9 +92,10 @@ class ConsistentHashingPolicy:
         self.ring = HashRing()
 
     def choose(self, candidates: Sequence[Worker], hints: RouteHints) -> Worker:
-        if hints.key is None:
+        key = hints.key if hints.key is not None else hints.affinity
+        if key is None:
             return self.rng.choice(candidates)
-        found = self.ring.find(key_position(hints.key), candidates)
+        found = self.ring.find(key_position(key), candidates)
         return found if found is not None else self.rng.choice(candidates)
 
     def add_worker(self, worker: Worker) -> None:

@@ -66,6 +66,7 @@ class PDRequest:
     routing_key: str | None = None  # read only when a policy routes by it (edge/routing_key.py)
     trace: RequestTrace | None = None  # its span (`--enable-trace`), else None
     account: Account | None = None  # its share of --max-buffered-bytes (budget.py)
+    affinity: str | None = None  # consistent_hashing's key without a routing key (RouteHints)
 
 
 @attrs.frozen
@@ -114,7 +115,9 @@ async def dispatch(
     model = resolve_model(ctx, request.inspected.model)
     responder.route_info["model"] = model or "-"
     inspected = request.inspected
-    hints = RouteHints(inspected.text, inspected.length, request.routing_key, model)
+    hints = RouteHints(
+        inspected.text, inspected.length, request.routing_key, model, request.affinity
+    )
     trace = request.trace
     for number in range(1, total + 1):
         try:
