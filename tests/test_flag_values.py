@@ -85,6 +85,7 @@ CASES: dict[str, Case] = {
     ),
     "--routing-key-override": case([], "policy.routing_key_override", True),
     "--sticky-sessions": case([], "policy.routing_key_override", True),
+    "--sticky-key-idle-secs": case(["60"], "policy.max_idle_secs", 60),
     "--routing-key-headers": case(
         ["x-session", "x-user"], "policy.routing_key_headers", ("x-session", "x-user")
     ),

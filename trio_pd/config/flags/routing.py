@@ -81,6 +81,12 @@ ROUTING: tuple[Flag, ...] = (
         action=SWITCH,  # build.py applies it
     ),
     Flag(
+        "--sticky-key-idle-secs",
+        "the same as --max-idle-secs (SMG 1.13's alias): a routing key unused this long is "
+        "forgotten",
+        type=int,  # build.py applies it
+    ),
+    Flag(
         "--routing-key-headers",
         "headers the routing key is read from, in order; the first with a value wins "
         "(default: x-smg-routing-key)",
