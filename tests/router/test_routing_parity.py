@@ -62,6 +62,34 @@ async def test_least_load_sends_new_work_away_from_a_busy_decode(nursery: trio.N
     await cluster.client.aclose()
 
 
+async def test_least_load_reads_the_engines_own_queues(nursery: trio.Nursery) -> None:
+    """Another client's requests queue on prefill 0 (sent to the engine itself: this router
+    holds none of them). least_load learns it from the engine's /v1/loads, polled for its role,
+    and sends every new request to prefill 1; round robin (the decode's policy) would not."""
+    policy = PolicyConfig(policy="round_robin", prefill_policy="least_load")
+    cluster = await start_cluster(nursery, n_prefill=2, policy=policy, load_poll_interval_secs=0.2)
+    busy = cluster.prefills[0]
+    fleet_prefill = next(w for w in cluster.router.fleet.workers("prefill") if w.url == busy.url)
+
+    async def elsewhere(room: int) -> None:
+        body = generate_body(bootstrap_host="127.0.0.1", bootstrap_port=busy.bootstrap_port,
+                             bootstrap_room=room)  # fmt: skip
+        async with httpx2.AsyncClient(base_url=busy.url, timeout=httpx2.Timeout(60.0)) as direct:
+            await direct.post("/generate", json=body)  # waits for a decode that never comes
+
+    async with trio.open_nursery() as others:
+        for room in range(12):  # deeper than the credit six requests give prefill 1
+            others.start_soon(elsewhere, 1000 + room)
+        load = lambda: fleet_prefill.engine_load  # noqa: E731
+        await settle(lambda: load() is not None and load().waiting >= 12)
+        assert fleet_prefill.in_flight == 0
+        for i in range(6):
+            await send(cluster, f"eng-{i}", max_new_tokens=2)
+            assert placement(cluster, f"eng-{i}")[0] == 1
+        others.cancel_scope.cancel()
+    await cluster.client.aclose()
+
+
 async def test_consistent_hashing_keeps_each_key_on_one_pair(nursery: trio.Nursery) -> None:
     cluster = await start_cluster(
         nursery, n_prefill=3, n_decode=3, policy=PolicyConfig(policy="consistent_hashing")
