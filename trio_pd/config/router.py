@@ -32,6 +32,7 @@ LoadMetric = Literal["expected_wait", "requests", "least_requests"]
 LOAD_METRICS: tuple[str, ...] = ("expected_wait", "requests", "least_requests")
 # Policies that read the routing key themselves: the sticky override leaves them alone (SMG).
 KEYED_POLICIES: tuple[str, ...] = ("manual", "consistent_hashing")
+ROUTING_KEY_HEADERS: tuple[str, ...] = ("x-smg-routing-key",)  # SMG's default list
 
 
 @attrs.frozen
@@ -121,7 +122,10 @@ class PolicyConfig:
     # Sticky sessions on any policy (SMG's --routing-key-override / --sticky-sessions): a key
     # from `routing_key_headers` (the first with a value), else the body's `rid` lineage.
     routing_key_override: bool = False
-    routing_key_headers: tuple[str, ...] = ("x-smg-routing-key",)
+    routing_key_headers: tuple[str, ...] = attrs.field(
+        default=ROUTING_KEY_HEADERS,
+        converter=lambda v: ROUTING_KEY_HEADERS if v is None else tuple(v),
+    )  # None (the flag not given): x-smg-routing-key, as SMG
 
     def for_role(self, role: Role) -> PolicyName:
         chosen = self.prefill_policy if role == "prefill" else self.decode_policy
@@ -175,6 +179,8 @@ class RouterConfig:
     rate_limit_tokens_per_second: float | None = None  # admissions/s after a burst; None, 0: none
     request_id_headers: tuple[str, ...] | None = None  # None: request_ids.DEFAULT_HEADERS
     cors_allowed_origins: tuple[str, ...] = ()  # empty: any origin (SMG's meaning)
+    # False: no origin is allowed, whatever the list (SMG 1.13 without --cors-allowed-origins)
+    cors_enabled: bool = True
     api_key: str | None = attrs.field(default=None, repr=False)  # sent TO workers (SMG's meaning)
     # Sent on the workers' /abort_request (engines with --admin-api-key take only it there).
     worker_admin_api_key: str | None = attrs.field(default=None, repr=False)

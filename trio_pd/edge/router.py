@@ -192,6 +192,8 @@ class Router:
 
     @cors.default
     def _default_cors(self) -> CorsPolicy:
+        if not self.config.cors_enabled:  # `trio-pd launch` without --cors-allowed-origins
+            return CorsPolicy(frozenset())
         return CorsPolicy.from_origins(self.config.cors_allowed_origins)
 
     @preflight.default

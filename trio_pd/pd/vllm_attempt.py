@@ -34,13 +34,8 @@ import orjson
 import trio
 
 from trio_pd import jsonbody
-from trio_pd.pd.attempt import (
-    Attempt,
-    buffer_failure,
-    read_answer,
-    read_json,
-    status_failure,
-)
+from trio_pd.pd.answers import buffer_failure, read_answer, read_json, status_failure
+from trio_pd.pd.attempt import Attempt
 from trio_pd.pd.budget import OverBudget
 from trio_pd.pd.outcome import LegFailure, LegSuccess
 from trio_pd.pd.payload import CHAT, COMPLETIONS

@@ -21,6 +21,7 @@ import attrs
 import trio
 
 from trio_pd.upstream import http11
+from trio_pd.upstream.connect import connect
 from trio_pd.upstream.destinations import Destinations
 from trio_pd.upstream.http11 import Connection, Response
 
@@ -124,7 +125,7 @@ class UpstreamPool:
             await _close_all(stale)
         if found is not None:
             return found
-        return await http11.connect(
+        return await connect(
             endpoint.host,
             endpoint.port,
             ssl_context=self.ssl_context if endpoint.tls else None,

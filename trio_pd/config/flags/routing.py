@@ -91,9 +91,8 @@ ROUTING: tuple[Flag, ...] = (
         "headers the routing key is read from, in order; the first with a value wins "
         "(default: x-smg-routing-key)",
         "policy.routing_key_headers",
-        default=["x-smg-routing-key"],
         nargs="*",
         metavar="HEADER",
-        convert=tuple,
+        convert=tuple,  # not given (None): PolicyConfig's default, as SMG
     ),
 )
