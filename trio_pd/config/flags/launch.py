@@ -38,6 +38,7 @@ REPEATABLE: frozenset[str] = frozenset(
         "--selector", "--prefill-selector", "--decode-selector", "--prometheus-duration-buckets",
         "--request-id-headers", "--cors-allowed-origins", "--ca-cert-paths",
         "--control-plane-api-keys", "--worker-urls", "--jwt-role-mapping",
+        "--routing-key-headers",
     }
 )  # fmt: skip
 SMG_POLICIES = (
