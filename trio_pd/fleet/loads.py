@@ -34,11 +34,13 @@ log = logging.getLogger(__name__)
 
 FetchLoad = Callable[[Worker], Awaitable[EngineLoad | int | None]]
 FETCH_TIMEOUT_SECS = 5.0  # SMG's REQUEST_TIMEOUT for a load poll
+LOAD_POLICIES = ("power_of_two", "least_load")
 
 
 def polled_roles(policy: PolicyConfig) -> tuple[Role, ...]:
-    """The roles whose choices use the engines' loads: those with power_of_two."""
-    return tuple(role for role in ROLES if policy.for_role(role) == "power_of_two")
+    """The roles whose choices use the engines' loads: power_of_two, least_load (SMG's
+    `needs_backend_loads`)."""
+    return tuple(role for role in ROLES if policy.for_role(role) in LOAD_POLICIES)
 
 
 async def poll_loads(

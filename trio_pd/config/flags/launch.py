@@ -28,8 +28,8 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "--balance-rel-threshold": ("--spill-rel-threshold",),
     "--max-idle-secs": ("--sticky-key-idle-secs",),
     "--model-path": ("--model",),
-    # Pending serve rows (`config/launch_compat.py`), once they land:
     "--routing-key-override": ("--sticky-sessions",),
+    # Pending serve rows (`config/launch_compat.py`), once they land:
     "--remove-unhealthy-workers": ("--worker-auto-recovery",),
 }
 # List flags SMG 1.13 accumulates over occurrences (argparse `extend`); 0.3.2 kept the last.
@@ -38,6 +38,7 @@ REPEATABLE: frozenset[str] = frozenset(
         "--selector", "--prefill-selector", "--decode-selector", "--prometheus-duration-buckets",
         "--request-id-headers", "--cors-allowed-origins", "--ca-cert-paths",
         "--control-plane-api-keys", "--worker-urls", "--jwt-role-mapping",
+        "--routing-key-headers",
     }
 )  # fmt: skip
 SMG_POLICIES = (
@@ -53,10 +54,6 @@ WIDER_CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
     "--policy": (SMG_POLICIES, POLICY_WHY),
     "--prefill-policy": ((*SMG_POLICIES, "bucket"), POLICY_WHY),
     "--decode-policy": (SMG_POLICIES, POLICY_WHY),
-    "--assignment-mode": (
-        ("random", "min_load", "min_group", "delegate"),
-        "`delegate` (route by the policy, then pin) is not an assignment mode of trio_pd",
-    ),
     "--backend": (("sglang", "openai", "anthropic", "vllm", "tokenspeed"), ""),
 }
 
@@ -87,6 +84,8 @@ FOLLOWS_1_13: dict[str, str] = {
     "IPv6 --host, else 0.0.0.0); under serve 0.0.0.0",
     "--cors-allowed-origins": "without it (or with none listed) no origin is allowed, and `*` "
     "allows any; under serve (0.3.2) no origins means any origin and `*` is refused",
+    "--assignment-mode": "no default (random for manual, delegate for --routing-key-override) "
+    "and the mode delegate, as 1.13's; under serve the same (0.3.2: random, and no delegate)",
     "--rate-limit-tokens-per-second": "a sustained admission rate beside the cap, as 1.13's; "
     "under serve the same, where 0.3.2 gave tokens back and refilled at N a second",
     **{flag: "each occurrence adds, as 1.13's; under serve the last one wins (0.3.2)"
@@ -94,12 +93,13 @@ FOLLOWS_1_13: dict[str, str] = {
 }  # fmt: skip
 # Where launch's meaning is not SMG 1.13's either, and why.
 LAUNCH_DIFFERS: dict[str, str] = {
-    "--assignment-mode": "SMG 1.13 adds `delegate` (refused) and has no default (random for "
-    "manual, as here)",
-    "--policy": "SMG 1.13 adds passthrough, least_load, consistent_hashing and prefix_hash: "
-    "refused with the reason where trio_pd has no such policy",
-    "--prefill-policy": "as --policy (SMG 1.13's added names refused with the reason)",
-    "--decode-policy": "as --policy (SMG 1.13's added names refused with the reason)",
+    "--policy": "SMG 1.13's passthrough is refused with the reason (round_robin is the same "
+    "with one worker); consistent_hashing does not read X-SMG-Target-Worker and prefix_hash "
+    "does not hash at --cache-boundaries",
+    "--least-load-max-waiting-requests": "when every candidate is at the cap they all stay "
+    "candidates (SMG 1.13 holds the request in its admission queue; trio_pd has none there)",
+    "--prefill-policy": "as --policy (passthrough refused with the reason)",
+    "--decode-policy": "as --policy (passthrough refused with the reason)",
     "--backend": "SMG 1.13 adds anthropic and tokenspeed: refused, as openai",
     "--balance-abs-threshold": "SMG 1.13 made the two thresholds one spill gate (a worker's "
     "load above the fleet's mean by both); trio_pd's cache_aware keeps SGLang 0.3.2's rule "
