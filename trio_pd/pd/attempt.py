@@ -77,7 +77,7 @@ class Leg:
     on_abandon: Callable[[Leg], None] | None = None  # asks the engine to abort (aborts.py)
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     result: LegResult = None
-    posted: bool = False  # the request was (being) sent: the engine may hold it
+    posted: bool = False  # the request is being written (or was): the engine may hold it
     abandoned: bool = False  # the engine was asked to drop it
     cancel_cause: str | None = None
     cancelled_at: float | None = None
@@ -91,6 +91,13 @@ class Leg:
         self.cancelled_at = trio.current_time()
         self.scope.cancel()
         self.abandon()
+
+    def sending(self) -> None:
+        """The pool has a connection and writes the request next (`UpstreamPool.post`): from
+        here the engine may hold it. A leg cancelled before this (while connecting, say) sent
+        nothing, since the write begins with a cancel point: no abort, no count."""
+        if not self.scope.cancel_called:
+            self.posted = True
 
     def note_outer_cancel(self, cause: str, at: float) -> None:
         """The leg ended by an enclosing scope's cancellation (client gone, shutdown, deadline)."""
@@ -232,8 +239,8 @@ class Attempt:
         leg = self.prefill
         with leg.scope, leg.track():
             try:
-                leg.posted = True
-                async with self.pool.post(leg.url, self.path, leg.headers, leg.body) as response:
+                post = self.pool.post(leg.url, self.path, leg.headers, leg.body, leg.sending)
+                async with post as response:
                     await self._read_prefill(response)
             except UpstreamError as exc:
                 self._fail_prefill(LegFailure(exc.kind, str(exc)))
@@ -327,8 +334,8 @@ class Attempt:
     async def _post_decode(self, first_scope: trio.CancelScope | None) -> None:
         leg = self.decode
         try:
-            leg.posted = True
-            async with self.pool.post(leg.url, self.path, leg.headers, leg.body) as response:
+            post = self.pool.post(leg.url, self.path, leg.headers, leg.body, leg.sending)
+            async with post as response:
                 await self._read_decode(response, first_scope)
         except UpstreamError as exc:
             self._fail_decode(LegFailure(exc.kind, str(exc)))

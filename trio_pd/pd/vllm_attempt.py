@@ -166,8 +166,8 @@ class VllmAttempt(Attempt):
         leg = self.prefill
         with leg.scope, leg.track():
             try:
-                leg.posted = True
-                async with self.pool.post(leg.url, self.path, leg.headers, leg.body) as response:
+                post = self.pool.post(leg.url, self.path, leg.headers, leg.body, leg.sending)
+                async with post as response:
                     await self._read_vllm_prefill(response)
             except UpstreamError as exc:
                 self._fail_prefill(LegFailure(exc.kind, str(exc)))
