@@ -18,9 +18,9 @@ and reads, per rate:
   rest were cancelled before their bytes went out, a race with the prefill's instant 500);
 - `legs_cancelled` (the router's `trio_pd_legs_cancelled_total`: the abort jobs expected, one per
   rid), `rids_aborted` (rids the decode engine received an abort for), `not_posted` (the
-  difference: legs the router counts although their task began after the prefill's 500 had
-  cancelled them, so no byte went out and no abort is due; the engine never saw those rids,
-  which `got_not_freed` = 0 shows), `posts` (abort POSTs received; 2 per rid when all is
+  difference: legs counted cancelled whose request no engine saw; 0 since the router counts and
+  aborts only legs that reached the write, `Leg.sending`; with aborts off it is every
+  cancelled leg), `posts` (abort POSTs received; 2 per rid when all is
   well), `got_not_freed` (held requests no abort freed: the figure that must be 0);
 - `dropped` / `failed_posts` (the router's `trio_pd_aborts_total` counters, from /metrics);
 - `abort_p50_ms` / `abort_p99_ms`: from the prefill's failure to the decode engine receiving the
