@@ -6,11 +6,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
+import trio
 
 from trio_pd.errors import RouterError
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 JSON_HEADERS = [(b"content-type", b"application/json")]
+DONE_FRAME = b"data: [DONE]\n\n"
 CLIENT_GONE_STATUS = 499  # nginx's convention for "the client closed the request"
 
 
@@ -48,9 +50,31 @@ class Responder:
     audit: str = ""  # what a control-plane change did, for the audit log
     bytes_sent: int = 0  # body bytes, for the access log
     route_info: dict[str, object] = attrs.Factory(dict)  # workers, attempts: the access log
+    # The SSE keep-alive (`edge/keepalive.py`) reads these: when bytes last went out, whether
+    # they ended on an event's end, whether a write is under way; `early` is set once it sent
+    # the headers itself, before the answer's start (then `start` sends nothing more, and an
+    # error reply becomes an in-band error event).
+    last_write_at: float = 0.0
+    at_boundary: bool = True
+    writing: bool = False
+    early: bool = False
+
+    async def start_early(self, headers: list[tuple[bytes, bytes]]) -> None:
+        """Send a stream's 200 and `headers` before its answer is known (the keep-alive)."""
+        self.early = True
+        self.status = 200
+        await self._write(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [*headers, (b"x-request-id", self.request_id), *self.cors],
+            }
+        )
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
+        if self.early:  # the keep-alive sent 200 and the stream's headers already
+            return
         self.status = status
         await self.send_message(
             {
@@ -63,9 +87,16 @@ class Responder:
     async def send(self, chunk: bytes) -> None:
         if chunk:
             self.bytes_sent += len(chunk)
-            await self.send_message(
-                {"type": "http.response.body", "body": chunk, "more_body": True}
-            )
+            self.at_boundary = chunk.endswith((b"\n\n", b"\r\n\r\n"))
+            await self._write({"type": "http.response.body", "body": chunk, "more_body": True})
+
+    async def _write(self, message: dict[str, Any]) -> None:
+        self.last_write_at = trio.current_time()
+        self.writing = True
+        try:
+            await self.send_message(message)
+        finally:
+            self.writing = False
 
     async def finish_stream(self, last: bytes) -> None:
         if not self.finished:
@@ -74,6 +105,12 @@ class Responder:
             await self.send_message({"type": "http.response.body", "body": last})
 
     async def reply(self, reply: Reply) -> None:
+        if self.early:  # the stream's 200 is out: the answer (an error envelope) is an event
+            self.started = True
+            data = reply.body.replace(b"\n", b"\ndata: ")  # a line break stays in the data
+            self.route_info["inband_status"] = reply.status
+            await self.finish_stream(b"data: " + data + b"\n\n" + DONE_FRAME)
+            return
         headers = [*reply.headers, (b"content-length", str(len(reply.body)).encode())]
         await self.start(reply.status, headers)
         self.finished = True

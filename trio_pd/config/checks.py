@@ -55,6 +55,7 @@ def check(config: RouterConfig, sources: Mapping[str, str]) -> None:
             "max_buffered_bytes", f"must be 0 (no budget) or more, not {config.max_buffered_bytes}"
         )
     check_ports(config, fail)
+    check_edges(config, fail)
     check_admission(config, fail)
     check_policy(config, fail)
     check_keys(config, where)
@@ -86,6 +87,33 @@ def check_ports(config: RouterConfig, fail: Fail) -> None:
         if port == config.admin_port and same_host:
             fail("admin_port", f"{config.admin_port} is also the {field} port: give the admin "
                  "listener its own")  # fmt: skip
+
+
+def check_edges(config: RouterConfig, fail: Fail) -> None:
+    """The connection edges: durations 0 (off) or more, and a probe port of its own (SMG 1.13
+    refuses 0 there: probes need a stable port)."""
+    edges = config.edges
+    for field in (
+        "sse_keepalive_secs",
+        "header_read_timeout_secs",
+        "idle_connection_timeout_secs",
+        "upstream_pool_idle_timeout_secs",
+    ):
+        value = getattr(edges, field)
+        if not value >= 0:
+            fail(f"edges.{field}", f"must be 0 (off) or more, not {value}")
+    port = edges.health_check_port
+    if port is None:
+        return
+    if not 1 <= port <= 65535:
+        fail("edges.health_check_port", f"must be a port number (1-65535), not {port}")
+    for field, taken in (
+        ("port", config.port),
+        ("prometheus_port", config.prometheus_port),
+        ("admin_port", config.admin_port),
+    ):
+        if taken == port:
+            fail("edges.health_check_port", f"{port} is also the {field} port: give it its own")
 
 
 def check_admission(config: RouterConfig, fail: Fail) -> None:

@@ -153,6 +153,17 @@ class PolicyConfig:
 
 
 @attrs.frozen
+class EdgeConfig:
+    """The edges of a connection (SMG 1.13's names and defaults, `config/flags/edges.py`)."""
+
+    sse_keepalive_secs: float = 15.0  # a `: ping` after this much silence on a stream; 0: none
+    header_read_timeout_secs: float = 30.0  # a request head must be complete within it; 0: none
+    idle_connection_timeout_secs: float = 90.0  # a client keep-alive connection idle; 0: none
+    upstream_pool_idle_timeout_secs: float = 3.0  # an idle worker connection reused; 0: forever
+    health_check_port: int | None = None  # the probe listener (`serve/probe_listener.py`)
+
+
+@attrs.frozen
 class RouterConfig:
     prefill: tuple[WorkerSpec, ...] = ()
     decode: tuple[WorkerSpec, ...] = ()
@@ -227,3 +238,4 @@ class RouterConfig:
     health: HealthConfig = HealthConfig()
     policy: PolicyConfig = PolicyConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
+    edges: EdgeConfig = EdgeConfig()  # connection edges: keep-alives, timeouts, probes

@@ -19,6 +19,7 @@ from trio_pd.config import RouterConfig
 from trio_pd.edge.admission import Admission
 from trio_pd.edge.drain import Drain, cut_by_shutdown, shutting_down
 from trio_pd.edge.intake import BODY_COPIES, ClientBody, inspect
+from trio_pd.edge.keepalive import keep_alive
 from trio_pd.edge.routing_key import RoutingKeys
 from trio_pd.errors import RouterError
 from trio_pd.pd import payload
@@ -146,7 +147,14 @@ async def admitted_run(
                 gen.routing_keys.affinity(scope["headers"]) if gen.routing_keys else None,
             )
             nursery.start_soon(watch_disconnect, receive, rsp, cancel)
-            await dispatch_request(gen.dispatch, request, rsp, cancel)
+            interval = config.edges.sse_keepalive_secs
+            if not inspected.stream or interval <= 0:
+                await dispatch_request(gen.dispatch, request, rsp, cancel)
+                return
+            async with trio.open_nursery() as pinging:  # the keep-alive lives as long as this
+                pinging.start_soon(keep_alive, rsp, interval)
+                await dispatch_request(gen.dispatch, request, rsp, cancel)
+                pinging.cancel_scope.cancel()
         finally:
             account.close()
     finally:

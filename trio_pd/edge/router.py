@@ -9,6 +9,7 @@ Whatever happens inside a handler, the client gets the docs/protocol.md §7 enve
 from __future__ import annotations
 
 import logging
+import math
 import random
 import ssl
 from functools import partial
@@ -114,7 +115,10 @@ class Router:
 
     @pool.default
     def _default_pool(self) -> UpstreamPool:
-        return UpstreamPool(ssl_context=self.ssl_context, destinations=self.destinations)
+        idle = self.config.edges.upstream_pool_idle_timeout_secs  # 0: kept forever
+        return UpstreamPool(
+            idle or math.inf, ssl_context=self.ssl_context, destinations=self.destinations
+        )
 
     @admission.default
     def _default_admission(self) -> Admission:

@@ -163,7 +163,7 @@ async def worker_load(ctx: ServiceContext, worker: Worker) -> EngineLoad:
 async def prune_idle_connections(pool: UpstreamPool) -> None:
     """Close upstream connections idle past their keep-alive, so none lingers after a burst."""
     while True:
-        await trio.sleep(pool.keepalive_expiry)
+        await trio.sleep(pool.prune_interval)
         await pool.prune()
 
 

@@ -35,7 +35,7 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import AppWrapper, ASGIFramework, ConnectionState
 from hypercorn.utils import repr_socket_addr, wrap_app
 
-from trio_pd.serve.connection import Connection
+from trio_pd.serve.connection import ClientTimeouts, Connection
 
 log = logging.getLogger("trio_pd.serving")
 ACCEPT_BURST = 512  # connections accepted per wake-up of a listening socket, at most
@@ -57,11 +57,15 @@ async def serve_app(
     shutdown_trigger: Callable[[], Awaitable[None]],
     *,
     http2: bool = False,
+    timeouts: ClientTimeouts | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `app` (already wrapped by `wrap_asgi`) on `sockets` until
     `shutdown_trigger` returns; `task_status` gets the bound URLs. Connections are served by
-    `connection.Connection` (strict HTTP/1.1; HTTP/2 only with `http2`)."""
+    `connection.Connection` (strict HTTP/1.1; HTTP/2 only with `http2`; its head and idle
+    bounds `timeouts`, by default the header bound's default and the config's keep-alive)."""
+    if timeouts is None:
+        timeouts = ClientTimeouts(idle_secs=config.keep_alive_timeout)
     config.set_statsd_logger_class(StatsdLogger)
     lifespan_state: dict[str, Any] = {}
     lifespan = Lifespan(app, config, lifespan_state)
@@ -71,7 +75,9 @@ async def serve_app(
         await lifespan.wait_for_startup()
         async with trio.open_nursery() as connections:
             state = ConnectionState(lifespan_state.copy())
-            handler = partial(Connection, app, config, context, state, http2=http2)
+            handler = partial(
+                Connection, app, config, context, state, http2=http2, timeouts=timeouts
+            )
             ssl_context = config.create_ssl_context()
             listening = [(s, ssl_context) for s in sockets.secure_sockets]
             listening += [(s, None) for s in sockets.insecure_sockets]

@@ -11,13 +11,21 @@ hypercorn (h11 underneath) is lenient where a router in front of other servers m
 - it speaks HTTP/2 when asked: `Upgrade: h2c`, the prior-knowledge preface, and ALPN `h2` over
   TLS. The router is built and tested over HTTP/1.1, and hypercorn's only bound on rapid resets
   is its requests-per-connection cap, so HTTP/2 is off unless `--enable-http2`;
-- a TLS handshake may take `ssl_handshake_timeout` (60 s by default; `listeners.py` sets it).
+- a TLS handshake may take `ssl_handshake_timeout` (60 s by default; `listeners.py` sets it);
+- one timer, `keep_alive_timeout`, bounds a connection from its accept and between requests
+  until a request head is complete: a client that trickles a head is cut only by that, and a
+  load balancer's pooled connection by the same short bound. And a client that closes an idle
+  connection leaves it in CLOSE_WAIT until the timer runs out (the timer's task holds the
+  connection's task group open).
 
 `StrictHead` checks each request head as h11 cuts it out of the receive buffer, and raises h11's
 own protocol error: h11 then refuses the request (400) and hypercorn closes the connection, as it
 does for any head it cannot parse. `StrictH11` installs it, answers those errors with the
 envelope and `Connection: close`, and ignores `Upgrade: h2c` without HTTP/2. `Connection` is
-hypercorn's TCPServer with that protocol and the handshake bound.
+hypercorn's TCPServer with that protocol, the handshake bound, and SMG 1.13's two client
+timeouts in place of hypercorn's one (`ClientTimeouts`): `--header-read-timeout-secs` from the
+accept until the first request head is complete (and from the first byte of each later head),
+`--idle-connection-timeout-secs` between requests; a client's close ends the timer at once.
 
 The head check reaches into h11's receive buffer (`Connection._receive_buffer`): h11 has no
 public hook for it. `tests/router/test_http_surface.py` fails if an h11 release changes it.
@@ -25,16 +33,20 @@ public hook for it. `tests/router/test_http_surface.py` fails if an h11 release 
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from functools import partial
+from typing import Any, Literal
 
+import attrs
 import h11
 import trio
 from h11._receivebuffer import ReceiveBuffer, blank_line_regex
 from h11._util import LocalProtocolError
+from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol import ProtocolWrapper
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.task_group import TaskGroup
-from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import parse_socket_addr
 
@@ -135,13 +147,71 @@ def protocol_args(wrapper: ProtocolWrapper) -> tuple[Any, ...]:
     return (w.app, w.config, w.context, w.task_group, w.state, w.ssl, w.client, w.server, w.send)
 
 
+@attrs.frozen
+class ClientTimeouts:
+    """A client connection's two bounds (0: none). `header_secs`: from the accept until the
+    first request head is complete, and from the first byte of a later head until it is;
+    `idle_secs`: between a response's end and the next request's first byte."""
+
+    header_secs: float = 30.0
+    idle_secs: float = 90.0
+
+
+Phase = Literal["head", "busy", "idle"]  # reading a head, a request in flight, between requests
+
+
 class Connection(TCPServer):
     """hypercorn's TCPServer serving `Protocols`; a TLS handshake is bounded by the config's
-    `ssl_handshake_timeout` and a connection that does not finish it is closed."""
+    `ssl_handshake_timeout` and a connection that does not finish it is closed; a head and the
+    wait between requests are bounded by `ClientTimeouts`."""
 
-    def __init__(self, *args: Any, http2: bool = False) -> None:
+    def __init__(
+        self, *args: Any, http2: bool = False, timeouts: ClientTimeouts = ClientTimeouts()
+    ) -> None:
         super().__init__(*args)
         self.http2 = http2
+        self.timeouts = timeouts
+        self.phase: Phase = "head"
+
+    async def _arm(self, phase: Phase) -> None:
+        """Enter `phase` and (re)start its timer (hypercorn's idle task is the one timer)."""
+        self.phase = phase
+        secs = self.timeouts.header_secs if phase == "head" else self.timeouts.idle_secs
+        await self.idle_task.restart(self._task_group, partial(self._close_after, secs))
+
+    async def _close_after(self, secs: float) -> None:
+        """hypercorn's `_idle_timeout` with our bound: close after `secs` (0: never), or at
+        once when the server is terminating (the drain closes idle connections)."""
+        with trio.move_on_after(secs if secs > 0 else math.inf):
+            await self.context.terminated.wait()
+        with trio.CancelScope(shield=True):
+            await self._initiate_server_close()
+
+    async def protocol_send(self, event: Event) -> None:
+        if isinstance(event, Updated):  # h11: a head is complete (busy), a response done (idle)
+            if event.idle:
+                await self._arm("idle")
+            else:
+                self.phase = "busy"
+                await self.idle_task.stop()
+            return
+        await super().protocol_send(event)
+
+    async def _read_data(self) -> None:
+        """hypercorn's read loop; the first bytes after an idle wait start the head's timer,
+        and the client's close stops the timer (else its task holds the connection open)."""
+        while True:
+            try:
+                data = await self.stream.receive_some(MAX_RECV)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                break
+            if data and self.phase == "idle":
+                await self._arm("head")
+            await self.protocol.handle(RawData(bytes(data)))
+            if data == b"":
+                break
+        await self.protocol.handle(Closed())
+        await self.idle_task.stop()
 
     async def run(self) -> None:
         if isinstance(self.stream, trio.SSLStream):
@@ -168,7 +238,7 @@ class Connection(TCPServer):
                     http2=self.http2,
                 )  # fmt: skip
                 await self.protocol.initiate()
-                await self.idle_task.restart(task_group, self._idle_timeout)
+                await self._arm("head")
                 await self._read_data()
         except OSError:
             pass

@@ -4,15 +4,14 @@ of the side listeners (metrics, admin) and their Config."""
 from __future__ import annotations
 
 import logging
+import math
 import socket
 
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
 
 from trio_pd.config import RouterConfig
-
-KEEP_ALIVE_SECS = 5.0  # hypercorn holds a closed client socket (CLOSE_WAIT) until this runs out
-
+from trio_pd.serve.connection import ClientTimeouts
 
 GRACE_MARGIN_SECS = 5.0  # hypercorn's own graceful timeout: past ours, as a backstop
 SIDE_KEEP_ALIVE_SECS = 5.0  # the metrics and admin listeners
@@ -35,12 +34,20 @@ def hypercorn_config(config: RouterConfig) -> HypercornConfig:
     # Without --enable-http2 TLS clients are offered HTTP/1.1 only (`connection.py`).
     hc.alpn_protocols = ["h2", "http/1.1"] if config.enable_http2 else ["http/1.1"]
     hc.ssl_handshake_timeout = config.tls_handshake_timeout_secs
-    hc.keep_alive_timeout = KEEP_ALIVE_SECS
+    # What hypercorn itself reads of it (HTTP/2); HTTP/1.1 connections use `client_timeouts`.
+    hc.keep_alive_timeout = config.edges.idle_connection_timeout_secs or math.inf
     hc.graceful_timeout = config.shutdown_grace_period_secs + GRACE_MARGIN_SECS
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")
     hc.backlog = 4096
     return hc
+
+
+def client_timeouts(config: RouterConfig) -> ClientTimeouts:
+    """The data plane's bounds on a client connection: `--header-read-timeout-secs` on a
+    request head, `--idle-connection-timeout-secs` between requests (`connection.py`)."""
+    edges = config.edges
+    return ClientTimeouts(edges.header_read_timeout_secs, edges.idle_connection_timeout_secs)
 
 
 def user_timeout_secs(stall_secs: float) -> float:

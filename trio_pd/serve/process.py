@@ -24,8 +24,14 @@ from trio_pd.edge.router import Router
 from trio_pd.observe.logs import configure as configure_logging
 from trio_pd.serve.accept import serve_app, wrap_asgi
 from trio_pd.serve.admin_listener import admin_url, bind_admin, serve_admin
-from trio_pd.serve.listeners import close_sockets, hypercorn_config, make_sockets
+from trio_pd.serve.listeners import (
+    client_timeouts,
+    close_sockets,
+    hypercorn_config,
+    make_sockets,
+)
 from trio_pd.serve.metrics_listener import bind_metrics, serve_metrics
+from trio_pd.serve.probe_listener import bind_probes, serve_probes
 
 log = logging.getLogger("trio_pd.server")
 
@@ -37,6 +43,7 @@ async def serve(
     sockets: Sockets | None = None,
     metrics_sockets: Sockets | None = None,
     admin_sockets: Sockets | None = None,
+    probe_sockets: Sockets | None = None,
     signals: tuple[int, ...] = (),
     parent_sentinel: int | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
@@ -45,8 +52,9 @@ async def serve(
     ``task_status`` gets the data plane's bound URLs (port 0 picks a free one).
 
     With `config.prometheus_port` the metrics listener, and with `config.admin_port` the admin
-    listener, are bound first (a port they cannot have fails the start: MetricsListenError,
-    AdminListenError) and served until the router is done: they outlive the drain."""
+    listener, and with `config.edges.health_check_port` the probe listener, are bound first (a
+    port they cannot have fails the start: MetricsListenError, AdminListenError,
+    ProbeListenError) and served until the router is done: they outlive the drain."""
     app = router if router is not None else Router(config)
     hc = hypercorn_config(config)
     side: list[Sockets] = []
@@ -57,6 +65,10 @@ async def serve(
         if admin_sockets is None and config.admin_port is not None:
             admin_sockets = bind_admin(config.admin_host, config.admin_port)[0]
         side += [admin_sockets] if admin_sockets is not None else []
+        probe_port = config.edges.health_check_port
+        if probe_sockets is None and probe_port is not None:
+            probe_sockets = bind_probes(config.host, probe_port)[0]
+        side += [probe_sockets] if probe_sockets is not None else []
         if sockets is None:
             sockets = make_sockets(config, hc)
     except BaseException:
@@ -69,7 +81,7 @@ async def serve(
     if admin_sockets is not None:
         app.access.admin_url = admin_url(admin_sockets)
     # A worker URL naming any of these is the router itself (`upstream/destinations.py`).
-    for bound in (sockets, metrics_sockets, admin_sockets):
+    for bound in (sockets, metrics_sockets, admin_sockets, probe_sockets):
         if bound is not None:
             app.destinations.add_own_sockets((*bound.secure_sockets, *bound.insecure_sockets))
     stop = trio.Event()
@@ -84,13 +96,16 @@ async def serve(
 
         async def data_plane(task_status: trio.TaskStatus[list[str]]) -> None:
             await serve_app(
-                wrapped, hc, sockets, stop.wait, http2=config.enable_http2, task_status=task_status
-            )
+                wrapped, hc, sockets, stop.wait, http2=config.enable_http2,
+                timeouts=client_timeouts(config), task_status=task_status,
+            )  # fmt: skip
             nursery.cancel_scope.cancel(reason="served")  # the side listeners end with it
 
         urls = await nursery.start(data_plane)  # the lifespan has started
         if admin_sockets is not None:  # until the router is done, as the metrics listener
             await nursery.start(serve_admin, app, admin_sockets, trio.sleep_forever)
+        if probe_sockets is not None:  # the same: probes answer through the drain
+            await nursery.start(serve_probes, app, probe_sockets, trio.sleep_forever)
         task_status.started(urls)
 
 
@@ -118,6 +133,7 @@ async def _serve_main(
     *,
     metrics_sockets: Sockets | None = None,
     admin_sockets: Sockets | None = None,
+    probe_sockets: Sockets | None = None,
 ) -> int:
     """Serve one router process until it drained; its exit status (1: it gave up on itself)."""
     router = Router(config)
@@ -130,6 +146,7 @@ async def _serve_main(
                 sockets=sockets,
                 metrics_sockets=metrics_sockets,
                 admin_sockets=admin_sockets,
+                probe_sockets=probe_sockets,
                 signals=signals,
                 parent_sentinel=parent_sentinel,
             )
@@ -148,6 +165,7 @@ def worker_main(
     index: int,
     ready: Any,
     admin_sockets: Sockets | None = None,
+    probe_sockets: Sockets | None = None,
 ) -> None:
     """A router process of `--workers N` (spawned by `supervisor.Supervisor`).
 
@@ -160,6 +178,6 @@ def worker_main(
     parent = multiprocessing.parent_process()
     sentinel = parent.sentinel if parent is not None else None
     main = partial(_serve_main, config, sockets, (signal.SIGTERM,), sentinel, ready)
-    status = trio.run(partial(main, admin_sockets=admin_sockets))
+    status = trio.run(partial(main, admin_sockets=admin_sockets, probe_sockets=probe_sockets))
     if status:
         sys.exit(status)  # the supervisor restarts a process that gave up on itself

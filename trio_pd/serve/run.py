@@ -13,6 +13,7 @@ from trio_pd.observe.logs import configure as configure_logging
 from trio_pd.serve.admin_listener import AdminListenError, bind_admin
 from trio_pd.serve.listeners import close_sockets
 from trio_pd.serve.metrics_listener import MetricsListenError, bind_metrics
+from trio_pd.serve.probe_listener import ProbeListenError
 from trio_pd.serve.process import _serve_main
 
 log = logging.getLogger("trio_pd.server")
@@ -41,5 +42,5 @@ def run(config: RouterConfig) -> int:
         from trio_pd.serve.supervisor import Supervisor
 
         return Supervisor(config).run()
-    except (LogDirError, MetricsListenError, AdminListenError) as exc:
+    except (LogDirError, MetricsListenError, AdminListenError, ProbeListenError) as exc:
         raise SystemExit(f"trio-pd serve: error: {exc}") from None

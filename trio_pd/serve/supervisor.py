@@ -7,7 +7,8 @@ The parent owns what must be one for all:
   every process reads and writes (`membership/shared_file.py`), so a `POST /workers` through any
   process is seen by all within a second and ids agree; with etcd there is no file: every
   process watches etcd itself, as replicas do (`membership/setup.py`);
-- the admin listener's sockets (`--admin-port`), made the same way: one copy per process, each
+- the admin listener's sockets (`--admin-port`) and the probe listener's
+  (`--health-check-port`), made the same way: one copy per process, each
   served by its process until it exits (drain included), changes landing in the shared file;
 - metrics: `PROMETHEUS_MULTIPROC_DIR` in the run directory, so `/metrics` on any process reports
   the sum over all of them (prometheus-client's multiprocess mode); the `--prometheus-port`
@@ -44,6 +45,7 @@ from trio_pd.observe.metrics import render_multiprocess
 from trio_pd.serve.admin_listener import bind_admin
 from trio_pd.serve.listeners import close_sockets
 from trio_pd.serve.metrics_listener import MetricsThread, bind_metrics
+from trio_pd.serve.probe_listener import bind_probes
 
 log = logging.getLogger("trio_pd.processes")
 RESTART_BACKOFF_SECS = (0.5, 30.0)  # first delay, cap (doubling; reset after a minute of life)
@@ -99,6 +101,7 @@ class Slot:
     index: int
     sockets: Any  # hypercorn Sockets
     admin_sockets: Any = None  # its copy of the admin listener's socket (SO_REUSEPORT)
+    probe_sockets: Any = None  # its copy of the probe listener's socket (the same)
     process: multiprocessing.process.BaseProcess | None = None
     ready: Any = None  # a multiprocessing Event the child sets once it handles SIGTERM
     told: int = 0  # SIGTERMs forwarded to the current process
@@ -161,6 +164,10 @@ class Supervisor:
         admin: list[Any] = [None] * config.workers
         if config.admin_port is not None:  # bound before any process exists, as the metrics'
             admin = bind_admin(config.admin_host, config.admin_port, copies=config.workers)
+        probes: list[Any] = [None] * config.workers
+        if config.edges.health_check_port is not None:
+            port = config.edges.health_check_port
+            probes = bind_probes(config.host, port, copies=config.workers)
         # With etcd every process watches it and the flags' workers stay "static": no file.
         shared = self.child_config.membership_file
         if shared and (self.config.membership_file is None or not Path(shared).exists()):
@@ -176,7 +183,7 @@ class Supervisor:
                     config = attrs.evolve(config, port=self.port)
                     hc = hypercorn_config(config)
                     hc.workers = config.workers
-            self.slots.append(Slot(index, sockets, admin[index]))
+            self.slots.append(Slot(index, sockets, admin[index], probes[index]))
 
     def _start(self, slot: Slot) -> None:
         from trio_pd.serve.process import worker_main
@@ -191,6 +198,7 @@ class Supervisor:
                 slot.index,
                 slot.ready,
                 slot.admin_sockets,
+                slot.probe_sockets,
             ),
             name=f"trio-pd-{slot.index}",
         )
@@ -279,8 +287,9 @@ class Supervisor:
         self.sockets_closed = True
         for slot in self.slots:  # each process holds its own copies until it exits
             close_sockets(slot.sockets)
-            if slot.admin_sockets is not None:
-                close_sockets(slot.admin_sockets)
+            for side in (slot.admin_sockets, slot.probe_sockets):
+                if side is not None:
+                    close_sockets(side)
 
 
 def parent_restart_counter() -> Any:

@@ -26,7 +26,10 @@ from trio_pd.upstream.connect import connect
 from trio_pd.upstream.destinations import Destinations
 from trio_pd.upstream.http11 import Connection, Response
 
-KEEPALIVE_EXPIRY_SECS = 2.0  # below the engines' keep-alive, so we never reuse a closing socket
+# An idle connection older than this is closed, not reused: below the engines' own keep-alive
+# (5 s), so we never reuse a socket the engine is closing (`--upstream-pool-idle-timeout-secs`).
+KEEPALIVE_EXPIRY_SECS = 3.0
+PRUNE_EVERY_SECS = 5.0  # at least this often, also with no expiry: peers' closes are pruned
 CONNECT_TIMEOUT_SECS = 10.0  # a black-holed worker fails the leg instead of eating the deadline
 
 # A leg's transport failed: kind "timeout" (connect) or "transport" (refused, reset, garbled).
@@ -60,6 +63,7 @@ class Endpoint:
 class UpstreamPool:
     """Idle keep-alive connections per worker origin; one per process, shared by all requests.
 
+    ``keepalive_expiry``: an idle connection older than it is closed (`math.inf`: never);
     ``ssl_context`` verifies https workers (None: the system trust store, made on first use);
     ``destinations`` is checked at every connect (None: no check, for tests of the client).
     """
@@ -84,6 +88,12 @@ class UpstreamPool:
         if found is None:
             found = self._endpoints[url] = Endpoint.parse(url)
         return found
+
+    @property
+    def prune_interval(self) -> float:
+        """How often `prune` runs (`edge/services.py`): at the expiry, and at least every few
+        seconds so connections the workers closed do not linger."""
+        return min(self.keepalive_expiry, PRUNE_EVERY_SECS)
 
     @property
     def ssl_context(self) -> ssl.SSLContext:

@@ -6,6 +6,7 @@ membership's, vLLM's); SGLang's router flags a PD router accepts but does not ac
 (`config/build.py`) and the docs' flag tables (`tests/flag_surface.py`) are all made from these.
 """
 
+from trio_pd.config.flags.edges import EDGES
 from trio_pd.config.flags.flag import SWITCH, Flag, by_name
 from trio_pd.config.flags.fleet import DECODE_WORKER, FLEET, PREFILL_WORKER
 from trio_pd.config.flags.membership import MEMBERSHIP
@@ -13,7 +14,7 @@ from trio_pd.config.flags.routing import ROUTING
 from trio_pd.config.flags.serving import SERVING
 from trio_pd.config.flags.vllm import VLLM
 
-SERVE_FLAGS: tuple[Flag, ...] = (*FLEET, *ROUTING, *SERVING, *MEMBERSHIP, *VLLM)
+SERVE_FLAGS: tuple[Flag, ...] = (*FLEET, *ROUTING, *SERVING, *EDGES, *MEMBERSHIP, *VLLM)
 BY_NAME = by_name(SERVE_FLAGS)
 # The flags whose meaning in trio_pd is wider or stricter than in SGLang's router, and why: the
 # docs' flag table shows these notes, and a default that differs from SGLang's must have one.
