@@ -207,6 +207,14 @@ CASES: dict[str, Case] = {
         ["{tmp}/c.pem"], "tls_cert_path", "{tmp}/c.pem", "--tls-key-path", "{tmp}/k.pem"
     ),
     "--tls-handshake-timeout-secs": case(["2.5"], "tls_handshake_timeout_secs", 2.5),
+    # The connection edges (issue 21, SMG 1.13).
+    "--sse-keepalive-secs": case(["0"], "edges.sse_keepalive_secs", 0.0),
+    "--header-read-timeout-secs": case(["7.5"], "edges.header_read_timeout_secs", 7.5),
+    "--idle-connection-timeout-secs": case(["0"], "edges.idle_connection_timeout_secs", 0.0),
+    "--upstream-pool-idle-timeout-secs": case(
+        ["1.5"], "edges.upstream_pool_idle_timeout_secs", 1.5
+    ),
+    "--health-check-port": case(["31999"], "edges.health_check_port", 31999),
     "--tls-key-path": case(
         ["{tmp}/k.pem"], "tls_key_path", "{tmp}/k.pem", "--tls-cert-path", "{tmp}/c.pem"
     ),

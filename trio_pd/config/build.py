@@ -20,6 +20,7 @@ from trio_pd.config.flags import SERVE_FLAGS, Flag
 from trio_pd.config.membership import EtcdConfig, KubernetesConfig
 from trio_pd.config.router import (
     BreakerConfig,
+    EdgeConfig,
     HealthConfig,
     PolicyConfig,
     RetryConfig,
@@ -34,6 +35,7 @@ NESTED: dict[str, type] = {
     "health": HealthConfig,
     "policy": PolicyConfig,
     "timeouts": TimeoutConfig,
+    "edges": EdgeConfig,
 }
 OPTIONAL: dict[str, type] = {"kubernetes": KubernetesConfig, "etcd": EtcdConfig}
 MINI_LB = (

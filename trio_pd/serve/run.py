@@ -13,7 +13,7 @@ from trio_pd.observe.logs import configure as configure_logging
 from trio_pd.serve.admin_listener import AdminListenError, bind_admin
 from trio_pd.serve.listeners import close_sockets
 from trio_pd.serve.metrics_listener import MetricsListenError, bind_metrics
-from trio_pd.serve.probe_listener import ProbeListenError
+from trio_pd.serve.probe_listener import ProbeListenError, bind_probes
 from trio_pd.serve.process import _serve_main
 
 log = logging.getLogger("trio_pd.server")
@@ -27,18 +27,22 @@ def run(config: RouterConfig) -> int:
         for warning in config.startup_warnings:
             log.warning("%s", warning)
         if config.workers <= 1:
-            metrics_sockets = admin_sockets = None
+            metrics_sockets = admin_sockets = probe_sockets = None
             if config.prometheus_port is not None:
                 metrics_sockets = bind_metrics(config.prometheus_host, config.prometheus_port)
-            if config.admin_port is not None:
-                try:
+            probe_port = config.edges.health_check_port
+            try:
+                if config.admin_port is not None:
                     admin_sockets = bind_admin(config.admin_host, config.admin_port)[0]
-                except AdminListenError:
-                    if metrics_sockets is not None:
-                        close_sockets(metrics_sockets)
-                    raise
+                if probe_port is not None:
+                    probe_sockets = bind_probes(config.host, probe_port)[0]
+            except (AdminListenError, ProbeListenError):
+                for made in (metrics_sockets, admin_sockets):
+                    if made is not None:
+                        close_sockets(made)
+                raise
             main = partial(_serve_main, config, metrics_sockets=metrics_sockets)
-            return trio.run(partial(main, admin_sockets=admin_sockets))
+            return trio.run(partial(main, admin_sockets=admin_sockets, probe_sockets=probe_sockets))
         from trio_pd.serve.supervisor import Supervisor
 
         return Supervisor(config).run()

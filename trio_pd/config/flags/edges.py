@@ -11,13 +11,12 @@ EDGES: tuple[Flag, ...] = (
         "--sse-keepalive-secs",
         "seconds of silence after which an open SSE stream carries a keep-alive comment "
         "(`: ping`), so an idle-timeout proxy does not cut a stream waiting on a long prefill; "
-        "nothing is sent while events flow. 0 sends none",
+        "nothing is sent while events flow. The headers wait for decode's first event (a "
+        "failed prefill gets its real status) until the first keep-alive sends them; a failure "
+        "after it is an in-band error event. 0 sends none",
         "edges.sse_keepalive_secs",
         default=15.0,
         type=float,
-        differs="trio_pd holds a stream's headers until decode's first event (a failed prefill "
-        "gets a real status); the first keep-alive sends them, after which a failure is an "
-        "in-band error event (docs/behaviour.md). Fractions of a second are accepted",
     ),
     Flag(
         "--header-read-timeout-secs",
