@@ -215,6 +215,18 @@ CASES: dict[str, Case] = {
         ["1.5"], "edges.upstream_pool_idle_timeout_secs", 1.5
     ),
     "--health-check-port": case(["31999"], "edges.health_check_port", 31999),
+    # SMG 1.13's spelling of discovery.
+    "--discovery-provider": Case(["kubernetes"], on("discovery_provider"), "kubernetes", KUBE),
+    "--discovery-file": case(  # the last one given counts; the file flags need the provider
+        ["/tmp/m.json"],
+        "discovery_file",
+        "/tmp/m.json",
+        "--discovery-provider",
+        "file",
+        "--discovery-file",
+        "/tmp/other.json",
+    ),  # fmt: skip
+    "--discovery-check-interval-secs": case(["2.5"], "discovery_check_interval_secs", 2.5),
     "--tls-key-path": case(
         ["{tmp}/k.pem"], "tls_key_path", "{tmp}/k.pem", "--tls-cert-path", "{tmp}/c.pem"
     ),

@@ -60,6 +60,8 @@ def build_config(
     fields: dict[str, Any] = {}
     sources: dict[str, str] = {}  # field -> where its value came from, for the checks' errors
     enabled = {row.enables for row in table if row.enables and values.get(row.dest)}
+    if values.get("discovery_provider") == "kubernetes":  # SMG's spelling of --service-discovery
+        enabled.add("kubernetes")
     for row in table:
         if row.field is None:
             continue

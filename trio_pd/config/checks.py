@@ -66,6 +66,7 @@ def check(config: RouterConfig, sources: Mapping[str, str]) -> None:
         raise ConfigError(
             "--etcd-endpoints and --membership-file are two membership stores: pick one"
         )
+    check_discovery(config, fail)
     if config.enable_trace:
         check_tracing(config, fail)
 
@@ -114,6 +115,19 @@ def check_edges(config: RouterConfig, fail: Fail) -> None:
     ):
         if taken == port:
             fail("edges.health_check_port", f"{port} is also the {field} port: give it its own")
+
+
+def check_discovery(config: RouterConfig, fail: Fail) -> None:
+    """SMG's file discovery: the manifest is needed with the provider, and only there."""
+    if config.discovery_provider == "file" and not config.discovery_file:
+        fail("discovery_provider", "file needs --discovery-file (the manifest)")
+    if config.discovery_provider == "file" and config.kubernetes is not None:
+        fail("discovery_provider", "file and --service-discovery: give one provider")
+    if config.discovery_file and config.discovery_provider != "file":
+        fail("discovery_file", "is read with --discovery-provider file only")
+    if not config.discovery_check_interval_secs > 0:
+        fail("discovery_check_interval_secs", f"must be > 0, not "
+             f"{config.discovery_check_interval_secs}")  # fmt: skip
 
 
 def check_admission(config: RouterConfig, fail: Fail) -> None:

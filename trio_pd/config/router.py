@@ -206,6 +206,10 @@ class RouterConfig:
     client_cert_path: str | None = None  # mTLS to workers
     client_key_path: str | None = None
     membership_file: str | None = None  # shared membership (--workers N, or a ConfigMap)
+    # SMG's file discovery: a manifest another program writes, read-only (`membership/manifest.py`).
+    discovery_provider: Literal["kubernetes", "file"] | None = None
+    discovery_file: str | None = None
+    discovery_check_interval_secs: float = 30.0
     kubernetes: KubernetesConfig | None = None  # --service-discovery: workers from pods
     etcd: EtcdConfig | None = None  # --etcd-endpoints: membership shared by router replicas
     access_log: bool = False

@@ -9,6 +9,8 @@ the long-lived tasks feeding the Fleet (`edge/services.py` runs each under the c
   file is the store and a source (`membership/shared_file.py`).
 - otherwise the Fleet itself is the store (`membership/memory.py`): admin workers live in this
   process only.
+- `--discovery-provider file --discovery-file F` (SMG 1.13's) adds a read-only source reading
+  SMG's manifest (`membership/manifest.py`), whichever the store, as Kubernetes does.
 - `--service-discovery` adds a `KubernetesDiscovery` source, whichever the store: it is
   read-only, so admin changes to its workers are refused (409, `NotOwned`), and admin adds go to
   the store.
@@ -38,6 +40,8 @@ from trio_pd.membership.etcd import SOURCE as etcd_source
 from trio_pd.membership.etcd import EtcdMembership
 from trio_pd.membership.kubernetes import SOURCE as kubernetes_source
 from trio_pd.membership.kubernetes import KubernetesDiscovery
+from trio_pd.membership.manifest import SOURCE as manifest_source
+from trio_pd.membership.manifest import smg_manifest
 from trio_pd.membership.memory import MemoryStore
 from trio_pd.membership.shared_file import SOURCE as file_source
 from trio_pd.membership.shared_file import FileMembership
@@ -81,6 +85,13 @@ def membership_for(config: RouterConfig, fleet: Fleet, metrics: RouterMetrics) -
         sources.append(shared)
     else:
         store = MemoryStore(fleet)
+    if config.discovery_provider == "file" and config.discovery_file:
+        manifest = FileMembership(
+            Path(config.discovery_file), fleet, name=manifest_source, read=smg_manifest,
+            resync_secs=config.discovery_check_interval_secs,
+            on_error=error_counter(metrics, manifest_source),
+        )  # fmt: skip
+        sources.append(manifest)
     if config.kubernetes is not None:
         on_error = error_counter(metrics, kubernetes_source)
         sources.append(KubernetesDiscovery(config.kubernetes, on_error=on_error))

@@ -59,12 +59,12 @@ def spec_json(worker_id: str, spec: WorkerSpec) -> dict[str, Any]:
     }
 
 
-def parse_workers(data: Any) -> list[WorkerRecord]:
+def parse_workers(data: Any, source: str = SOURCE) -> list[WorkerRecord]:
     """The usable records of a membership document (see `read_workers`)."""
-    return read_workers(data)[0]
+    return read_workers(data, source)[0]
 
 
-def read_workers(data: Any) -> tuple[list[WorkerRecord], list[str]]:
+def read_workers(data: Any, source: str = SOURCE) -> tuple[list[WorkerRecord], list[str]]:
     """The records of a membership document, and what was wrong with each entry skipped.
 
     An entry is checked as the admin API checks `POST /workers` (`worker_json.py`): a
@@ -86,7 +86,7 @@ def read_workers(data: Any) -> tuple[list[WorkerRecord], list[str]]:
             named = f" (id {item['id']!r})" if isinstance(item, dict) and item.get("id") else ""
             skipped.append(f"entry {n}{named} skipped: {exc}")
             continue
-        records.append(WorkerRecord(worker_id or f"{spec.role}-{spec.url}", spec, SOURCE))
+        records.append(WorkerRecord(worker_id or f"{spec.role}-{spec.url}", spec, source))
     ids = [r.id for r in records]
     if len(ids) != len(set(ids)):
         raise ValueError("worker ids in a membership file must be unique")
@@ -144,8 +144,6 @@ class FileMembership:
     read or parsed: the last good view stays), "write" (an admin change could not be stored).
     """
 
-    name = SOURCE
-
     def __init__(
         self,
         path: Path,
@@ -154,7 +152,13 @@ class FileMembership:
         poll_secs: float = POLL_SECS,
         resync_secs: float = RESYNC_SECS,
         on_error: Callable[[str], None] | None = None,
+        name: str = SOURCE,
+        read: Callable[[Any], Any] | None = None,
     ) -> None:
+        """`name`: the source its workers carry; `read`: turns the file's JSON into a
+        membership document first (`manifest.smg_manifest`: SMG's discovery manifest)."""
+        self.name = name
+        self.read = read
         self.path = Path(path)
         self.on_error = on_error
         self.lock_path = self.path.with_name(self.path.name + ".lock")
@@ -189,15 +193,18 @@ class FileMembership:
             seen = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
             if seen == self._seen and not force:
                 return
-            records, skipped = read_workers(json.loads(self.path.read_bytes()))
+            data = json.loads(self.path.read_bytes())
+            if self.read is not None:
+                data = self.read(data)
+            records, skipped = read_workers(data, self.name)
         except (OSError, ValueError) as exc:
             self._count("read")
-            self.registry.source_status(SOURCE, False, f"{self.path}: {exc}")
+            self.registry.source_status(self.name, False, f"{self.path}: {exc}")
             return
         self._seen = seen
         self._report_skipped(skipped)
         self._apply(records)
-        self.registry.source_status(SOURCE, True)
+        self.registry.source_status(self.name, True)
 
     def _report_skipped(self, skipped: list[str]) -> None:
         """A warning for each bad entry, once: again only after the set of them changed."""
@@ -217,7 +224,7 @@ class FileMembership:
 
     def _apply(self, records: list[WorkerRecord]) -> None:
         self._records = {r.id: r for r in records}
-        self.registry.reconcile(SOURCE, records)
+        self.registry.reconcile(self.name, records)
 
     # -- store ------------------------------------------------------------------------------
 
@@ -287,6 +294,6 @@ class FileMembership:
                     raise Unreadable(f"cannot be parsed ({exc})") from exc
                 result = change(data)
                 write_atomically(self.path, data)
-                return result, parse_workers(data)
+                return result, parse_workers(data, self.name)
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)

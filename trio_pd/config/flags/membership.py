@@ -13,11 +13,40 @@ from trio_pd.config.membership import (
 KUBE = "service discovery (Kubernetes)"
 ETCD = "etcd membership (shared by router replicas)"
 
+FILE = "service discovery (file)"
+
 MEMBERSHIP: tuple[Flag, ...] = (
     Flag(
         "--membership-file",
         "read (and write) worker membership in this JSON file (e.g. a ConfigMap)",
         "membership_file",
+    ),
+    # SMG 1.13's spelling of discovery: `--discovery-provider kubernetes` is
+    # `--service-discovery`; `file` reads its manifest (`membership/manifest.py`).
+    Flag(
+        "--discovery-provider",
+        "worker discovery provider: kubernetes (as --service-discovery) or file (the workers "
+        "listed in the --discovery-file manifest, SMG's shape, read-only)",
+        "discovery_provider",
+        choices=("kubernetes", "file"),
+        group=FILE,
+    ),
+    Flag(
+        "--discovery-file",
+        "JSON manifest listing the workers, for --discovery-provider file "
+        '({"version": 1, "workers": [{"id", "url", "worker_type", "bootstrap_port", ...}]}); '
+        "it may be created after startup",
+        "discovery_file",
+        group=FILE,
+    ),
+    Flag(
+        "--discovery-check-interval-secs",
+        "seconds between full rereads of the --discovery-file manifest, which is also reread "
+        "as soon as it changes",
+        "discovery_check_interval_secs",
+        default=30.0,
+        type=float,
+        group=FILE,
     ),
     Flag(
         "--service-discovery",
