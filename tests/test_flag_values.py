@@ -225,7 +225,7 @@ CASES: dict[str, Case] = {
         "file",
         "--discovery-file",
         "/tmp/other.json",
-    ),  # fmt: skip
+    ),
     "--discovery-check-interval-secs": case(["2.5"], "discovery_check_interval_secs", 2.5),
     "--tls-key-path": case(
         ["{tmp}/k.pem"], "tls_key_path", "{tmp}/k.pem", "--tls-cert-path", "{tmp}/c.pem"
