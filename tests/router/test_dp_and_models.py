@@ -194,3 +194,22 @@ async def test_model_ids_from_flags_and_the_admin_api(nursery: trio.Nursery) -> 
     await settle(lambda: cluster.router.fleet.get(added.json()["id"]).info_at is not None, LOOSE)
     assert cluster.router.fleet.get(added.json()["id"]).model == "zeta"
     await cluster.client.aclose()
+
+
+async def test_a_model_alias_routes_as_its_model(nursery: trio.Nursery) -> None:
+    """`--model-alias` (SMG 1.13): a request naming the alias goes to the model's engines, and
+    only there; the alias is no model of its own (an alias of nothing served is still a 404)."""
+    aliases = (("gpt-4o", "beta"), ("old", "gone"))
+    cluster, engines = await two_models(nursery, model_aliases=aliases)
+    for _ in range(3):
+        response = await cluster.client.post("/v1/chat/completions", json=chat("gpt-4o"))
+        assert response.status_code == 200, response.text
+        rid = response.headers["x-request-id"]
+        assert engines["beta"][0].events.find("request_start", rid=rid)
+        assert engines["beta"][1].events.find("request_start", rid=rid)
+    assert not engines["alpha"][1].events.find("request_start")
+    assert (
+        await cluster.client.post("/v1/chat/completions", json=chat("Gpt-4o"))
+    ).status_code == 404
+    gone = await cluster.client.post("/v1/chat/completions", json=chat("old"))
+    assert gone.status_code == 404 and "'gone'" in gone.json()["error"]["message"]

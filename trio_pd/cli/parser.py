@@ -97,6 +97,7 @@ ACTIONS: dict[str, type[argparse.Action] | str] = {
     PREFILL_WORKER: PrefillAction,
     DECODE_WORKER: DecodeAction,
     "extend": "extend",  # `trio-pd launch`'s repeatable lists (SMG 1.13)
+    "append": "append",  # a repeatable flag (`--model-alias`)
 }
 
 

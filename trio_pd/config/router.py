@@ -184,6 +184,7 @@ class RouterConfig:
     abort_on_cancel: bool = True  # POST /abort_request to engines for legs the router gave up
     dp_aware: bool = False  # choose DP ranks, pin them and align rooms (SMG's --dp-aware)
     default_model: str | None = None  # several models: what a request naming none gets
+    model_aliases: tuple[tuple[str, str], ...] = ()  # (alias, served model): `--model-alias`
     max_concurrent_requests: int = -1  # -1: unbounded; else the cap on requests in flight
     queue_size: int = 100
     queue_timeout_secs: float = 60.0

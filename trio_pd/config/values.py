@@ -72,3 +72,22 @@ def duration_buckets(values: Sequence[float] | None) -> tuple[float, ...] | None
 def comma_list(value: str) -> tuple[str, ...]:
     """A comma-separated list from the environment (`$TRIO_PD_DATA_PLANE_API_KEYS`)."""
     return tuple(item for item in value.split(",") if item)
+
+
+def model_alias(value: str) -> tuple[str, str]:
+    """One `--model-alias` value, `<alias>=<canonical>` (SMG 1.13's format; case-sensitive)."""
+    alias, sep, canonical = value.partition("=")
+    if not sep or not alias.strip() or not canonical.strip():
+        raise ValueError(f"a model alias is <alias>=<canonical>, not {value!r}")
+    return alias.strip(), canonical.strip()
+
+
+def model_aliases(values: list[tuple[str, str]] | None) -> tuple[tuple[str, str], ...]:
+    """Every `--model-alias` given (argparse appends them), in order; an alias named twice is
+    refused (which model it meant would depend on the order)."""
+    found = tuple(values or ())
+    aliases = [alias for alias, _ in found]
+    twice = sorted({a for a in aliases if aliases.count(a) > 1})
+    if twice:
+        raise ValueError(f"an alias names one model: {', '.join(twice)} given twice")
+    return found

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from trio_pd.config.flags.flag import SWITCH, Flag
 from trio_pd.config.router import ASSIGNMENT_MODES, POLICY_NAMES, PREFILL_POLICY_NAMES
-from trio_pd.config.values import not_bucket
+from trio_pd.config.values import model_alias, model_aliases, not_bucket
 
 # `action` names `cli/parser.py` maps to its own argparse actions.
 PREFILL_WORKER = "prefill_worker"
@@ -61,6 +61,18 @@ FLEET: tuple[Flag, ...] = (
         "--default-model",
         "with several models, the one a request naming none goes to",
         "default_model",
+    ),
+    Flag(
+        "--model-alias",
+        "an extra client-facing name for a served model, <alias>=<canonical> (SMG 1.13's): a "
+        "request naming the alias routes as one naming the model (case-sensitive; repeat for "
+        "several). The body goes to the engines as the client sent it",
+        "model_aliases",
+        default=[],  # a list: argparse copies it before appending
+        type=model_alias,
+        action="append",
+        metavar="ALIAS=MODEL",
+        convert=model_aliases,
     ),
     Flag(
         "--worker-startup-timeout-secs",
