@@ -8,9 +8,11 @@ from __future__ import annotations
 import socket
 
 import attrs
+import pytest
 import trio
 
 from tests.router.helpers import CANCELLED, generate_body
+from trio_pd.cli.main import build_parser, router_config
 from trio_pd.config import EdgeConfig, RouterConfig
 from trio_pd.testing.cluster import Cluster, start_cluster
 
@@ -254,3 +256,61 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def close_waits(port: int) -> int:
+    """The router's sockets on `port` the client closed and the router has not (CLOSE_WAIT)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "08" and int(fields[1].rpartition(":")[2], 16) == port:
+                    count += 1
+    return count
+
+
+async def test_a_client_closing_an_idle_connection_is_closed_at_once(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    """With a 90 s idle timeout, a closed client socket must not sit in CLOSE_WAIT for 90 s
+    (hypercorn's idle timer held it until it ran out)."""
+    cluster = await start_cluster(nursery)
+    port = int(cluster.url.rsplit(":", 1)[1])
+    streams = [await open_raw(cluster) for _ in range(3)]
+    for stream in streams:
+        assert b"HTTP/1.1 200 " in await get_health(stream)
+    for stream in streams:
+        await stream.aclose()
+    with trio.fail_after(5):
+        while close_waits(port):
+            await trio.sleep(0.1)
+    assert close_waits(port) == 0
+
+
+# -- the flags' refusals --------------------------------------------------------------------------
+
+WORKERS = ["--prefill", "http://127.0.0.1:30001", "--decode", "http://127.0.0.1:30011"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--sse-keepalive-secs", "-1"], "--sse-keepalive-secs must be 0 (off) or more"),
+        (["--header-read-timeout-secs", "-2"], "--header-read-timeout-secs must be 0"),
+        (["--idle-connection-timeout-secs", "nan"], "--idle-connection-timeout-secs must be 0"),
+        (["--upstream-pool-idle-timeout-secs", "-1"], "--upstream-pool-idle-timeout-secs must"),
+        (["--health-check-port", "0"], "--health-check-port must be a port number (1-65535)"),
+        (
+            ["--health-check-port", "30000", "--port", "30000"],
+            "30000 is also --port: give the probes their own",
+        ),
+        (["--health-check-port", "29001"], "29001 is also --admin-port"),
+    ],
+)
+def test_bad_edge_values_are_refused_with_the_flag(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        router_config(build_parser().parse_args(["serve", *WORKERS, *argv]))
+    assert said in capsys.readouterr().err

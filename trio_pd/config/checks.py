@@ -108,13 +108,13 @@ def check_edges(config: RouterConfig, fail: Fail) -> None:
         return
     if not 1 <= port <= 65535:
         fail("edges.health_check_port", f"must be a port number (1-65535), not {port}")
-    for field, taken in (
-        ("port", config.port),
-        ("prometheus_port", config.prometheus_port),
-        ("admin_port", config.admin_port),
+    for flag, taken in (
+        ("--port", config.port),
+        ("--prometheus-port", config.prometheus_port),
+        ("--admin-port", config.admin_port),
     ):
         if taken == port:
-            fail("edges.health_check_port", f"{port} is also the {field} port: give it its own")
+            fail("edges.health_check_port", f"{port} is also {flag}: give the probes their own")
 
 
 def check_discovery(config: RouterConfig, fail: Fail) -> None:
