@@ -314,3 +314,22 @@ def test_bad_edge_values_are_refused_with_the_flag(
     with pytest.raises(SystemExit):
         router_config(build_parser().parse_args(["serve", *WORKERS, *argv]))
     assert said in capsys.readouterr().err
+
+
+async def test_a_stream_of_n_samples_over_a_slow_prefill_is_kept_alive(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    """`n > 1` (one PD request a sample, merged into one stream): the keep-alive is the merged
+    stream's, every sample's events follow it and the stream ends once."""
+    cluster = await start_cluster(nursery, prefill=SLOW_PREFILL, edges=edges(sse_keepalive_secs=1))
+    chat = {"messages": [{"role": "user", "content": "say three things"}], "max_tokens": 4,
+            "n": 2, "stream": True}  # fmt: skip
+    async with cluster.client.stream("POST", "/v1/chat/completions", json=chat) as response:
+        assert response.status_code == 200
+        raw = b"".join([chunk async for chunk in response.aiter_raw()])
+    assert raw.startswith(PING)
+    frames = [e for e in raw.split(b"\n\n") if e.startswith(b"data:")]
+    assert frames[-1] == b"data: [DONE]" and frames.count(b"data: [DONE]") == 1
+    assert b'"error"' not in raw
+    for index in (b'"index":0', b'"index":1'):  # both samples' choices came
+        assert any(index in frame for frame in frames[:-1]), index
