@@ -205,8 +205,8 @@ class Connection(TCPServer):
                 data = await self.stream.receive_some(MAX_RECV)
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 break
-            if data and self.phase == "idle":
-                await self._arm("head")
+            if data and self.phase == "idle" and isinstance(self.protocol.protocol, H11Protocol):
+                await self._arm("head")  # (HTTP/2 frames between requests are no head)
             await self.protocol.handle(RawData(bytes(data)))
             if data == b"":
                 break
