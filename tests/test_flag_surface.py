@@ -32,6 +32,7 @@ SGLANG = sglang_flags()
 
 # A value of the right shape for flags whose value is checked (URLs, key=value, key entries).
 SAMPLES: dict[str, list[str]] = {
+    "--discovery-provider": ["file"],  # (with its manifest: COMPANIONS)
     "--prefill": ["http://127.0.0.1:30001", "9001"],
     "--decode": ["http://127.0.0.1:30011"],
     "--worker-urls": ["http://127.0.0.1:8000"],
@@ -63,6 +64,15 @@ COMPANIONS: dict[str, list[str]] = {
     "--tls-key-path": ["--tls-cert-path", "{tmp}/cert.pem"],
     "--client-cert-path": ["--client-key-path", "{tmp}/key.pem"],
     "--client-key-path": ["--client-cert-path", "{tmp}/cert.pem"],
+    # SMG 1.13's file discovery: its flags need the provider, the provider its manifest.
+    "--discovery-provider": ["--discovery-file", "{tmp}/workers.json"],
+    "--discovery-file": ["--discovery-provider", "file"],
+    "--discovery-check-interval-secs": [
+        "--discovery-provider",
+        "file",
+        "--discovery-file",
+        "{tmp}/workers.json",
+    ],
 }
 WORKERS = ["--prefill", "http://127.0.0.1:30001", "--decode", "http://127.0.0.1:30011"]
 

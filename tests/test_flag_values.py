@@ -227,7 +227,15 @@ CASES: dict[str, Case] = {
         "--discovery-file",
         "/tmp/other.json",
     ),
-    "--discovery-check-interval-secs": case(["2.5"], "discovery_check_interval_secs", 2.5),
+    "--discovery-check-interval-secs": case(
+        ["2.5"],
+        "discovery_check_interval_secs",
+        2.5,
+        "--discovery-provider",
+        "file",
+        "--discovery-file",
+        "/tmp/m.json",
+    ),
     "--tls-key-path": case(
         ["{tmp}/k.pem"], "tls_key_path", "{tmp}/k.pem", "--tls-cert-path", "{tmp}/c.pem"
     ),

@@ -123,11 +123,16 @@ def check_discovery(config: RouterConfig, fail: Fail) -> None:
         fail("discovery_provider", "file needs --discovery-file (the manifest)")
     if config.discovery_provider == "file" and config.kubernetes is not None:
         fail("discovery_provider", "file and --service-discovery: give one provider")
-    if config.discovery_file and config.discovery_provider != "file":
-        fail("discovery_file", "is read with --discovery-provider file only")
-    if not config.discovery_check_interval_secs > 0:
-        fail("discovery_check_interval_secs", f"must be > 0, not "
-             f"{config.discovery_check_interval_secs}")  # fmt: skip
+    interval = config.discovery_check_interval_secs
+    given_values = (
+        ("discovery_file", config.discovery_file),
+        ("discovery_check_interval_secs", interval),
+    )
+    for field, given in given_values:
+        if given is not None and config.discovery_provider != "file":
+            fail(field, "applies to --discovery-provider file only")
+    if interval is not None and not interval > 0:
+        fail("discovery_check_interval_secs", f"must be > 0, not {interval}")
 
 
 def check_admission(config: RouterConfig, fail: Fail) -> None:

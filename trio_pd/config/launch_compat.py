@@ -40,10 +40,6 @@ PENDING_SERVE_ROWS: frozenset[str] = frozenset(
         "--worker-overload-protection", "--disable-worker-overload-protection",
         "--worker-overload-shed", "--prefill-max-inflight-requests-per-worker",
         "--prefill-queue-size", "--prefill-queue-timeout-secs", "--pd-admission-wait-secs",
-        "--sse-keepalive-secs",
-        "--header-read-timeout-secs", "--idle-connection-timeout-secs",
-        "--upstream-pool-idle-timeout-secs", "--health-check-port", "--discovery-provider",
-        "--discovery-file", "--discovery-check-interval-secs", "--model-alias",
         "--remove-unhealthy-workers",
     }
 )  # fmt: skip
@@ -60,15 +56,6 @@ PENDING_ARITY: dict[str, dict[str, Any]] = {
     "--prefill-queue-size": {"type": int},
     "--prefill-queue-timeout-secs": {"type": int},
     "--pd-admission-wait-secs": {"type": int},
-    "--sse-keepalive-secs": {"type": int},
-    "--header-read-timeout-secs": {"type": int},
-    "--idle-connection-timeout-secs": {"type": int},
-    "--upstream-pool-idle-timeout-secs": {"type": int},
-    "--health-check-port": {"type": int},
-    "--discovery-provider": {"choices": ["kubernetes", "file"]},
-    "--discovery-file": {},
-    "--discovery-check-interval-secs": {"type": int},
-    "--model-alias": {"action": "append"},
     "--remove-unhealthy-workers": {"switch": "optional"},  # and --no-..., as SMG
 }
 

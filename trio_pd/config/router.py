@@ -210,7 +210,7 @@ class RouterConfig:
     # SMG's file discovery: a manifest another program writes, read-only (`membership/manifest.py`).
     discovery_provider: Literal["kubernetes", "file"] | None = None
     discovery_file: str | None = None
-    discovery_check_interval_secs: float = 30.0
+    discovery_check_interval_secs: float | None = None  # None: 30 s (SMG's default)
     kubernetes: KubernetesConfig | None = None  # --service-discovery: workers from pods
     etcd: EtcdConfig | None = None  # --etcd-endpoints: membership shared by router replicas
     access_log: bool = False

@@ -24,6 +24,7 @@ from typing import Any
 from trio_pd.membership.worker_json import spec_from_json
 
 MANIFEST_VERSION = 1
+RESYNC_SECS = 30.0  # `--discovery-check-interval-secs`' default: a full reread this often
 FIELDS = frozenset(
     {"id", "url", "worker_type", "bootstrap_port", "model_id", "kv_connector", "kv_role",
      "kv_engine_id"}

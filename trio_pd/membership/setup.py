@@ -40,6 +40,7 @@ from trio_pd.membership.etcd import SOURCE as etcd_source
 from trio_pd.membership.etcd import EtcdMembership
 from trio_pd.membership.kubernetes import SOURCE as kubernetes_source
 from trio_pd.membership.kubernetes import KubernetesDiscovery
+from trio_pd.membership.manifest import RESYNC_SECS as MANIFEST_RESYNC_SECS
 from trio_pd.membership.manifest import SOURCE as manifest_source
 from trio_pd.membership.manifest import smg_manifest
 from trio_pd.membership.memory import MemoryStore
@@ -88,7 +89,7 @@ def membership_for(config: RouterConfig, fleet: Fleet, metrics: RouterMetrics) -
     if config.discovery_provider == "file" and config.discovery_file:
         manifest = FileMembership(
             Path(config.discovery_file), fleet, name=manifest_source, read=smg_manifest,
-            resync_secs=config.discovery_check_interval_secs,
+            resync_secs=config.discovery_check_interval_secs or MANIFEST_RESYNC_SECS,
             on_error=error_counter(metrics, manifest_source),
         )  # fmt: skip
         sources.append(manifest)

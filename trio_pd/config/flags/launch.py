@@ -100,6 +100,14 @@ LAUNCH_DIFFERS: dict[str, str] = {
     "candidates (SMG 1.13 holds the request in its admission queue; trio_pd has none there)",
     "--prefill-policy": "as --policy (passthrough refused with the reason)",
     "--decode-policy": "as --policy (passthrough refused with the reason)",
+    "--sse-keepalive-secs": "a stream's headers wait for decode's first event (a failed prefill "
+    "gets its real status) until the first keep-alive sends them; SMG sends them at once. "
+    "Fractions of a second are taken",
+    "--health-check-port": "served on the process's own event loop (SMG: an OS thread of its "
+    "own): its own socket and connections, not its own CPU",
+    "--model-alias": "no vendor contract profiles (kimi-*, minimax-*): an alias only routes",
+    "--discovery-file": "a manifest record's kv_connector, kv_role and kv_engine_id are "
+    "accepted and not acted on (a SGLang pair transfers KV by its own backend)",
     "--backend": "SMG 1.13 adds anthropic and tokenspeed: refused, as openai",
     "--balance-abs-threshold": "SMG 1.13 made the two thresholds one spill gate (a worker's "
     "load above the fleet's mean by both); trio_pd's cache_aware keeps SGLang 0.3.2's rule "

@@ -42,10 +42,9 @@ MEMBERSHIP: tuple[Flag, ...] = (
     Flag(
         "--discovery-check-interval-secs",
         "seconds between full rereads of the --discovery-file manifest, which is also reread "
-        "as soon as it changes",
+        "as soon as it changes (default: 30)",
         "discovery_check_interval_secs",
-        default=30.0,
-        type=float,
+        type=float,  # no default, as SMG's: given without the file provider, it is refused
         group=FILE,
     ),
     Flag(
