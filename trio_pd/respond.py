@@ -6,13 +6,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
-import trio
 
 from trio_pd.errors import RouterError
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 JSON_HEADERS = [(b"content-type", b"application/json")]
 DONE_FRAME = b"data: [DONE]\n\n"
+EVENT_ENDS = (b"\n\n", b"\r\n\r\n")  # what the last bytes of a whole SSE event are
 CLIENT_GONE_STATUS = 499  # nginx's convention for "the client closed the request"
 
 
@@ -50,20 +50,26 @@ class Responder:
     audit: str = ""  # what a control-plane change did, for the audit log
     bytes_sent: int = 0  # body bytes, for the access log
     route_info: dict[str, object] = attrs.Factory(dict)  # workers, attempts: the access log
-    # The SSE keep-alive (`edge/keepalive.py`) reads these: when bytes last went out, whether
-    # they ended on an event's end, whether a write is under way; `early` is set once it sent
-    # the headers itself, before the answer's start (then `start` sends nothing more, and an
-    # error reply becomes an in-band error event).
-    last_write_at: float = 0.0
-    at_boundary: bool = True
-    writing: bool = False
+    # The SSE keep-alive (`edge/keepalive.py`) reads these: body writes begun and finished (a
+    # write under way when they differ; counters, as no clock is read per chunk) and the last
+    # chunk written (whether it ended an event is looked at only when a comment is due);
+    # `early` is set once it sent the headers itself, before the answer's start (then `start`
+    # sends nothing more, and an error reply becomes an in-band error event).
+    writes: int = 0
+    written: int = 0
+    last_chunk: bytes = b"\n\n"
     early: bool = False
+
+    @property
+    def at_boundary(self) -> bool:
+        """Whether the body written so far ends on a whole SSE event (or nothing was)."""
+        return self.last_chunk.endswith(EVENT_ENDS)
 
     async def start_early(self, headers: list[tuple[bytes, bytes]]) -> None:
         """Send a stream's 200 and `headers` before its answer is known (the keep-alive)."""
         self.early = True
         self.status = 200
-        await self._write(
+        await self.send_message(
             {
                 "type": "http.response.start",
                 "status": 200,
@@ -87,16 +93,12 @@ class Responder:
     async def send(self, chunk: bytes) -> None:
         if chunk:
             self.bytes_sent += len(chunk)
-            self.at_boundary = chunk.endswith((b"\n\n", b"\r\n\r\n"))
-            await self._write({"type": "http.response.body", "body": chunk, "more_body": True})
-
-    async def _write(self, message: dict[str, Any]) -> None:
-        self.last_write_at = trio.current_time()
-        self.writing = True
-        try:
-            await self.send_message(message)
-        finally:
-            self.writing = False
+            self.last_chunk = chunk
+            self.writes += 1
+            await self.send_message(
+                {"type": "http.response.body", "body": chunk, "more_body": True}
+            )
+            self.written += 1
 
     async def finish_stream(self, last: bytes) -> None:
         if not self.finished:

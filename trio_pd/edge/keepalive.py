@@ -26,24 +26,33 @@ import trio
 from trio_pd.respond import Responder
 
 PING = b": ping\n\n"
+CHECKS = 4  # looks per interval: a comment comes within a quarter interval of being due
 EARLY_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 
 async def keep_alive(responder: Responder, interval: float) -> None:
-    """Write `PING` on `responder` whenever `interval` passed with nothing written, until the
-    response is finished (or the task is cancelled with its request)."""
+    """Write `PING` on `responder` once `interval` passed with nothing written, until the
+    response is finished (or the task is cancelled with its request).
+
+    The responder counts its writes instead of reading the clock per chunk; this task looks
+    `CHECKS` times an interval, so a comment comes after `interval` to `interval * (1 + 1 /
+    CHECKS)` of silence, never sooner."""
+    period = interval / CHECKS
+    seen = responder.writes
     quiet_since = trio.current_time()
     while not responder.finished:
-        quiet_since = max(quiet_since, responder.last_write_at)
-        due = quiet_since + interval
-        if trio.current_time() < due:
-            await trio.sleep_until(due)
+        await trio.sleep(period)
+        now = trio.current_time()
+        if responder.writes != seen:  # written to within the last period
+            seen, quiet_since = responder.writes, now
             continue
-        if responder.writing or not responder.at_boundary:
-            quiet_since = trio.current_time()  # look again an interval later
-            continue
+        if now - quiet_since < interval or responder.writes != responder.written:
+            continue  # not silent long enough, or a write to a slow client is under way
+        if not responder.at_boundary:
+            continue  # inside an event (decode's raw chunks may end anywhere)
         if not responder.started and not responder.early:
             await responder.start_early(EARLY_HEADERS)
             if responder.finished:
                 return
         await responder.send(PING)
+        seen, quiet_since = responder.writes, trio.current_time()
