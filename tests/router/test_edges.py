@@ -11,7 +11,9 @@ import attrs
 import pytest
 import trio
 
+from tests.conftest import cluster_of
 from tests.router.helpers import CANCELLED, generate_body
+from tests.router.hostile import SSE_HEAD, Posted, answer_ok, chunk, start_hostile
 from trio_pd.cli.main import build_parser, router_config
 from trio_pd.config import EdgeConfig, RouterConfig
 from trio_pd.testing.cluster import Cluster, start_cluster
@@ -333,3 +335,30 @@ async def test_a_stream_of_n_samples_over_a_slow_prefill_is_kept_alive(
     assert b'"error"' not in raw
     for index in (b'"index":0', b'"index":1'):  # both samples' choices came
         assert any(index in frame for frame in frames[:-1]), index
+
+
+async def test_no_keepalive_is_written_inside_an_event(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A decode that stops for 5 s in the middle of its second event (raw chunks are relayed as
+    they come): the comment waits for the event's end, and the stream parses event by event."""
+
+    async def decode(posted: Posted, stream: trio.SocketStream) -> None:
+        await stream.send_all(SSE_HEAD + chunk(b'data: {"text": "a"}\n\n'))
+        await stream.send_all(chunk(b'data: {"text": "a'))
+        await trio.sleep(5)
+        await stream.send_all(chunk(b'b"}\n\n'))
+        await trio.sleep(3)  # silent between events: comments come here
+        await stream.send_all(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+
+    p = await start_hostile(nursery, answer_ok)
+    d = await start_hostile(nursery, decode)
+    cluster = await cluster_of(nursery, [p], [d], edges=edges(sse_keepalive_secs=1))  # type: ignore[list-item]
+    status, chunks, _ = await stream_raw(cluster, generate_body(stream=True))
+    body = b"".join(chunks)
+    assert status == 200
+    assert b'data: {"text": "ab"}\n\n' in body  # the second event whole, no comment inside
+    events = [e for e in body.split(b"\n\n") if e]
+    assert events[:2] == [b'data: {"text": "a"}', b'data: {"text": "ab"}']
+    assert events.count(b": ping") >= 2  # in the silence after it
+    assert events[-1] == b"data: [DONE]"
