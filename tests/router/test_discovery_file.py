@@ -9,13 +9,24 @@ import json
 from pathlib import Path
 from typing import Any
 
+import attrs
+import httpx2
 import trio
 
-from tests.conftest import cluster_of, start_engine
+from tests.conftest import (
+    ENGINE_DEFAULTS,
+    ROUTER_DEFAULTS,
+    cluster_of,
+    start_engine,
+    start_router,
+)
+from tests.ops.serve import free_port
 from tests.router.fleet_tools import FAST_HEALTH, LOOSE
 from tests.router.helpers import generate_body
+from trio_pd.config import RouterConfig
+from trio_pd.edge.router import Router
 from trio_pd.testing.cluster import Cluster
-from trio_pd.testing.engine import EngineHandle
+from trio_pd.testing.engine import EngineConfig, EngineHandle, serve_engine
 
 
 def record(worker_id: str, engine: EngineHandle, role: str) -> dict[str, Any]:
@@ -106,3 +117,69 @@ async def test_a_manifest_created_after_start_up_is_read_then(
     assert (await cluster.client.post("/generate", json=generate_body())).status_code == 200
     await cluster.client.aclose()
     await cluster.admin.aclose()
+
+
+async def discovered_late_decode(
+    nursery: trio.Nursery, tmp_path: Path, remove: bool | None
+) -> tuple[Router, str, int]:
+    """A router whose manifest lists a decode whose engine is not up yet (given up after 1 s)."""
+    prefill = await start_engine(nursery, "prefill")
+    port = free_port()
+    path = tmp_path / "workers.json"
+    decode_record = {"id": "d", "url": f"127.0.0.1:{port}", "worker_type": "decode"}
+    write(path, {"version": 1, "workers": [record("p", prefill, "prefill"), decode_record]})
+    health = attrs.evolve(FAST_HEALTH, startup_timeout_secs=1.0, remove_unhealthy_workers=remove)
+    config = RouterConfig(
+        **{**ROUTER_DEFAULTS, "health": health, "discovery_provider": "file",
+           "discovery_file": str(path), "discovery_check_interval_secs": 0.5},
+    )  # fmt: skip
+    router, url = await start_router(nursery, config)
+    return router, url, port
+
+
+async def decode_on(nursery: trio.Nursery, port: int) -> EngineHandle:
+    """A decode engine on the port the manifest named (the cluster's helper takes a free one)."""
+    config = EngineConfig(role="decode", host="127.0.0.1", port=port, **ENGINE_DEFAULTS)
+    return await nursery.start(serve_engine, config)
+
+
+def decode_worker(router: Router) -> Any:
+    return next((w for w in router.fleet.workers() if w.role == "decode"), None)
+
+
+async def test_remove_unhealthy_workers_lets_a_discovered_worker_recover(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """SMG 1.13's recovery by removal (the default under discovery): the given-up decode is
+    removed, the manifest's next full read adds it again, and once its engine is up it is
+    probed afresh and routed to."""
+    router, url, port = await discovered_late_decode(nursery, tmp_path, None)
+    first = decode_worker(router)
+    assert first is not None
+    with trio.fail_after(LOOSE):  # given up, removed, then added again by the source: fresh
+        while decode_worker(router) in (first, None):
+            await trio.sleep(0.05)
+    assert first.removed and first.startup_timed_out
+    assert not decode_worker(router).startup_timed_out
+    decode = await decode_on(nursery, port)
+    async with httpx2.AsyncClient(base_url=url) as client:
+        with trio.fail_after(LOOSE * 2):
+            while (await client.get("/readiness")).status_code != 200:
+                await trio.sleep(0.1)
+        response = await client.post("/generate", json=generate_body())
+        assert response.status_code == 200
+        assert decode.events.find("request_start", rid=response.headers["x-request-id"])
+
+
+async def test_no_remove_unhealthy_workers_keeps_a_given_up_worker_given_up(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    router, _, port = await discovered_late_decode(nursery, tmp_path, False)
+    given_up = decode_worker(router)
+    with trio.fail_after(LOOSE):
+        while not given_up.startup_timed_out:
+            await trio.sleep(0.05)
+    await decode_on(nursery, port)
+    await trio.sleep(2.0)  # four manifest rereads, ten probe intervals: nothing changes
+    assert decode_worker(router) is given_up and given_up.startup_timed_out
+    assert not given_up.healthy

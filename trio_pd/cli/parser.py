@@ -98,6 +98,7 @@ ACTIONS: dict[str, type[argparse.Action] | str] = {
     DECODE_WORKER: DecodeAction,
     "extend": "extend",  # `trio-pd launch`'s repeatable lists (SMG 1.13)
     "append": "append",  # a repeatable flag (`--model-alias`)
+    "optional": argparse.BooleanOptionalAction,  # --flag and --no-flag
 }
 
 

@@ -40,7 +40,6 @@ PENDING_SERVE_ROWS: frozenset[str] = frozenset(
         "--worker-overload-protection", "--disable-worker-overload-protection",
         "--worker-overload-shed", "--prefill-max-inflight-requests-per-worker",
         "--prefill-queue-size", "--prefill-queue-timeout-secs", "--pd-admission-wait-secs",
-        "--remove-unhealthy-workers",
     }
 )  # fmt: skip
 PENDING = "trio_pd's serve row for it is not in this build yet (it is being added)"
@@ -56,7 +55,6 @@ PENDING_ARITY: dict[str, dict[str, Any]] = {
     "--prefill-queue-size": {"type": int},
     "--prefill-queue-timeout-secs": {"type": int},
     "--pd-admission-wait-secs": {"type": int},
-    "--remove-unhealthy-workers": {"switch": "optional"},  # and --no-..., as SMG
 }
 
 UPSTREAM_HTTP2 = (

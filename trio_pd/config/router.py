@@ -71,6 +71,9 @@ class HealthConfig:
     endpoint: str = "/health"
     startup_timeout_secs: float = 1800.0
     periodic: bool = True
+    # `--remove-unhealthy-workers` (SMG 1.13): a worker given up at start-up is removed, so the
+    # discovery source that names it adds it again, probed afresh. None: on with discovery.
+    remove_unhealthy_workers: bool | None = None
 
 
 @attrs.frozen

@@ -57,6 +57,15 @@ class ServiceContext:
     guard: ServiceGuard
 
 
+def removes_unhealthy(config: RouterConfig) -> bool:
+    """`--remove-unhealthy-workers`, or by default whether a discovery source can add a removed
+    worker back (SMG 1.13's conditional default)."""
+    chosen = config.health.remove_unhealthy_workers
+    if chosen is not None:
+        return chosen
+    return config.kubernetes is not None or config.discovery_provider == "file"
+
+
 async def run_background(ctx: ServiceContext, *, task_status: trio.TaskStatus[None]) -> None:
     """Start every service (membership first: its first reconcile is done before startup goes
     on), then hold startup until the first health round found a pair (or its timeout)."""
@@ -76,6 +85,7 @@ async def run_background(ctx: ServiceContext, *, task_status: trio.TaskStatus[No
                 health,
                 partial(probe, ctx),
                 partial(count_failure, ctx.metrics),
+                remove_given_up=removes_unhealthy(ctx.config),
             ),
             "tree_eviction": partial(
                 run_eviction, ctx.fleet, ctx.config.policy.eviction_interval_secs

@@ -146,15 +146,29 @@ async def check_worker(
 
 
 async def run_health_checks(
-    fleet: Fleet, config: HealthConfig, probe: Probe, on_failure: OnFailure | None = None
+    fleet: Fleet,
+    config: HealthConfig,
+    probe: Probe,
+    on_failure: OnFailure | None = None,
+    *,
+    remove_given_up: bool = False,
 ) -> None:
     """Run forever: one checker per registered worker, started and cancelled as membership
-    changes (`fleet.version`)."""
+    changes (`fleet.version`). `remove_given_up` (`--remove-unhealthy-workers`): a worker
+    given up at start-up is removed from the fleet (its source's next full set adds it again,
+    with a fresh checker)."""
     scopes: dict[Worker, trio.CancelScope] = {}
 
     async def supervised(worker: Worker, scope: trio.CancelScope) -> None:
         with scope:
             await check_worker(worker, config, probe, on_failure)
+        if remove_given_up and worker.startup_timed_out and not worker.removed:
+            log.warning(
+                "worker %s (%s) removed after giving up on it (--remove-unhealthy-workers): "
+                "its source %s adds it again to be probed afresh", worker.id, worker.url,
+                worker.source,
+            )  # fmt: skip
+            fleet.remove(worker.id)
 
     async with trio.open_nursery() as nursery:
         version = -1

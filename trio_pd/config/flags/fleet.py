@@ -91,6 +91,17 @@ FLEET: tuple[Flag, ...] = (
         type=int,
     ),
     Flag(
+        "--remove-unhealthy-workers",
+        "a worker given up at start-up (--worker-startup-timeout-secs) is removed, so the "
+        "discovery source that lists it (Kubernetes, --discovery-provider file) adds it again "
+        "and it is probed afresh once its engine returns (SMG 1.13's recovery by removal); "
+        "--no-remove-unhealthy-workers keeps it given up. Default: on with discovery, off "
+        "without (nothing would add a static worker back). A worker that went down after "
+        "passing is always probed on and rejoins in place",
+        "health.remove_unhealthy_workers",
+        action="optional",
+    ),
+    Flag(
         "--disable-health-check",
         "no periodic health checks: a worker is checked until its first pass, then trusted "
         "(as SMG)",

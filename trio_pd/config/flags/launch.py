@@ -106,6 +106,8 @@ LAUNCH_DIFFERS: dict[str, str] = {
     "--health-check-port": "served on the process's own event loop (SMG: an OS thread of its "
     "own): its own socket and connections, not its own CPU",
     "--model-alias": "no vendor contract profiles (kimi-*, minimax-*): an alias only routes",
+    "--remove-unhealthy-workers": "what is removed is a worker given up at start-up; one that "
+    "went down after passing is probed on and rejoins in place (SMG removes its Failed ones)",
     "--discovery-file": "a manifest record's kv_connector, kv_role and kv_engine_id are "
     "accepted and not acted on (a SGLang pair transfers KV by its own backend)",
     "--backend": "SMG 1.13 adds anthropic and tokenspeed: refused, as openai",
