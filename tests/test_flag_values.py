@@ -113,6 +113,7 @@ CASES: dict[str, Case] = {
     "--disable-circuit-breaker": case([], "breaker.enabled", False),
     "--disable-health-check": case([], "health.periodic", False),
     "--disable-retries": case([], "retry.enabled", False),
+    "--disable-worker-overload-protection": case([], "overload.protection", False),
     "--dp-aware": case([], "dp_aware", True),
     "--enable-http2": case([], "enable_http2", True),
     "--enable-trace": case([], "enable_trace", True),
@@ -145,6 +146,15 @@ CASES: dict[str, Case] = {
     "--log-level": case(["debug"], "log_level", "debug"),
     "--max-batch-size": case(["7"], "max_batch_size", 7),
     "--max-concurrent-requests": case(["7"], "max_concurrent_requests", 7),
+    "--pd-admission-wait-secs": case(["2.5"], "overload.pd_admission_wait_secs", 2.5),
+    "--prefill-max-inflight-requests-per-worker": case(
+        ["7"], "overload.prefill_max_inflight", 7
+    ),
+    "--prefill-queue-size": case(["7"], "overload.prefill_queue_size", 7),
+    "--prefill-queue-timeout-secs": case(["2.5"], "overload.prefill_queue_timeout_secs", 2.5),
+    "--worker-overload-shed": case([], "overload.shed", True),
+    "--worker-overload-token-usage": case(["0.5"], "overload.token_usage", 0.5),
+    "--worker-overload-waiting-requests": case(["7"], "overload.waiting_requests", 7),
     "--max-idle-secs": case(["7"], "policy.max_idle_secs", 7),
     "--max-payload-size": case(["7"], "max_payload_size", 7),
     "--max-tree-size": case(["7"], "policy.max_tree_size", 7),

@@ -21,6 +21,7 @@ from trio_pd.config.membership import EtcdConfig, KubernetesConfig
 from trio_pd.config.router import (
     BreakerConfig,
     HealthConfig,
+    OverloadConfig,
     PolicyConfig,
     RetryConfig,
     RouterConfig,
@@ -34,6 +35,7 @@ NESTED: dict[str, type] = {
     "health": HealthConfig,
     "policy": PolicyConfig,
     "timeouts": TimeoutConfig,
+    "overload": OverloadConfig,
 }
 OPTIONAL: dict[str, type] = {"kubernetes": KubernetesConfig, "etcd": EtcdConfig}
 MINI_LB = (

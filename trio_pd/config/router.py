@@ -61,6 +61,26 @@ class HealthConfig:
 
 
 @attrs.frozen
+class OverloadConfig:
+    """Engine-aware admission (docs/overload.md), SMG 1.13's flags: the overload veto from the
+    engines' /v1/loads, the per-prefill in-flight cap with its FIFO queue, the decode's
+    running-window gate."""
+
+    protection: bool = True  # --disable-worker-overload-protection turns it off
+    waiting_requests: int = 8  # queued for compute, summed over DP ranks (decode: not for KV)
+    token_usage: float = 0.8  # KV token usage, mean over DP ranks
+    shed: bool = False  # every candidate over: 503 + Retry-After, not the least loaded
+    prefill_max_inflight: int = -1  # per prefill worker; <= 0: no cap (SMG's default -1)
+    prefill_queue_size: int = 100  # requests waiting for a prefill slot, at most
+    prefill_queue_timeout_secs: float = 60.0  # longest wait for one
+    pd_admission_wait_secs: float = 30.0  # wait for a place in the decode's window; 0: no gate
+
+    @property
+    def prefill_cap(self) -> int | None:
+        return self.prefill_max_inflight if self.prefill_max_inflight > 0 else None
+
+
+@attrs.frozen
 class TimeoutConfig:
     """Idle timeouts (seconds), in the spirit of AIBrix's decode watchdog. Each ends the request
     with the docs/protocol.md §4 answer (504 before headers, an error frame after) and closes both
@@ -179,3 +199,4 @@ class RouterConfig:
     health: HealthConfig = HealthConfig()
     policy: PolicyConfig = PolicyConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
+    overload: OverloadConfig = OverloadConfig()
