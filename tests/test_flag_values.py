@@ -147,9 +147,7 @@ CASES: dict[str, Case] = {
     "--max-batch-size": case(["7"], "max_batch_size", 7),
     "--max-concurrent-requests": case(["7"], "max_concurrent_requests", 7),
     "--pd-admission-wait-secs": case(["2.5"], "overload.pd_admission_wait_secs", 2.5),
-    "--prefill-max-inflight-requests-per-worker": case(
-        ["7"], "overload.prefill_max_inflight", 7
-    ),
+    "--prefill-max-inflight-requests-per-worker": case(["7"], "overload.prefill_max_inflight", 7),
     "--prefill-queue-size": case(["7"], "overload.prefill_queue_size", 7),
     "--prefill-queue-timeout-secs": case(["2.5"], "overload.prefill_queue_timeout_secs", 2.5),
     "--worker-overload-shed": case([], "overload.shed", True),

@@ -1,10 +1,9 @@
 """The flag table of `trio-pd serve`: every flag declared once, in one row (`flag.py`).
 
 `SERVE_FLAGS` is the router's own flags in `--help` order (the fleet's, overload's, serving's,
-membership's, vLLM's); SGLang's router flags a PD router accepts but does not act on are `config/compat.py`'s
-`FOREIGN` rows. The parser (`cli/parser.py`), the RouterConfig (`config/build.py`) and the docs'
-flag tables (`tests/flag_surface.py`) are all made from these.
-"""
+membership's, vLLM's); SGLang's router flags a PD router accepts but does not act on are
+`config/compat.py`'s `FOREIGN` rows. The parser (`cli/parser.py`), the RouterConfig
+(`config/build.py`) and the docs' flag tables (`tests/flag_surface.py`) are all made from these."""
 
 from trio_pd.config.flags.flag import SWITCH, Flag, by_name
 from trio_pd.config.flags.fleet import DECODE_WORKER, FLEET, PREFILL_WORKER

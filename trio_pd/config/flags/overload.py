@@ -49,7 +49,6 @@ OVERLOAD: tuple[Flag, ...] = (
         "overload.prefill_max_inflight",
         default=-1,
         type=int,
-
     ),
     Flag(
         "--prefill-queue-size",
