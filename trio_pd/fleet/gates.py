@@ -15,8 +15,9 @@ decode does.
 
 Decode: a dispatch claims its rooms (1, or the batch's size) in the decode's running window,
 `max_running_requests` x DP width as the engine reports it (`/server_info`). The window's use
-is the router's own claims, or the engine's reported running requests while that report is
-fresh when they are more (other routers' requests). A claim that does not fit waits, first
+is the router's own claims, or the engine's reported running requests when they are more
+(other routers' requests), while that report is fresh and younger than this router's last
+release on the decode (an older one still counts the released request). A claim that does not fit waits, first
 come first served per decode, for `--pd-admission-wait-secs`; 0, or an engine that reports no
 window, is no gate.
 """
@@ -71,6 +72,7 @@ class Slot:
                 gate.held[self.worker] = left
             else:
                 gate.held.pop(self.worker, None)
+            gate.released_at[self.worker] = trio.current_time()
             gate.wake(self.worker)
 
 
@@ -79,6 +81,7 @@ class _Counted:
 
     def __init__(self) -> None:
         self.held: dict[Worker, int] = {}
+        self.released_at: dict[Worker, float] = {}  # the last release of a place on a worker
         self.line: deque[tuple[Worker | None, trio.Event]] = deque()
 
     def wake(self, worker: Worker | None) -> None:
