@@ -17,9 +17,9 @@ Decode: a dispatch claims its rooms (1, or the batch's size) in the decode's run
 `max_running_requests` x DP width as the engine reports it (`/server_info`). The window's use
 is the router's own claims, or the engine's reported running requests when they are more
 (other routers' requests), while that report is fresh and younger than this router's last
-release on the decode (an older one still counts the released request). A claim that does not fit waits, first
-come first served per decode, for `--pd-admission-wait-secs`; 0, or an engine that reports no
-window, is no gate.
+release on the decode (an older one still counts the released request). A claim that does not
+fit waits, first come first served per decode, for `--pd-admission-wait-secs`; 0, or an engine
+that reports no window, is no gate.
 """
 
 from __future__ import annotations
