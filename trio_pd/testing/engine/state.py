@@ -103,7 +103,7 @@ class EngineState:
         self.stopping = False  # shutting down: /health and /ready answer 503
         # Load another router's requests put on this engine, per DP rank, which /v1/loads
         # reports beside the engine's own (`saturate`): a test drives a worker's load up.
-        self.extra_queued = 0  # requests queued for compute (the waiting queue)
+        self.extra_queued = config.extra_queued  # requests queued for compute (waiting queue)
         self.extra_running = 0
         self.extra_used_tokens = 0  # KV held: token_usage rises with it
 
