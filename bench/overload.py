@@ -13,6 +13,11 @@ fresh engines each:
 - `smg113`, `smg113_off`: the same two with SMG 1.13's `smg launch --pd-disaggregation`
   (/work/ref/smg-venv/bin/smg, or `smg` on PATH; skipped when neither exists).
 
+A second part, `trio_pd_shed` and `smg113_shed` with `--worker-overload-shed`: both decodes
+healthy and the prefill slow (80 ms a token), so each decode holds a dozen requests waiting for
+their KV cache, ordinary PD operation that SGLang counts in `num_waiting_reqs`. SMG 1.13 counts
+them against `--worker-overload-waiting-requests` and sheds; trio_pd counts the compute queue.
+
 Reports goodput (answers 200 per second), p50/p99 of the successes, and how many requests each
 decode engine saw (from its event log). Writes bench/results/overload-*.json.
 """
@@ -38,14 +43,18 @@ from bench.stats import pct
 
 NAME = "overload"
 ROUTERS = ("trio_pd", "trio_pd_off", "smg113", "smg113_off")
+# The second part: both decodes healthy, prefills slow, shedding on (`--worker-overload-shed`).
+SHED_ROUTERS = ("trio_pd_shed", "smg113_shed")
 COLUMNS = ("router", "sent", "ok", "goodput", "ok_p50_ms", "ok_p99_ms", "to_saturated",
            "to_healthy")  # fmt: skip
+SHED_COLUMNS = ("router", "sent", "ok", "shed_503", "goodput", "ok_p50_ms", "ok_p99_ms")
 SMG_CANDIDATES = ("/work/ref/smg-venv/bin/smg", shutil.which("smg") or "")
 
 
 def settings(quick: bool) -> dict[str, Any]:
     return {"rate": 16.0, "seconds": 5.0 if quick else 8.0, "tokens": 40, "healthy_ms": 5.0,
-            "saturated_ms": 25.0, "extra_queued": 20, "client_timeout": 30.0}  # fmt: skip
+            "saturated_ms": 25.0, "extra_queued": 20, "client_timeout": 30.0,
+            "shed_prefill_ms": 80.0}  # fmt: skip
 
 
 def smg_binary() -> str | None:
@@ -64,6 +73,8 @@ def router_argv(
     workers += ["--host", HOST, "--port", str(port), "--policy", "round_robin"]
     metrics = ["--prometheus-host", HOST, "--prometheus-port", str(free_port())]
     off = ["--disable-worker-overload-protection"] if kind.endswith("_off") else []
+    if kind.endswith("_shed"):
+        off = ["--worker-overload-shed"]
     if kind.startswith("smg113"):
         binary = smg_binary()
         assert binary is not None
@@ -98,18 +109,25 @@ def started(engine: common.Engine) -> int:
 
 
 def run(kind: str, quick: bool) -> dict[str, Any]:
+    """One router on fresh engines; a `_shed` router gets the second part's engines: both
+    decodes healthy, the prefill slow (`shed_prefill_ms` a token), so each decode holds about a
+    dozen requests waiting for their KV (normal PD operation, num_waiting_reqs over 8)."""
     s = settings(quick)
+    shed_part = kind.endswith("_shed")
     logdir = Path(tempfile.mkdtemp(prefix=f"overload-{kind}-"))
     procs: list[Proc] = []
     try:
-        prefill = common.start_engine("prefill", logdir, args=["--prefill-ms-per-token", "0.2"])
+        prefill_ms = s["shed_prefill_ms"] if shed_part else 0.2
+        prefill = common.start_engine("prefill", logdir,
+                                      args=["--prefill-ms-per-token", str(prefill_ms)])  # fmt: skip
         healthy = common.start_engine("decode", logdir, name="decode-healthy",
                                       args=["--inter-token-ms", str(s["healthy_ms"])])  # fmt: skip
+        busy = ["--inter-token-ms", str(s["saturated_ms"]), "--extra-queued",
+                str(s["extra_queued"])]  # fmt: skip
         saturated = common.start_engine(
             "decode", logdir, name="decode-saturated",
-            args=["--inter-token-ms", str(s["saturated_ms"]), "--extra-queued",
-                  str(s["extra_queued"])],
-        )  # fmt: skip
+            args=["--inter-token-ms", str(s["healthy_ms"])] if shed_part else busy,
+        )
         procs += [prefill.proc, healthy.proc, saturated.proc]
         port = free_port()
         router = Proc(f"router-{kind}", router_argv(kind, prefill, [healthy, saturated], port),
@@ -136,6 +154,7 @@ def run(kind: str, quick: bool) -> dict[str, Any]:
         "goodput": round(len(ok) / s["seconds"], 2),
         "ok_p50_ms": stats.ms(pct(lat, 50)), "ok_p99_ms": stats.ms(pct(lat, 99)),
         "to_saturated": to_saturated, "to_healthy": to_healthy,
+        "shed_503": sum(1 for r in records if r["status"] == 503),
     }  # fmt: skip
     print_flush(f"  overload {kind}: {row}")
     return {"router": kind, "row": row, "records": records}
@@ -155,7 +174,8 @@ def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.overload", description=__doc__)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--routers", nargs="*", default=list(ROUTERS), choices=ROUTERS)
+    every = (*ROUTERS, *SHED_ROUTERS)
+    parser.add_argument("--routers", nargs="*", default=list(every), choices=every)
     args = parser.parse_args(argv)
     routers = list(args.routers)
     if smg_binary() is None and any(r.startswith("smg113") for r in routers):
@@ -164,7 +184,13 @@ def main(argv: list[str] | None = None) -> None:
     results = [run(kind, args.quick) for kind in routers]
     rows = {r["router"]: r["row"] for r in results}
     summary = ratios(rows)
-    print(common.table(list(rows.values()), COLUMNS, "overload: one of two decodes saturated"))
+    first = [row for name, row in rows.items() if name in ROUTERS]
+    second = [row for name, row in rows.items() if name in SHED_ROUTERS]
+    if first:
+        print(common.table(first, COLUMNS, "overload: one of two decodes saturated"))
+    if second:
+        title = "overload: both decodes healthy, slow prefills, --worker-overload-shed"
+        print(common.table(second, SHED_COLUMNS, title))
     for key, value in summary.items():
         print(f"  {key}: {value}")
     path = common.write_result(NAME, {"scenario": NAME, "settings": settings(args.quick),
