@@ -11,11 +11,11 @@ fresh engines each:
 - `trio_pd`: its defaults (protection on: decode B is vetoed while A is under the thresholds);
 - `trio_pd_off`: `--disable-worker-overload-protection` (round robin sends B half);
 - `smg113`, `smg113_off`: the same two with SMG 1.13's `smg launch --pd-disaggregation`
-  (/work/ref/smg-venv/bin/smg, or `smg` on PATH; skipped when neither exists).
+  (bench/.peers/bin/smg, /work/ref/smg-venv/bin/smg or `smg` on PATH; skipped without).
 
 A second part, `trio_pd_shed` and `smg113_shed` with `--worker-overload-shed`: both decodes
-healthy and the prefill slow (80 ms a token), so each decode holds a dozen requests waiting for
-their KV cache, ordinary PD operation that SGLang counts in `num_waiting_reqs`. SMG 1.13 counts
+healthy and the prefill slow (80 ms a token), so each decode holds about twenty requests waiting
+for their KV cache, ordinary PD operation that SGLang counts in `num_waiting_reqs`. SMG 1.13 counts
 them against `--worker-overload-waiting-requests` and sheds; trio_pd counts the compute queue.
 
 Reports goodput (answers 200 per second), p50/p99 of the successes, and how many requests each
@@ -48,7 +48,9 @@ SHED_ROUTERS = ("trio_pd_shed", "smg113_shed")
 COLUMNS = ("router", "sent", "ok", "goodput", "ok_p50_ms", "ok_p99_ms", "to_saturated",
            "to_healthy")  # fmt: skip
 SHED_COLUMNS = ("router", "sent", "ok", "shed_503", "goodput", "ok_p50_ms", "ok_p99_ms")
-SMG_CANDIDATES = ("/work/ref/smg-venv/bin/smg", shutil.which("smg") or "")
+# bench/.peers (`make bench-overload` installs smg==1.13.0 there), the reference venv, PATH.
+SMG_CANDIDATES = (str(common.PEERS / "bin" / "smg"), "/work/ref/smg-venv/bin/smg",
+                  shutil.which("smg") or "")  # fmt: skip
 
 
 def settings(quick: bool) -> dict[str, Any]:
@@ -110,8 +112,8 @@ def started(engine: common.Engine) -> int:
 
 def run(kind: str, quick: bool) -> dict[str, Any]:
     """One router on fresh engines; a `_shed` router gets the second part's engines: both
-    decodes healthy, the prefill slow (`shed_prefill_ms` a token), so each decode holds about a
-    dozen requests waiting for their KV (normal PD operation, num_waiting_reqs over 8)."""
+    decodes healthy, the prefill slow (`shed_prefill_ms` a token), so each decode holds about
+    twenty requests waiting for their KV (normal PD operation, num_waiting_reqs over 8)."""
     s = settings(quick)
     shed_part = kind.endswith("_shed")
     logdir = Path(tempfile.mkdtemp(prefix=f"overload-{kind}-"))
