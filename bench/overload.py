@@ -127,7 +127,9 @@ def run(kind: str, quick: bool) -> dict[str, Any]:
         busy = ["--inter-token-ms", str(s["saturated_ms"]), "--extra-queued",
                 str(s["extra_queued"])]  # fmt: skip
         saturated = common.start_engine(
-            "decode", logdir, name="decode-saturated",
+            "decode",
+            logdir,
+            name="decode-saturated",
             args=["--inter-token-ms", str(s["healthy_ms"])] if shed_part else busy,
         )
         procs += [prefill.proc, healthy.proc, saturated.proc]
