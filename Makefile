@@ -4,8 +4,8 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint format demo bench bench-peers bench-router-bound bench-vllm bench-overload \
-	clean sglang-env \
+.PHONY: install test lint format demo bench bench-peers bench-router-bound bench-vllm bench-aborts \
+	bench-overload clean sglang-env \
 	test-sglang demo-sglang
 
 $(STAMP): pyproject.toml
@@ -59,6 +59,11 @@ bench-vllm: $(STAMP)
 bench-overload: $(STAMP)
 	$(PEERS_INSTALL)
 	$(BIN)/python -m bench.overload $(BENCH_ARGS)
+
+# Aborts at storm rate (issue 19, bench/abort_rate.py): 100-750 failing req/s, aborts on and off
+# (about 3 minutes; BENCH_ARGS=--quick about 1).
+bench-aborts: $(STAMP)
+	$(BIN)/python -m bench.abort_rate $(BENCH_ARGS)
 
 # The router-bound scenario alone, all four routers, 3 repetitions (about 12 minutes on 2 cores;
 # BENCH_ARGS=--quick about 6).

@@ -4,7 +4,7 @@ asyncio on uvloop with httptools' request parser, one process, no KV, no bootstr
 whatever a router sends, it answers at once, so the router is the only busy program.
 
     python -m bench.instant_engine --role prefill|decode --port N [--bootstrap-port M]
-        [--events K --interval-ms T]
+        [--events K --interval-ms T] [--prefill-status S] [--decode-hold SECS] [--record-aborts]
 
 - POST /generate, /v1/completions, /v1/chat/completions: a small fixed JSON (Content-Length,
   keep-alive) in the endpoint's shape; with `"stream": true`, SSE (chunked): K small `data:`
@@ -19,6 +19,18 @@ whatever a router sends, it answers at once, so the router is the only busy prog
 - `--bootstrap-port`: the same server listens there too (no router in the benchmark uses it, but
   a router that probes it gets an answer, not a refused connection).
 
+A failure storm (`bench/abort_rate.py`; all three off by default, the behaviour above):
+
+- `--prefill-status S`: a prefill engine answers every generation request with status S at once
+  (a JSON error body), noting when it failed each rid.
+- `--decode-hold SECS`: a decode engine answers no non-stream generation request; it holds the
+  request's slot until an abort names its rid or SECS pass (like a decode waiting for a KV cache
+  its prefill will never send: closing the connection does not free it, docs/protocol.md §10).
+- `--record-aborts`: `POST /abort_request {"rid"}` answers 200 and frees a held rid (an abort
+  for a rid it does not hold is dropped, as SGLang's tokenizer manager does); every failure,
+  held request and abort is kept with its `time.monotonic()` (one clock for every process on
+  the machine) and served at `GET /records`. Without it `/abort_request` is a 404, as before.
+
 Each (port, method, path) it has not seen before is logged once to stderr, so a router's startup
 probes can be read from the engine's log. A connection that does not speak HTTP/1.1 (e.g. SMG's
 gRPC probe, HTTP/2 prior knowledge) is closed.
@@ -31,6 +43,7 @@ import asyncio
 import signal
 import socket
 import sys
+import time
 
 import httptools
 import orjson
@@ -88,7 +101,8 @@ def chunk(data: bytes) -> bytes:
 
 
 def answer(status: int, body: bytes, content_type: bytes = b"application/json") -> bytes:
-    reason = {200: b"OK", 400: b"Bad Request", 404: b"Not Found"}.get(status, b"Error")
+    reason = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 500: b"Internal Server Error"}
+    reason = reason.get(status, b"Error")
     head = b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\n" % (status, reason, content_type)
     return head + b"content-length: %d\r\n\r\n%s" % (len(body), body)
 
@@ -101,6 +115,61 @@ DONE = chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
 FULL = {path: answer(200, body) for path, body in _full_bodies().items()}
 EVENT = {path: chunk(b"data: " + body + b"\n\n") for path, body in _events().items()}
 EMPTY = answer(200, b"", b"text/plain")
+FAILURE_BODY = b'{"error":{"message":"instant prefill failure","code":%d}}'
+
+
+def body_rid(body: bytes) -> str:
+    """The `rid` a router put in a generation body (a batch's list joined: the storm sends
+    single requests); "" when there is none."""
+    try:
+        rid = orjson.loads(body).get("rid")
+    except (orjson.JSONDecodeError, AttributeError):
+        return ""
+    return rid if isinstance(rid, str) else ",".join(map(str, rid or ()))
+
+
+class Holds:
+    """The storm's records: prefill failures, held decode slots and the aborts that free them."""
+
+    def __init__(self, hold_secs: float, record: bool) -> None:
+        self.hold_secs = hold_secs
+        self.record = record
+        self.failures: dict[str, float] = {}  # rid -> when the prefill answered its failure
+        self.received: dict[str, float] = {}  # rid -> when the decode took its slot
+        self.held: dict[str, float] = {}  # rid -> taken at, still held
+        self.aborts: list[tuple[str, float, bool]] = []  # (rid, when, it freed a slot)
+        self.expired = 0  # slots freed by the hold timeout
+
+    def failed(self, rid: str) -> None:
+        if self.record:
+            self.failures[rid] = time.monotonic()
+
+    def hold(self, rid: str) -> None:
+        now = time.monotonic()
+        self.held[rid] = now
+        if self.record:
+            self.received[rid] = now
+        asyncio.get_running_loop().call_later(self.hold_secs, self.expire, rid)
+
+    def expire(self, rid: str) -> None:
+        if self.held.pop(rid, None) is not None:
+            self.expired += 1
+
+    def abort(self, body: bytes) -> bytes:
+        rid = body_rid(body)
+        freed = self.held.pop(rid, None) is not None
+        if self.record:
+            self.aborts.append((rid, time.monotonic(), freed))
+        return ABORTED
+
+    def records(self) -> bytes:
+        return answer(200, orjson.dumps({
+            "failures": self.failures, "received": self.received, "held": self.held,
+            "aborts": self.aborts, "expired": self.expired,
+        }))  # fmt: skip
+
+
+ABORTED = answer(200, b"{}")
 
 
 class Stream:
@@ -127,6 +196,14 @@ class Engine:
         self.ticking = False
         self.next_tick = 0.0
         self.seen: set[tuple[str, bytes, bytes]] = set()
+        self.prefill_failure = (
+            answer(args.prefill_status, FAILURE_BODY % args.prefill_status)
+            if args.role == "prefill" and args.prefill_status
+            else None
+        )
+        self.decode_hold = args.decode_hold if args.role == "decode" else 0.0
+        self.holds = Holds(self.decode_hold, args.record_aborts)
+        self.record_aborts = args.record_aborts
         server_info = {
             "model_path": "instant",
             "disaggregation_mode": args.role,
@@ -167,6 +244,7 @@ class Engine:
             "requests": self.requests,
             "events": self.sent_events,
             "streams": self.streams_started,
+            "held": len(self.holds.held),
         }
         return answer(200, orjson.dumps(body))
 
@@ -264,6 +342,13 @@ class Http(asyncio.Protocol):
         path = self.url.split(b"?", 1)[0]
         if path in GENERATION and method == b"POST":
             body = b"".join(self.body)
+            if engine.prefill_failure is not None:
+                engine.requests += 1
+                engine.holds.failed(body_rid(body))
+                transport.write(engine.prefill_failure)
+                if not self.parser.should_keep_alive():
+                    transport.close()
+                return
             stream = False
             if b'"stream"' in body:
                 try:
@@ -275,7 +360,14 @@ class Http(asyncio.Protocol):
                 engine.start_stream(transport, path, not self.parser.should_keep_alive())
                 return
             engine.requests += 1
+            if engine.decode_hold > 0:
+                engine.holds.hold(body_rid(body))  # no answer: the slot waits for its abort
+                return
             transport.write(FULL[path])
+        elif path == b"/abort_request" and method == b"POST" and engine.record_aborts:
+            transport.write(engine.holds.abort(b"".join(self.body)))
+        elif path == b"/records" and engine.record_aborts:
+            transport.write(engine.holds.records())
         else:
             engine.note(self.where, method, path)
             reply = engine.info.get((method, path))
@@ -323,6 +415,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bootstrap-port", type=int, default=None)
     p.add_argument("--events", type=int, default=64, help="SSE events per stream (decode)")
     p.add_argument("--interval-ms", type=float, default=20.0, help="decode step (0: burst)")
+    p.add_argument(
+        "--prefill-status",
+        type=int,
+        default=0,
+        help="prefill: answer every generation request with this status (0: off)",
+    )
+    p.add_argument(
+        "--decode-hold",
+        type=float,
+        default=0.0,
+        metavar="SECS",
+        help="decode: hold non-stream requests until aborted or SECS pass (0: off)",
+    )
+    p.add_argument(
+        "--record-aborts",
+        action="store_true",
+        help="answer POST /abort_request, keep the storm's records at GET /records",
+    )
     return p.parse_args(argv)
 
 

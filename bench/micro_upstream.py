@@ -32,7 +32,7 @@ import trio
 
 from bench.common import HOST, Proc, free_port, print_flush, table, write_result
 from bench.stats import median
-from trio_pd.upstream import http11
+from trio_pd.upstream.connect import connect
 
 CONNECTIONS = 32
 EVENTS = 64
@@ -151,7 +151,7 @@ async def open_httpcore2(port: int, path: bytes, body: bytes) -> tuple[Call, Any
 
 
 async def open_http11(port: int, path: bytes, body: bytes) -> tuple[Call, Any]:
-    connection = await http11.connect(HOST, port, connect_timeout=5.0, keepalive_expiry=30.0)
+    connection = await connect(HOST, port, connect_timeout=5.0, keepalive_expiry=30.0)
 
     async def call() -> int:
         response = await connection.request(b"POST", path, _headers(body), body)

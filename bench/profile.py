@@ -8,10 +8,11 @@ while wrk runs, and prints:
   it, e.g. httptools' parser or a socket syscall, counts for the Python function that called it),
   and the top native leaves (syscalls and C functions) separately;
 - where the CPU goes, each sample attributed to its owner, walking from the leaf towards the root to
-  the first frame of: `trio_pd/upstream/http11.py` (the upstream HTTP/1.1 client), `hypercorn/` or
-  `h11/` (the server side), the rest of `trio_pd/` (our code); a stack with none of them is trio's
-  run loop itself (scheduler, epoll, timers). Within each owner, the leaf's layer: the owner's own
-  code, trio (cancel scopes, checkpoints, sockets), stdlib/other Python, native.
+  the first frame of: `trio_pd/upstream/http11.py` or `connect.py` (the upstream HTTP/1.1 client),
+  `hypercorn/` or `h11/` (the server side), the rest of `trio_pd/` (our code); a stack with none
+  of them is trio's run loop itself (scheduler, epoll, timers). Within each owner, the leaf's
+  layer: the owner's own code, trio (cancel scopes, checkpoints, sockets), stdlib/other Python,
+  native.
 
 py-spy is not in the bench extra: `.venv/bin/python -m pip install py-spy`. It pauses the process
 for each sample, so throughput drops while it records; the shares are what counts.
@@ -38,7 +39,7 @@ from bench.common import print_flush
 
 PY_FRAME = re.compile(r"^(?P<func>.+) \((?P<file>[^()]*\.py|<[^>]*>):(?P<line>\d+)\)$")
 OWNERS = (
-    ("http11 client", ("trio_pd/upstream/http11.py",)),
+    ("http11 client", ("trio_pd/upstream/http11.py", "trio_pd/upstream/connect.py")),
     ("hypercorn + h11 (server)", ("hypercorn/", "h11/")),
     ("trio_pd (our code)", ("trio_pd/",)),
 )

@@ -72,6 +72,23 @@ CASES: dict[str, Case] = {
     "--max-buffered-bytes": case(["12345678"], "max_buffered_bytes", 12345678),
     "--max-sse-event-bytes": case(["65536"], "max_sse_event_bytes", 65536),
     "--assignment-mode": case(["min_group"], "policy.assignment_mode", "min_group"),
+    # SMG 1.13's routing knobs (issue 21)
+    "--least-load-kv-pressure-weight": case(["0.5"], "policy.least_load_kv_pressure_weight", 0.5),
+    "--least-load-default-throughput": case(["500"], "policy.least_load_default_throughput", 500.0),
+    "--least-load-mean-prefill-tokens": case(["64"], "policy.least_load_mean_prefill_tokens", 64),
+    "--least-load-max-waiting-requests": case(["4"], "policy.least_load_max_waiting_requests", 4),
+    "--power-of-two-load-metric": case(["requests"], "policy.power_of_two_load_metric", "requests"),
+    "--prefix-token-count": case(["32"], "policy.prefix_token_count", 32),
+    "--prefix-hash-load-factor": case(["2.5"], "policy.prefix_hash_load_factor", 2.5),
+    "--prefix-hash-balance-abs-threshold": case(
+        ["3"], "policy.prefix_hash_balance_abs_threshold", 3
+    ),
+    "--routing-key-override": case([], "policy.routing_key_override", True),
+    "--sticky-sessions": case([], "policy.routing_key_override", True),
+    "--sticky-key-idle-secs": case(["60"], "policy.max_idle_secs", 60),
+    "--routing-key-headers": case(
+        ["x-session", "x-user"], "policy.routing_key_headers", ("x-session", "x-user")
+    ),
     "--balance-abs-threshold": case(["7"], "policy.balance_abs_threshold", 7),
     "--balance-rel-threshold": case(["2.5"], "policy.balance_rel_threshold", 2.5),
     "--bootstrap-port-annotation": Case(

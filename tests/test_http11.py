@@ -24,13 +24,13 @@ import trustme
 
 from tests.engine.helpers import new_room, pd_body
 from trio_pd.testing.engine import EngineConfig, EngineHandle, serve_engine
+from trio_pd.upstream.connect import connect
 from trio_pd.upstream.http11 import (
     MAX_HEAD_BYTES,
     MAX_RESPONSE_HEADERS,
     Connection,
     Response,
     TransportError,
-    connect,
 )
 
 # -- the scripted server ------------------------------------------------------------------------

@@ -57,8 +57,8 @@ def unauthorized() -> RouterError:
     return RouterError(401, "missing or invalid API key", "authentication_error")
 
 
-def no_worker(message: str) -> RouterError:
-    return RouterError(503, message, "service_unavailable")
+def no_worker(message: str, code: str | None = None) -> RouterError:
+    return RouterError(503, message, "service_unavailable", code)
 
 
 def gateway_timeout(message: str) -> RouterError:

@@ -257,7 +257,9 @@ def test_flags_follow_sglang_router():
     args = build_parser().parse_args(["serve", "--policy", "manual"])
     policy = router_config(args).policy
     assert (policy.for_role("prefill"), policy.for_role("decode")) == ("manual", "manual")
-    assert (policy.max_idle_secs, policy.assignment_mode) == (14_400, "random")
+    assert (policy.max_idle_secs, policy.manual_assignment_mode) == (14_400, "random")
+    assert policy.assignment_mode is None  # SMG 1.13: random for manual, delegate for the override
+    assert policy.sticky_assignment_mode == "delegate"
     assert policy.uses_routing_key
     args = build_parser().parse_args(
         ["serve", "--decode-policy", "manual", "--assignment-mode", "min_group",

@@ -58,7 +58,7 @@ def test_random_is_deterministic_and_spreads():
     assert all(60 < c < 140 for c in counts.values())
 
 
-def test_power_of_two_picks_lower_load():
+async def test_power_of_two_picks_lower_load():
     ws = workers(2)
     ws[0].in_flight = 5
     ws[1].in_flight = 1
@@ -66,7 +66,7 @@ def test_power_of_two_picks_lower_load():
     assert all(p.choose(ws, NO_HINTS) is ws[1] for _ in range(50))
 
 
-def test_power_of_two_never_picks_the_most_loaded_of_three():
+async def test_power_of_two_never_picks_the_most_loaded_of_three():
     ws = workers(3)
     for w, load in zip(ws, (9, 1, 2), strict=True):
         w.in_flight = load

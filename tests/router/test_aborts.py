@@ -154,3 +154,38 @@ async def test_engine_rids_are_the_routers_own_and_fresh_per_attempt(
     assert sorted(decode_seen) == sorted(seen)  # each attempt's legs share its rid
     assert "my-rid" not in str(cluster.decode.events.find("request_start"))
     await cluster.client.aclose()
+
+
+async def test_aborts_keep_connections_of_their_own(nursery: trio.Nursery) -> None:
+    """A storm of failing prefills (issue 19): on the hot path's pool a doomed decode leg took
+    the connection an abort had just left, sent its request on it and closed it, so most aborts
+    paid a fresh connect. The service's own connections stay out of the shared pool: every
+    request the decode engine got is aborted, and no abort connection is left there."""
+    cluster = await abort_cluster(nursery)
+    storm = 24
+
+    async def failing() -> None:
+        response = await cluster.client.post(
+            "/generate", json=generate_body(sim_fault="prefill:500@200")
+        )
+        assert response.status_code == 502
+
+    async with trio.open_nursery() as requests:
+        for _ in range(storm):
+            requests.start_soon(failing)
+    aborts = cluster.router.aborts
+    assert aborts is not None
+    sent = cluster.router.metrics.aborts.labels("decode", "sent")
+    await settle(lambda: sent._value.get() >= storm, timeout=LOOSE)  # the first POSTs (provoked)
+    # Every decode request the engine got was freed by the router's abort.
+    started = cluster.decode.events.find("request_start")
+    assert started
+    for event in started:
+        freed = await cluster.decode.events.wait_for(
+            "slot_freed", timeout=LOOSE, sglang_rid=event["sglang_rid"]
+        )
+        assert freed["reason"] == "aborted_request"
+    # The aborts went over the service's own connections, and none is in the shared pool.
+    assert aborts.connections() and {url for url, _ in aborts.connections()} == {cluster.decode.url}
+    assert cluster.upstream_connections(cluster.decode) == []
+    await cluster.client.aclose()

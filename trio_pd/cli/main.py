@@ -1,9 +1,10 @@
-"""`trio-pd serve | engine | demo`: the commands, and the RouterConfig a `serve` line asks for.
+"""`trio-pd serve | launch | engine | demo`: the commands, and the RouterConfig a line asks for.
 
 `serve` takes every flag of SGLang's router (sglang-router 0.3.2) with its name, arity and
-default; the flags are declared once, in the flag table (`config/flags/`), from which
-`cli/parser.py` makes the parser and `config/build.py` the config. Only the CLI imports
-`trio_pd.testing` (the simulator and the demo).
+default; `launch` every flag of `smg launch` (SMG 1.13.0, `cli/launch.py`) with 1.13's meaning.
+The flags are declared once, in the flag table (`config/flags/`), from which `cli/parser.py`
+makes the parser and `config/build.py` the config. Only the CLI imports `trio_pd.testing` (the
+simulator and the demo).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from trio_pd.cli.launch import LAUNCH_DESCRIPTION, add_launch_arguments, launch_config
 from trio_pd.cli.parser import add_serve_arguments, serve_config
 from trio_pd.config.router import RouterConfig
 
@@ -25,14 +27,15 @@ SERVE_DESCRIPTION = (
 
 
 class Parser(argparse.ArgumentParser):
-    """Remembers the tokens of its `serve` command on the namespace (`_serve_argv`): which
-    flags the command line named decides whether the environment or a warning applies."""
+    """Remembers the tokens of its `serve` or `launch` command on the namespace (`_serve_argv`):
+    which flags the command line named decides whether the environment or a warning applies."""
 
     def parse_known_args(self, args=None, namespace=None):
         tokens = list(sys.argv[1:] if args is None else args)
         parsed, rest = super().parse_known_args(tokens, namespace)
-        if getattr(parsed, "command", None) == "serve":
-            parsed._serve_argv = tokens[tokens.index("serve") + 1 :]
+        command = getattr(parsed, "command", None)
+        if command in ("serve", "launch"):
+            parsed._serve_argv = tokens[tokens.index(command) + 1 :]
         return parsed, rest
 
 
@@ -47,6 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_arguments(serve)
     serve.set_defaults(serve_parser=serve)
+    launch = commands.add_parser(
+        "launch",
+        help="run the PD router, as `smg launch` (SMG 1.13.0)",
+        description=LAUNCH_DESCRIPTION,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_launch_arguments(launch)
+    launch.set_defaults(serve_parser=launch)
     from trio_pd.testing.engine.cli import add_arguments as add_engine_arguments
 
     add_engine_arguments(commands.add_parser("engine", help="run a simulated PD engine"))
@@ -55,9 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
-    """The RouterConfig of a parsed `trio-pd serve ...` (a usage error for a refused one)."""
+    """The RouterConfig of a parsed `trio-pd serve|launch ...` (a usage error for a refused one)."""
     parser: Any = args.serve_parser
-    config = serve_config(parser, getattr(args, "_serve_argv", []), args)
+    build = launch_config if args.command == "launch" else serve_config
+    config = build(parser, getattr(args, "_serve_argv", []), args)
     if config.kubernetes is not None:  # the environment it needs: now, not after startup
         from trio_pd.membership import kubernetes
 
@@ -70,7 +82,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    if args.command == "serve":
+    if args.command in ("serve", "launch"):
         from trio_pd.serve.run import run
 
         raise SystemExit(run(router_config(args)))

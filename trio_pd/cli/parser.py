@@ -93,14 +93,16 @@ def check_url(parser: argparse.ArgumentParser, url: str) -> None:
         parser.error(str(exc))
 
 
-ACTIONS: dict[str, type[argparse.Action]] = {
+ACTIONS: dict[str, type[argparse.Action] | str] = {
     PREFILL_WORKER: PrefillAction,
     DECODE_WORKER: DecodeAction,
+    "extend": "extend",  # `trio-pd launch`'s repeatable lists (SMG 1.13)
 }
 
 
-def add_flag(group: Any, row: Flag, suppress: bool = False) -> None:
-    """One row as an argparse option (`suppress`: no default, so only given flags are set)."""
+def add_flag(group: Any, row: Flag, suppress: bool = False, aliases: Sequence[str] = ()) -> None:
+    """One row as an argparse option (`suppress`: no default, so only given flags are set;
+    `aliases`: its second spellings)."""
     kwargs: dict[str, Any] = {"help": row.help, "dest": row.dest}
     if row.switch:
         kwargs["action"] = "store_true"
@@ -112,20 +114,27 @@ def add_flag(group: Any, row: Flag, suppress: bool = False) -> None:
                 kwargs[name] = getattr(row, name)
     default = False if row.switch and row.default is None else row.default
     kwargs["default"] = argparse.SUPPRESS if suppress else default
-    group.add_argument(row.name, **kwargs)
+    group.add_argument(row.name, *aliases, **kwargs)
 
 
-def add_foreign(group: Any, foreign: compat.Foreign, suppress: bool = False) -> None:
+def add_foreign(
+    group: Any, foreign: compat.Foreign, suppress: bool = False, aliases: Sequence[str] = ()
+) -> None:
     kwargs = dict(foreign.kwargs)
-    if kwargs.pop("switch", False):
+    aliases = (*aliases, *kwargs.pop("aliases", ()))
+    switch = kwargs.pop("switch", False)
+    if switch == "optional":  # --x / --no-x (SMG's BooleanOptionalAction)
+        kwargs.update(action=argparse.BooleanOptionalAction, default=None)
+    elif switch:
         kwargs.update(action="store_true", default=False)
     else:
         kwargs.setdefault("metavar", foreign.flag[2:].replace("-", "_").upper())
     if suppress:
         kwargs["default"] = argparse.SUPPRESS
     group.add_argument(
-        foreign.flag, dest=foreign.dest, help=f"{foreign.status}: {foreign.why}", **kwargs
-    )
+        foreign.flag, *aliases, dest=foreign.dest, help=f"{foreign.status}: {foreign.why}",
+        **kwargs,
+    )  # fmt: skip
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser, suppress: bool = False) -> None:

@@ -11,11 +11,14 @@ from trio_pd.config.keys import ControlKey, parse_keys
 from trio_pd.config.membership import EtcdConfig, KubernetesConfig
 from trio_pd.config.router import (
     ASSIGNMENT_MODES,
+    KEYED_POLICIES,
+    LOAD_METRICS,
     POLICY_NAMES,
     PREFILL_POLICY_NAMES,
     AssignmentMode,
     BreakerConfig,
     HealthConfig,
+    LoadMetric,
     OverloadConfig,
     PolicyConfig,
     PolicyName,
@@ -26,6 +29,8 @@ from trio_pd.config.router import (
 
 __all__ = [
     "ASSIGNMENT_MODES",
+    "KEYED_POLICIES",
+    "LOAD_METRICS",
     "POLICY_NAMES",
     "PREFILL_POLICY_NAMES",
     "AssignmentMode",
@@ -34,6 +39,7 @@ __all__ = [
     "EtcdConfig",
     "HealthConfig",
     "KubernetesConfig",
+    "LoadMetric",
     "OverloadConfig",
     "PolicyConfig",
     "PolicyName",

@@ -76,6 +76,11 @@ def build_config(
         warnings.append(MINI_LB)
         fields.update({"policy.policy": "random", "policy.prefill_policy": None,
                        "policy.decode_policy": None})  # fmt: skip
+    if values.get("sticky_sessions"):  # SMG's alias of --routing-key-override
+        fields["policy.routing_key_override"] = True
+    if values.get("sticky_key_idle_secs") is not None:  # SMG's alias of --max-idle-secs
+        fields["policy.max_idle_secs"] = values["sticky_key_idle_secs"]
+        sources["policy.max_idle_secs"] = "--sticky-key-idle-secs"
     if values.get("foreign_backend") == "vllm":  # SMG's `--backend vllm --pd-disaggregation`
         fields["vllm_pd_disaggregation"] = True
     engine: Engine = "vllm" if fields.get("vllm_pd_disaggregation") else "sglang"

@@ -9,11 +9,12 @@ ports, positive start-up settings, the rate and breaker window, the OTLP endpoin
 from __future__ import annotations
 
 import importlib
+import math
 import re
 from collections.abc import Callable, Mapping
 from typing import NoReturn
 
-from trio_pd.config.router import RouterConfig
+from trio_pd.config.router import PolicyConfig, RouterConfig
 from trio_pd.config.values import usable_key
 
 HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110's token
@@ -123,6 +124,35 @@ def check_policy(config: RouterConfig, fail: Fail) -> None:
     if policy.for_role("prefill") == "bucket" and policy.bucket_adjust_interval_secs < 1:
         fail("policy.bucket_adjust_interval_secs",
              f"must be 1 or more: {policy.bucket_adjust_interval_secs}")  # fmt: skip
+    check_routing(policy, fail)
+
+
+def check_routing(policy: PolicyConfig, fail: Fail) -> None:
+    """SMG 1.13's bounds on the least_load, prefix_hash and routing-key knobs."""
+    weight = policy.least_load_kv_pressure_weight
+    if not (math.isfinite(weight) and weight >= 0):
+        fail("policy.least_load_kv_pressure_weight", f"must be a finite 0 or more: {weight}")
+    rate = policy.least_load_default_throughput
+    if not (math.isfinite(rate) and rate > 0):
+        fail("policy.least_load_default_throughput", f"must be a finite > 0: {rate}")
+    for field, count in (
+        ("policy.least_load_mean_prefill_tokens", policy.least_load_mean_prefill_tokens),
+        ("policy.prefix_token_count", policy.prefix_token_count),
+    ):
+        if count < 1:
+            fail(field, f"must be 1 or more: {count}")
+    for field, count in (
+        ("policy.least_load_max_waiting_requests", policy.least_load_max_waiting_requests),
+        ("policy.prefix_hash_balance_abs_threshold", policy.prefix_hash_balance_abs_threshold),
+    ):
+        if count < 0:
+            fail(field, f"must be 0 or more: {count}")
+    factor = policy.prefix_hash_load_factor
+    if not (math.isfinite(factor) and factor >= 1.0):
+        fail("policy.prefix_hash_load_factor", f"must be a finite 1.0 or more: {factor}")
+    for name in policy.routing_key_headers:
+        if not HEADER_NAME.fullmatch(name):
+            fail("policy.routing_key_headers", f"{name!r} is not an HTTP header name")
 
 
 def check_keys(config: RouterConfig, where: Where) -> None:

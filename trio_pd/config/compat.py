@@ -138,13 +138,17 @@ FOREIGN: tuple[Foreign, ...] = (
 BY_FLAG = {f.flag: f for f in FOREIGN}
 
 
-def check_values(values: Mapping[str, Any], given: Collection[str]) -> tuple[list[str], list[str]]:
+def check_values(
+    values: Mapping[str, Any], given: Collection[str], rows: Mapping[str, Foreign] | None = None
+) -> tuple[list[str], list[str]]:
     """(errors, warnings) for the foreign flags a command line names (`given`, in order);
-    `values` holds their parsed values by `Foreign.dest`."""
+    `values` holds their parsed values by `Foreign.dest`; `rows`: these rows (default FOREIGN's,
+    `trio-pd launch` passes its own)."""
+    rows = BY_FLAG if rows is None else rows
     errors: list[str] = []
     warnings: list[str] = []
-    for flag in dict.fromkeys(f for f in given if f in BY_FLAG):  # once per flag, in order
-        foreign = BY_FLAG[flag]
+    for flag in dict.fromkeys(f for f in given if f in rows):  # once per flag, in order
+        foreign = rows[flag]
         value = values.get(foreign.dest)
         if foreign.refuse(value):
             errors.append(f"{flag}: {foreign.why}")

@@ -14,12 +14,25 @@ from trio_pd.config.keys import ControlKey
 from trio_pd.config.membership import EtcdConfig, KubernetesConfig
 from trio_pd.spec import Role, WorkerSpec
 
-PolicyName = Literal["random", "round_robin", "power_of_two", "cache_aware", "manual", "bucket"]
+PolicyName = Literal[
+    "random", "round_robin", "power_of_two", "cache_aware", "manual", "bucket", "least_load",
+    "consistent_hashing", "prefix_hash",
+]  # fmt: skip
 # As SGLang's router: `bucket` balances prefill by request length and is a prefill policy only.
-POLICY_NAMES: tuple[str, ...] = ("random", "round_robin", "cache_aware", "power_of_two", "manual")
+POLICY_NAMES: tuple[str, ...] = (
+    "random", "round_robin", "cache_aware", "power_of_two", "least_load", "manual",
+    "consistent_hashing", "prefix_hash",
+)  # fmt: skip
 PREFILL_POLICY_NAMES: tuple[str, ...] = (*POLICY_NAMES, "bucket")
-AssignmentMode = Literal["random", "min_load", "min_group"]
-ASSIGNMENT_MODES: tuple[str, ...] = ("random", "min_load", "min_group")
+# `delegate`: a new key goes where the role's own policy sends it, then sticks (SMG 1.13).
+AssignmentMode = Literal["random", "min_load", "min_group", "delegate"]
+ASSIGNMENT_MODES: tuple[str, ...] = ("random", "min_load", "min_group", "delegate")
+# What power_of_two compares (SMG 1.13's --power-of-two-load-metric, `fleet/least_load.py`).
+LoadMetric = Literal["expected_wait", "requests", "least_requests"]
+LOAD_METRICS: tuple[str, ...] = ("expected_wait", "requests", "least_requests")
+# Policies that read the routing key themselves: the sticky override leaves them alone (SMG).
+KEYED_POLICIES: tuple[str, ...] = ("manual", "consistent_hashing")
+ROUTING_KEY_HEADERS: tuple[str, ...] = ("x-smg-routing-key",)  # SMG's default list
 
 
 @attrs.frozen
@@ -113,8 +126,26 @@ class PolicyConfig:
     eviction_interval_secs: float = 60.0
     max_tree_size: int = 67_108_864
     max_idle_secs: int = 14_400  # manual: a routing key unused this long is forgotten (0: never)
-    assignment_mode: AssignmentMode = "random"  # manual: where a new routing key goes
+    # Where a new routing key goes; None: random for manual, delegate for the sticky override.
+    assignment_mode: AssignmentMode | None = None
     bucket_adjust_interval_secs: int = 5  # bucket: its load window and boundary adjustment
+    # least_load (and power_of_two's expected wait): SMG 1.13's knobs and defaults.
+    least_load_kv_pressure_weight: float = 0.15  # seconds
+    least_load_default_throughput: float = 2000.0  # tokens/s when an engine reports none
+    least_load_mean_prefill_tokens: int = 1024  # a request's (and a queued one's) token guess
+    least_load_max_waiting_requests: int = 0  # skip a worker this far queued (0: never)
+    power_of_two_load_metric: LoadMetric = "expected_wait"
+    # prefix_hash: the head of the prompt hashed onto a ring, with a load escape.
+    prefix_token_count: int = 256  # tokens hashed (4 characters a token for text)
+    prefix_hash_load_factor: float = 1.25  # overloaded past this multiple of the mean load...
+    prefix_hash_balance_abs_threshold: int = 10  # ...and this many requests over it
+    # Sticky sessions on any policy (SMG's --routing-key-override / --sticky-sessions): a key
+    # from `routing_key_headers` (the first with a value), else the body's `rid` lineage.
+    routing_key_override: bool = False
+    routing_key_headers: tuple[str, ...] = attrs.field(
+        default=ROUTING_KEY_HEADERS,
+        converter=lambda v: ROUTING_KEY_HEADERS if v is None else tuple(v),
+    )  # None (the flag not given): x-smg-routing-key, as SMG
 
     def for_role(self, role: Role) -> PolicyName:
         chosen = self.prefill_policy if role == "prefill" else self.decode_policy
@@ -122,8 +153,23 @@ class PolicyConfig:
 
     @property
     def uses_routing_key(self) -> bool:
-        """A manual policy routes by `X-SMG-Routing-Key`: only then is the header read."""
-        return "manual" in (self.for_role("prefill"), self.for_role("decode"))
+        """A policy routes by the routing key (manual, consistent_hashing, prefix_hash, or the
+        sticky override): only then are the headers read."""
+        roles = (self.for_role("prefill"), self.for_role("decode"))
+        keyed = ("manual", "consistent_hashing", "prefix_hash")
+        return self.routing_key_override or any(name in keyed for name in roles)
+
+    @property
+    def manual_assignment_mode(self) -> AssignmentMode:
+        """The manual policy's mode: random unless set (delegate has nothing to delegate to
+        there and falls back to min_load, as SMG)."""
+        mode = self.assignment_mode or "random"
+        return "min_load" if mode == "delegate" else mode
+
+    @property
+    def sticky_assignment_mode(self) -> AssignmentMode:
+        """The sticky override's mode: delegate unless set."""
+        return self.assignment_mode or "delegate"
 
 
 @attrs.frozen
@@ -153,6 +199,8 @@ class RouterConfig:
     rate_limit_tokens_per_second: float | None = None  # admissions/s after a burst; None, 0: none
     request_id_headers: tuple[str, ...] | None = None  # None: request_ids.DEFAULT_HEADERS
     cors_allowed_origins: tuple[str, ...] = ()  # empty: any origin (SMG's meaning)
+    # False: no origin is allowed, whatever the list (SMG 1.13 without --cors-allowed-origins)
+    cors_enabled: bool = True
     api_key: str | None = attrs.field(default=None, repr=False)  # sent TO workers (SMG's meaning)
     # Sent on the workers' /abort_request (engines with --admin-api-key take only it there).
     worker_admin_api_key: str | None = attrs.field(default=None, repr=False)

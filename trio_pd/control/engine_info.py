@@ -92,6 +92,8 @@ def parse_v1_loads(body: bytes) -> EngineLoad:
                 used_tokens=_int(item.get("num_used_tokens")),
                 token_usage=_number(item.get("token_usage")),
                 max_running=_int(item.get("max_running_requests")),
+                waiting_tokens=_int(item.get("num_waiting_uncached_tokens")),
+                gen_throughput=_number(item.get("gen_throughput")),
             )
         )
     return EngineLoad(tuple(ranks), LOADS_PATH.partition("?")[0])

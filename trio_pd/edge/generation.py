@@ -19,7 +19,7 @@ from trio_pd.config import RouterConfig
 from trio_pd.edge.admission import Admission
 from trio_pd.edge.drain import Drain, cut_by_shutdown, shutting_down
 from trio_pd.edge.intake import BODY_COPIES, ClientBody, inspect
-from trio_pd.edge.routing_key import routing_key
+from trio_pd.edge.routing_key import RoutingKeys
 from trio_pd.errors import RouterError
 from trio_pd.pd import payload
 from trio_pd.pd.budget import MemoryBudget
@@ -49,7 +49,7 @@ class GenerationContext:
     drain: Drain
     dispatch: DispatchContext
     owned_keys: frozenset[str]  # body keys the router writes itself
-    reads_routing_key: bool = False  # a manual policy routes by X-SMG-Routing-Key
+    routing_keys: RoutingKeys | None = None  # None: no policy routes by a routing key
     client_key_is_ours: bool = False  # --api-key/--data-plane-api-keys: not for the workers
     router_keys: RouterKeys = NO_KEYS  # every key of the router's: never forwarded
     budget: MemoryBudget = attrs.Factory(lambda: MemoryBudget(0))  # --max-buffered-bytes
@@ -140,9 +140,10 @@ async def admitted_run(
                 if gen.client_key_is_ours
                 else client_authorization(scope["headers"], gen.router_keys),
                 rsp.request_id.decode("latin-1"),
-                routing_key(scope["headers"]) if gen.reads_routing_key else None,
+                gen.routing_keys.key(scope["headers"], inspected.rid) if gen.routing_keys else None,
                 trace,
                 account,
+                gen.routing_keys.affinity(scope["headers"]) if gen.routing_keys else None,
             )
             nursery.start_soon(watch_disconnect, receive, rsp, cancel)
             await dispatch_request(gen.dispatch, request, rsp, cancel)

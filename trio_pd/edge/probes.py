@@ -56,10 +56,13 @@ async def handle_readiness(
         "total_workers": len(workers),
     }
     missing = [role for role in ("prefill", "decode") if not fleet.routable(role)]
-    if missing or fleet.unpaired_engines():
+    if missing or fleet.unpaired_engines() or fleet.incompatible_backends():
         if missing:
             message = f"no available {' or '.join(missing)} worker"
             reason = "insufficient healthy workers"
+        elif not fleet.unpaired_engines():
+            message = "no healthy prefill and decode worker with the same KV transfer backend"
+            reason = "no_compatible_pd_pair"
         else:
             message = "no healthy prefill and decode worker of the same engine (sglang, vllm)"
             reason = "no prefill and decode of one engine"

@@ -29,6 +29,7 @@ from trio_pd.edge.intake import BODY_COPIES
 from trio_pd.edge.lifespan import Lifespan
 from trio_pd.edge.request_ids import RequestIds
 from trio_pd.edge.routes import Route, route_table
+from trio_pd.edge.routing_key import RoutingKeys
 from trio_pd.edge.supervision import ServiceGuard
 from trio_pd.errors import RouterError, internal_error, method_not_allowed, not_found
 from trio_pd.fleet.registry import Fleet
@@ -174,7 +175,7 @@ class Router:
             self.drain,
             dispatch_context,
             owned,
-            self.config.policy.uses_routing_key,
+            RoutingKeys.of(self.config.policy),
             client_key_is_ours=bool(self.access.client_keys),
             router_keys=RouterKeys.of(self.config),
             budget=self.budget,
@@ -193,6 +194,8 @@ class Router:
 
     @cors.default
     def _default_cors(self) -> CorsPolicy:
+        if not self.config.cors_enabled:  # `trio-pd launch` without --cors-allowed-origins
+            return CorsPolicy(frozenset())
         return CorsPolicy.from_origins(self.config.cors_allowed_origins)
 
     @preflight.default

@@ -13,13 +13,17 @@ import attrs
 class RouteHints:
     """`text`: the routing text (the prompt or conversation, capped) cache-aware matches on.
     `length`: the prompt's length in characters, uncapped (bucket); 0 without text (token ids).
-    `key`: the client's routing key (manual); None when it sent none or no policy reads it.
-    `model`: the model whose workers are the candidates; None when the router serves one."""
+    `key`: the client's routing key (manual, consistent_hashing, prefix_hash, the sticky
+    override: `edge/routing_key.py`); None when it sent none or no policy reads it.
+    `model`: the model whose workers are the candidates; None when the router serves one.
+    `affinity`: the client's `x-forwarded-for`, else its `cookie` (bounded as keys are): the key
+    consistent_hashing hashes when there is no routing key; None unless that policy is used."""
 
     text: str | None = None
     length: int = 0
     key: str | None = None
     model: str | None = None
+    affinity: str | None = None
 
 
 NO_HINTS = RouteHints()

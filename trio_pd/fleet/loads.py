@@ -34,14 +34,16 @@ log = logging.getLogger(__name__)
 
 FetchLoad = Callable[[Worker], Awaitable[EngineLoad | int | None]]
 FETCH_TIMEOUT_SECS = 5.0  # SMG's REQUEST_TIMEOUT for a load poll
+LOAD_POLICIES = ("power_of_two", "least_load")
 
 
 def polled_roles(policy: PolicyConfig, overload: OverloadConfig | None = None) -> tuple[Role, ...]:
     """The roles whose choices use the engines' loads: every role while overload protection
-    is on (`fleet/overload.py`), else those with power_of_two."""
+    is on (`fleet/overload.py`), else power_of_two's and least_load's (SMG's
+    `needs_backend_loads`)."""
     if overload is not None and overload.protection:
         return ROLES
-    return tuple(role for role in ROLES if policy.for_role(role) == "power_of_two")
+    return tuple(role for role in ROLES if policy.for_role(role) in LOAD_POLICIES)
 
 
 async def poll_loads(

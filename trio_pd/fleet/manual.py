@@ -110,6 +110,34 @@ class ManualPolicy:
         self.branches["occupied_miss"] += 1
         return chosen
 
+    def pinned(self, key: str, candidates: Sequence[Worker]) -> tuple[bool, Worker | None]:
+        """(whether `key` has a route, its first remembered worker among `candidates`);
+        marks the key used. The sticky override (`sticky.py`) reads the table through this."""
+        route = self.routes.get(key)
+        if route is None:
+            return False, None
+        route.last_used = trio.current_time()
+        self.routes.move_to_end(key)
+        for url in route.urls:
+            for worker in candidates:
+                if worker.url == url:
+                    return True, worker
+        return True, None
+
+    def pin_first(self, key: str, worker: Worker) -> None:
+        """Make `worker` the key's preferred worker (its previous one kept second)."""
+        route = self.routes.get(key)
+        if route is None:
+            if len(self.routes) >= self.max_keys:
+                self.routes.popitem(last=False)
+            self.routes[key] = KeyRoute(worker.url, trio.current_time())
+            return
+        others = [url for url in route.urls if url != worker.url]
+        route.urls = [worker.url, *others[: MAX_CANDIDATE_WORKERS - 1]]
+
+    def place(self, candidates: Sequence[Worker], key: str | None) -> Worker:
+        return self._place(candidates, key)
+
     def _place(self, candidates: Sequence[Worker], key: str | None) -> Worker:
         """Where a new key (or a request without one) goes, per the assignment mode."""
         if len(candidates) == 1:

@@ -3,7 +3,9 @@
 A policy chooses one worker among `candidates` (already filtered by the fleet: healthy, not
 removed, breaker allowing, preferably not avoided; never empty), knowing of the request only its
 `RouteHints`. Policies hold no references to the fleet; the fleet tells them about membership
-through `add_worker` / `remove_worker`. `manual` and `bucket` live in their own modules.
+through `add_worker` / `remove_worker`. `manual`, `bucket`, `least_load`, `consistent_hashing`
+and `prefix_hash` live in their own modules; `--routing-key-override` wraps any other policy in
+`sticky.py`'s sticky sessions.
 """
 
 from __future__ import annotations
@@ -15,11 +17,15 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 import trio.lowlevel
 
-from trio_pd.config import PolicyConfig
+from trio_pd.config import KEYED_POLICIES, LoadMetric, PolicyConfig
 from trio_pd.fleet.bucket import BucketPolicy
+from trio_pd.fleet.consistent_hashing import ConsistentHashingPolicy
 from trio_pd.fleet.hints import RouteHints
+from trio_pd.fleet.least_load import ExpectedWait, LeastLoadPolicy
 from trio_pd.fleet.manual import ManualPolicy
+from trio_pd.fleet.prefix_hash import PrefixHashPolicy
 from trio_pd.fleet.prefix_tree import PrefixTree
+from trio_pd.fleet.sticky import StickyPolicy
 
 if TYPE_CHECKING:
     from trio_pd.fleet.worker import Worker
@@ -82,19 +88,52 @@ class RoundRobinPolicy(_Stateless):
         return worker
 
 
-class PowerOfTwoPolicy(_Stateless):
-    """Two distinct random candidates; the lower `load()` wins (the first drawn on a tie)."""
+class PowerOfTwoPolicy:
+    """SMG 1.13's power of two choices, by `--power-of-two-load-metric`:
+
+    - `expected_wait` (the default): two distinct random candidates, the shorter expected wait
+      wins (least_load's score, `fleet/least_load.py`, ties drawn at random);
+    - `requests`: of the two, the one with fewer of this router's legs in flight
+      (`Worker.in_flight`), the expected wait breaking a tie;
+    - `least_requests`: no sampling: the candidates with the fewest legs in flight, the
+      expected wait choosing among them.
+    """
 
     name = "power_of_two"
 
-    def __init__(self, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        rng: random.Random | None = None,
+        metric: LoadMetric = "expected_wait",
+        config: PolicyConfig | None = None,
+    ) -> None:
         self.rng = rng or random.Random()
+        self.metric = metric
+        self.scorer = ExpectedWait(config or PolicyConfig(), self.rng)
 
     def choose(self, candidates: Sequence[Worker], hints: RouteHints) -> Worker:
         if len(candidates) == 1:
             return candidates[0]
-        a, b = self.rng.sample(candidates, 2)
-        return b if b.load() < a.load() else a
+        if self.metric == "least_requests":
+            return self.scorer.pick(_fewest_in_flight(candidates))
+        pair = self.rng.sample(candidates, 2)
+        if self.metric == "requests":
+            return self.scorer.pick(_fewest_in_flight(pair))
+        return self.scorer.pick(pair)
+
+    def add_worker(self, worker: Worker) -> None:
+        pass
+
+    def remove_worker(self, worker: Worker) -> None:
+        self.scorer.forget(worker)
+
+    def evict(self) -> None:
+        pass
+
+
+def _fewest_in_flight(candidates: Sequence[Worker]) -> list[Worker]:
+    low = min(w.in_flight for w in candidates)
+    return [w for w in candidates if w.in_flight == low]
 
 
 class CacheAwarePolicy:
@@ -163,17 +202,32 @@ class CacheAwarePolicy:
 def make_policy(
     name: str, config: PolicyConfig | None = None, rng: random.Random | None = None
 ) -> Policy:
+    """The policy `name` with its knobs; with `--routing-key-override`, wrapped in sticky
+    sessions unless it reads the routing key itself (manual, consistent_hashing)."""
     config = config or PolicyConfig()
+    policy = _bare_policy(name, config, rng)
+    if config.routing_key_override and name not in KEYED_POLICIES:
+        return StickyPolicy(policy, config.sticky_assignment_mode, config.max_idle_secs, rng)
+    return policy
+
+
+def _bare_policy(name: str, config: PolicyConfig, rng: random.Random | None) -> Policy:
     if name == "random":
         return RandomPolicy(rng)
     if name == "round_robin":
         return RoundRobinPolicy()
     if name == "power_of_two":
-        return PowerOfTwoPolicy(rng)
+        return PowerOfTwoPolicy(rng, config.power_of_two_load_metric, config)
+    if name == "least_load":
+        return LeastLoadPolicy(config, rng)
     if name == "cache_aware":
         return CacheAwarePolicy(config, rng)
     if name == "manual":
-        return ManualPolicy(config.assignment_mode, config.max_idle_secs, rng)
+        return ManualPolicy(config.manual_assignment_mode, config.max_idle_secs, rng)
+    if name == "consistent_hashing":
+        return ConsistentHashingPolicy(rng)
+    if name == "prefix_hash":
+        return PrefixHashPolicy(config)
     if name == "bucket":
         return BucketPolicy(config, rng)
     raise ValueError(f"unknown policy {name!r}")

@@ -22,6 +22,16 @@ from trio_pd.spec import Role, WorkerRecord, WorkerSpec
 
 log = logging.getLogger(__name__)
 
+NO_COMPATIBLE_PAIR = "no_compatible_pd_pair"  # SMG 1.13's error code for it
+
+
+def pairable(prefill: Worker, decode: Worker) -> bool:
+    """Whether their KV caches can move between them: SMG 1.13's default (lenient) pairing
+    refuses a known difference of transfer backend (`disaggregation_transfer_backend` of their
+    /server_info); a backend a worker does not report pairs with any."""
+    a, b = prefill.server_info.transfer_backend, decode.server_info.transfer_backend
+    return a is None or b is None or a == b
+
 
 class Fleet:
     """All workers of one router, one selection policy per role.
@@ -184,6 +194,17 @@ class Fleet:
         decode = {w.spec.engine for w in self.routable("decode")}
         return bool(prefill and decode) and not prefill & decode
 
+    def incompatible_backends(self) -> bool:
+        """Both roles have routable workers of a shared engine, yet every such prefill and
+        decode report different KV transfer backends: no request can find a pair."""
+        prefills, decodes = self.routable("prefill"), self.routable("decode")
+        shared = {w.spec.engine for w in prefills} & {w.spec.engine for w in decodes}
+        if not shared:
+            return False
+        return not any(
+            p.spec.engine == d.spec.engine and pairable(p, d) for p in prefills for d in decodes
+        )
+
     # -- selection -----------------------------------------------------------------------------
 
     def select(
@@ -192,6 +213,7 @@ class Fleet:
         hints: RouteHints = NO_HINTS,
         avoid: frozenset[Worker] = frozenset(),
         engine: str | None = None,
+        fits: Callable[[Worker], bool] | None = None,
         admit: Callable[[Worker], bool] | None = None,
     ) -> Worker:
         """Choose a worker of `role` (serving `hints.model`, when given) for a leg.
@@ -209,11 +231,21 @@ class Fleet:
         candidates = self.available(role, model)
         if engine is not None:
             candidates = [w for w in candidates if w.spec.engine == engine]
+        if fits is not None:
+            candidates = [w for w in candidates if fits(w)]
         if not candidates:
             candidates = self.routable(role, model)
             if engine is not None:
                 candidates = [w for w in candidates if w.spec.engine == engine]
+            unfitted = candidates
+            if fits is not None:
+                candidates = [w for w in candidates if fits(w)]
             if not candidates:
+                if unfitted:
+                    raise NoWorkerAvailable(
+                        role, NO_COMPATIBLE_PAIR,
+                        f"no {role} worker with a KV transfer backend its pair shares",
+                    )  # fmt: skip
                 if engine is not None and self.routable(role, model):
                     raise NoWorkerAvailable(
                         role, "no_engine_match", f"no available {engine} {role} worker"
@@ -240,10 +272,28 @@ class Fleet:
         admit: Callable[[Worker], bool] | None = None,
     ) -> tuple[Worker, Worker]:
         """(prefill, decode). Raises NoWorkerAvailable for the first role with nobody up. The
-        decode speaks the prefill's engine's protocol: a pair never mixes engines. `admit`:
-        which prefills have a free slot (AtCapacity when none has)."""
-        prefill = self.select("prefill", hints, avoid, admit=admit)
-        decode = self.select("decode", hints, avoid, engine=prefill.spec.engine)
+        decode speaks the prefill's engine's protocol: a pair never mixes engines. Nor KV
+        transfer backends (`pairable`): a prefill is a candidate only with a routable decode it
+        can pair with, the decode only if it pairs with the chosen prefill; none left is
+        `no_compatible_pd_pair` (SMG 1.13's lenient pairing). `admit`: which prefills have a
+        free slot (the prefill gate; AtCapacity when none has)."""
+        backends: dict[str, set[str | None]] = {}  # engine -> its decodes' backends
+        for d in self.routable("decode", hints.model):
+            backends.setdefault(d.spec.engine, set()).add(d.server_info.transfer_backend)
+
+        def has_partner(prefill: Worker) -> bool:
+            found = backends.get(prefill.spec.engine)
+            # No decode of its engine at all: the decode's selection says so (no_engine_match).
+            if not found:
+                return True
+            backend = prefill.server_info.transfer_backend
+            return backend is None or None in found or backend in found
+
+        prefill = self.select("prefill", hints, avoid, fits=has_partner, admit=admit)
+        decode = self.select(
+            "decode", hints, avoid, engine=prefill.spec.engine,
+            fits=lambda d: pairable(prefill, d),
+        )  # fmt: skip
         return prefill, decode
 
     def models(self) -> list[str]:

@@ -20,6 +20,9 @@ class RankLoad:
     used_tokens: int = 0
     token_usage: float = 0.0
     max_running: int = 0
+    # least_load's expected wait (SGLang's `num_waiting_uncached_tokens`, `gen_throughput`).
+    waiting_tokens: int = 0
+    gen_throughput: float = 0.0
 
     @property
     def requests(self) -> int:
@@ -48,6 +51,23 @@ class EngineLoad:
     @property
     def used_tokens(self) -> int:
         return sum(rank.used_tokens for rank in self.ranks)
+
+    @property
+    def running(self) -> int:
+        return sum(rank.running for rank in self.ranks)
+
+    @property
+    def waiting_tokens(self) -> int:
+        return sum(rank.waiting_tokens for rank in self.ranks)
+
+    @property
+    def gen_throughput(self) -> float:
+        return sum(rank.gen_throughput for rank in self.ranks)
+
+    @property
+    def token_usage(self) -> float:
+        """The ranks' mean KV usage (0-1): what least_load's KV barrier reads."""
+        return sum(rank.token_usage for rank in self.ranks) / len(self.ranks) if self.ranks else 0.0
 
     def to_json(self) -> dict[str, Any]:
         """`GET /get_loads`'s figures for one worker: the old `/get_load` names, summed over

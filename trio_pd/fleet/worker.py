@@ -60,8 +60,9 @@ class Worker:
     reported_load: int | None = None
     reported_at: float | None = None
     load_fresh_secs: float = 120.0
-    # Legs in flight per routing key (only counted when a manual policy reads keys): its
-    # min_group assignment mode places a new key where the fewest distinct keys are active.
+    # Legs in flight per routing key (only counted when a policy reads keys): min_group places a
+    # new key where the fewest distinct keys are active; the sticky override respills a key
+    # with two legs already on its worker (`sticky.py`).
     active_keys: dict[str, int] = attrs.Factory(dict)
 
     @property

@@ -4,7 +4,7 @@ The store is where the admin API writes (`POST /workers`, `DELETE /workers/{id}`
 the long-lived tasks feeding the Fleet (`edge/services.py` runs each under the crash-only guard).
 
 - `--etcd-endpoints`: etcd is the store and a source. Admin changes on any replica are written
-  to etcd and reach every replica through its watch (`membership/etcd.py`).
+  to etcd and reach every replica through its watch (`membership/etcd/`).
 - `--membership-file PATH`, or `--workers N` without etcd (the parent then makes the file): the
   file is the store and a source (`membership/shared_file.py`).
 - otherwise the Fleet itself is the store (`membership/memory.py`): admin workers live in this

@@ -55,7 +55,16 @@ class RouterMetrics:
         self.multiprocess_dir = multiprocess_dir
         self.duration_buckets = duration_buckets
         self.registry = CollectorRegistry()
-        r = self.registry
+        self._gauges: SyncedGauges | None = None
+        self._per_request: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
+        # One family of metrics per method, each an area of the router.
+        self._requests(self.registry)
+        self._legs(self.registry)
+        self._services(self.registry)
+        self._vllm(self.registry)
+
+    def _requests(self, r: CollectorRegistry) -> None:
+        """What clients got: requests by status, latency, first token, chunk gaps, queueing."""
         self.requests = Counter(
             "trio_pd_requests",
             "Client requests answered, by path and status (499: client went away).",
@@ -74,27 +83,6 @@ class RouterMetrics:
             ["path"],
             registry=r,
             buckets=self.buckets_for("trio_pd_request_duration_seconds", REQUEST_BUCKETS),
-        )
-        self.leg_failures = Counter(
-            "trio_pd_leg_failures",
-            "Failed legs by role and kind (status, inband, transport, timeout).",
-            ["role", "kind"],
-            registry=r,
-        )
-        self.retries = Counter("trio_pd_retries", "Attempts beyond the first.", registry=r)
-        self.legs_cancelled = Counter(
-            "trio_pd_legs_cancelled",
-            "Legs cancelled while their request was out, by role and cause (prefill_failed, "
-            "decode_failed, client_gone, deadline, stall, shutdown).",
-            ["role", "cause"],
-            registry=r,
-        )
-        self.teardown = Histogram(
-            "trio_pd_leg_teardown_seconds",
-            "From the decision to cancel a leg to its upstream connection being closed.",
-            ["role"],
-            registry=r,
-            buckets=self.buckets_for("trio_pd_leg_teardown_seconds", FAST_BUCKETS),
         )
         self.first_token = Histogram(
             "trio_pd_time_to_first_token_seconds",
@@ -117,6 +105,30 @@ class RouterMetrics:
             ["outcome"],
             registry=r,
             buckets=self.buckets_for("trio_pd_admission_wait_seconds", TOKEN_BUCKETS),
+        )
+
+    def _legs(self, r: CollectorRegistry) -> None:
+        """What happened to the legs: failures, retries, cancellations, teardown, aborts."""
+        self.leg_failures = Counter(
+            "trio_pd_leg_failures",
+            "Failed legs by role and kind (status, inband, transport, timeout).",
+            ["role", "kind"],
+            registry=r,
+        )
+        self.retries = Counter("trio_pd_retries", "Attempts beyond the first.", registry=r)
+        self.legs_cancelled = Counter(
+            "trio_pd_legs_cancelled",
+            "Legs cancelled while their request was out, by role and cause (prefill_failed, "
+            "decode_failed, client_gone, deadline, stall, shutdown).",
+            ["role", "cause"],
+            registry=r,
+        )
+        self.teardown = Histogram(
+            "trio_pd_leg_teardown_seconds",
+            "From the decision to cancel a leg to its upstream connection being closed.",
+            ["role"],
+            registry=r,
+            buckets=self.buckets_for("trio_pd_leg_teardown_seconds", FAST_BUCKETS),
         )
         self.aborts = Counter(
             "trio_pd_aborts",
@@ -147,6 +159,9 @@ class RouterMetrics:
             registry=r,
             buckets=self.buckets_for("trio_pd_gate_wait_seconds", REQUEST_BUCKETS),
         )
+
+    def _services(self, r: CollectorRegistry) -> None:
+        """The router's own health: internal errors, restarts, health checks, membership."""
         self.internal_errors = Counter(
             "trio_pd_internal_errors",
             "Unexpected exceptions inside the router, answered 500 (or an error frame).",
@@ -178,7 +193,9 @@ class RouterMetrics:
             ["client", "reason"],
             registry=r,
         )
-        # -- vLLM pairs (docs/vllm.md §4) ------------------------------------------------------
+
+    def _vllm(self, r: CollectorRegistry) -> None:
+        """vLLM pairs (docs/vllm.md §4): handoffs missing, prompts recomputed, KV reads failed."""
         self.vllm_kv_params_missing = Counter(
             "trio_pd_vllm_kv_params_missing",
             "vLLM prefills that answered 200 without kv_transfer_params, by what the router did "
@@ -199,8 +216,6 @@ class RouterMetrics:
             ["stream"],
             registry=r,
         )
-        self._gauges: SyncedGauges | None = None
-        self._per_request: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
 
     def buckets_for(self, name: str, default: tuple[float, ...]) -> tuple[float, ...]:
         if self.duration_buckets and name.endswith(DURATION_SUFFIX):

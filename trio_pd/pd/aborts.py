@@ -20,9 +20,16 @@ request hands the job to this long-lived service and goes on. How the service is
   send the due ones. Nothing holds a sender while it waits, so the service sends at the rate
   failures happen (a sender holding its slot through the repeat's sleep capped it at ~32 POSTs
   a second per role).
-- **The hot path's HTTP/1.1 pool**, not the control plane's httpx2 client: a POST costs tens of
+- **The hot path's HTTP/1.1 client**, not the control plane's httpx2 client: a POST costs tens of
   microseconds of router CPU instead of about a millisecond, which is what lets a storm of
   failing requests be aborted as fast as it fails. Each POST is bounded by `TIMEOUT_SECS`.
+- **Its own connections** (a pool with the hot path pool's settings, at most `SENDERS` per
+  worker in use): on the shared pool a decode leg took the idle connection an abort had just
+  left, sent its request on it and closed it when cancelled, so in a storm most aborts paid a
+  fresh connect, and most doomed decodes reached the engine only to need an abort
+  (bench/abort_rate.py at 250 failing requests a second: the router's CPU per failed request,
+  aborts on over aborts off, went from 1.16 to 1.01, and the doomed decodes that reached the
+  engine from 1,492 to 103 of 2,500; docs/benchmarks.md).
 - **Coalesced and bounded.** A (worker, rid) already pending is not queued twice; at most
   `MAX_PENDING` POSTs wait, beyond which a job is dropped and counted
   (`trio_pd_aborts_total{role,result="dropped"}`), never blocking the request that gave it.
@@ -80,6 +87,17 @@ class _Post:
     repeat: bool  # the second POST of this rid
 
 
+def own_pool(shared: UpstreamPool) -> UpstreamPool:
+    """A pool for the aborts alone, with the shared pool's settings (its keep-alive, connect
+    timeout, TLS context and destination check)."""
+    return UpstreamPool(
+        keepalive_expiry=shared.keepalive_expiry,
+        connect_timeout=shared.connect_timeout,
+        ssl_context=shared._ssl_context,  # None stays None: the trust store is loaded on use
+        destinations=shared.destinations,
+    )
+
+
 class AbortService:
     """The long-lived abort sender of one router process (see the module docstring)."""
 
@@ -126,12 +144,26 @@ class AbortService:
         if queued:
             self._wake()
 
+    def connections(self) -> list[tuple[str, str]]:
+        """(worker URL, "idle" | "active") of the service's own connections."""
+        return self._pool.connections() if isinstance(self._pool, UpstreamPool) else []
+
     async def run(
         self, pool: UpstreamPool, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """The dispatcher and its senders; runs until cancelled (the lifespan's end, after
-        `flush`)."""
-        self._pool = pool
+        `flush`). `pool` is the hot path's: the service sends on a pool of its own with the same
+        settings (a pool of another kind, a test's recorder, is used as it is)."""
+        own = own_pool(pool) if isinstance(pool, UpstreamPool) else pool
+        self._pool = own
+        try:
+            await self._dispatch(task_status)
+        finally:
+            if own is not pool:
+                with trio.CancelScope(shield=True):
+                    await own.aclose()
+
+    async def _dispatch(self, task_status: trio.TaskStatus[None]) -> None:
         send, receive = trio.open_memory_channel[_Post](SENDERS)
         async with trio.open_nursery() as nursery, send:
             for _ in range(SENDERS):

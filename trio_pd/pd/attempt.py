@@ -32,15 +32,21 @@ import trio
 from trio_pd.config import TimeoutConfig
 from trio_pd.fleet.worker import Worker
 from trio_pd.observe.metrics import RouterMetrics
-from trio_pd.pd.budget import Account, OverBudget, json_marks, parse_cost
+from trio_pd.pd.answers import (
+    buffer_failure,
+    event_failure,
+    is_sse,
+    merged_event,
+    read_answer,
+    read_json,
+    status_failure,
+)
+from trio_pd.pd.budget import Account, OverBudget
 from trio_pd.pd.outcome import LegFailure, LegResult, LegSuccess
 from trio_pd.pd.relay import (
-    InbandError,
     answer_failure,
-    data_failure,
     event_data,
     merge_logprobs,
-    parse_json,
 )
 from trio_pd.pd.sse import EventReader, EventTooLarge
 from trio_pd.respond import Reply, Responder
@@ -50,9 +56,6 @@ from trio_pd.upstream.pool import UpstreamError, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger("trio_pd.attempt")
 
-SSE_TYPE = b"text/event-stream"
-MAX_ERROR_BODY = 1 << 20  # an upstream error body we relay is read up to this size
-MAX_ANSWER_BODY = 256 << 20  # a non-streamed answer larger than this fails the leg
 DEFAULT_EVENT_LIMIT = 16 << 20  # RouterConfig.max_sse_event_bytes
 WATCHDOG_CHECKS = 4  # the stream watchdog looks this often per (shortest) timeout
 
@@ -74,7 +77,7 @@ class Leg:
     on_abandon: Callable[[Leg], None] | None = None  # asks the engine to abort (aborts.py)
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     result: LegResult = None
-    posted: bool = False  # the request was (being) sent: the engine may hold it
+    posted: bool = False  # the request is being written (or was): the engine may hold it
     abandoned: bool = False  # the engine was asked to drop it
     cancel_cause: str | None = None
     cancelled_at: float | None = None
@@ -88,6 +91,13 @@ class Leg:
         self.cancelled_at = trio.current_time()
         self.scope.cancel()
         self.abandon()
+
+    def sending(self) -> None:
+        """The pool has a connection and writes the request next (`UpstreamPool.post`): from
+        here the engine may hold it. A leg cancelled before this (while connecting, say) sent
+        nothing, since the write begins with a cancel point: no abort, no count."""
+        if not self.scope.cancel_called:
+            self.posted = True
 
     def note_outer_cancel(self, cause: str, at: float) -> None:
         """The leg ended by an enclosing scope's cancellation (client gone, shutdown, deadline)."""
@@ -229,8 +239,8 @@ class Attempt:
         leg = self.prefill
         with leg.scope, leg.track():
             try:
-                leg.posted = True
-                async with self.pool.post(leg.url, self.path, leg.headers, leg.body) as response:
+                post = self.pool.post(leg.url, self.path, leg.headers, leg.body, leg.sending)
+                async with post as response:
                     await self._read_prefill(response)
             except UpstreamError as exc:
                 self._fail_prefill(LegFailure(exc.kind, str(exc)))
@@ -324,8 +334,8 @@ class Attempt:
     async def _post_decode(self, first_scope: trio.CancelScope | None) -> None:
         leg = self.decode
         try:
-            leg.posted = True
-            async with self.pool.post(leg.url, self.path, leg.headers, leg.body) as response:
+            post = self.pool.post(leg.url, self.path, leg.headers, leg.body, leg.sending)
+            async with post as response:
                 await self._read_decode(response, first_scope)
         except UpstreamError as exc:
             self._fail_decode(LegFailure(exc.kind, str(exc)))
@@ -471,86 +481,3 @@ class Attempt:
                 self.decode.scope.cancel()
                 self.decode.abandon()
                 return
-
-
-async def read_answer(response: UpstreamResponse, account: Account | None = None) -> bytes:
-    """A whole non-streamed answer, charged to `account` as it arrives (OverBudget when the
-    budget cannot hold it); one past `MAX_ANSWER_BODY` fails the leg, never truncated."""
-    parts = []
-    size = 0
-    async for chunk in response.chunks():
-        size += len(chunk)
-        if size > MAX_ANSWER_BODY:
-            raise UpstreamError("transport", f"answer larger than {MAX_ANSWER_BODY} bytes")
-        if account is not None:
-            account.charge(len(chunk))
-        parts.append(chunk)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
-def read_json(data: bytes, account: Account | None) -> Any:
-    """`data` parsed (None if it is not JSON), its parse charged to `account` first (the
-    objects it becomes: `budget.parse_cost`) and held until the request ends."""
-    if account is not None:
-        account.charge(parse_cost(len(data), json_marks(data)))
-    return parse_json(data)
-
-
-def event_failure(data: bytes, account: Account | None) -> InbandError | None:
-    """`relay.data_failure` of one SSE event, its parse (only when it may carry a failure)
-    charged to `account` while it runs."""
-    if account is None or (b"error" not in data and b"abort" not in data):
-        return data_failure(data)
-    cost = parse_cost(len(data), json_marks(data))
-    account.charge(cost)
-    try:
-        return data_failure(data)
-    finally:
-        account.release(cost)
-
-
-def buffer_failure(exc: EventTooLarge | OverBudget) -> LegFailure:
-    """A worker's answer the router will not hold: an event past --max-sse-event-bytes, or an
-    answer larger than the whole budget, is the worker's fault (502); a budget full of other
-    requests' buffers is the router's overload (503, `outcome.py`), never charged to the worker."""
-    if not isinstance(exc, OverBudget):
-        return LegFailure("transport", str(exc))
-    flag = f"--max-buffered-bytes {exc.limit}"
-    if exc.never:
-        return LegFailure("transport", f"answer needs {exc.wanted} bytes, more than {flag}")
-    return LegFailure("overload", f"the router's buffers are full ({flag}): try again")
-
-
-def merged_event(
-    prefill_answer: Any, decode_data: bytes, account: Account | None = None
-) -> bytes | None:
-    decode_answer = read_json(decode_data, account)
-    if not merge_logprobs(prefill_answer, decode_answer):
-        return None
-    return b"data: " + orjson.dumps(decode_answer) + b"\n\n"
-
-
-def is_sse(response: UpstreamResponse) -> bool:
-    return (response.header(b"content-type") or b"").startswith(SSE_TYPE)
-
-
-async def status_failure(response: UpstreamResponse) -> LegFailure:
-    """A non-2xx answer: keep (a bounded part of) its body and content type to relay it."""
-    body = await response.read(limit=MAX_ERROR_BODY)
-    content_type = response.header(b"content-type") or b"application/json"
-    message = upstream_message(body) or f"status {response.status}"
-    return LegFailure("status", message, response.status, body, content_type)
-
-
-def upstream_message(body: bytes) -> str | None:
-    """The human-readable message of an upstream error body, when it has one."""
-    parsed = parse_json(body)
-    if isinstance(parsed, dict):
-        error = parsed.get("error")
-        if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])
-        if isinstance(error, str):
-            return error
-        if parsed.get("message"):
-            return str(parsed["message"])
-    return None

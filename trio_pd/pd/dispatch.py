@@ -24,7 +24,7 @@ from trio_pd.config import RouterConfig
 from trio_pd.errors import RouterError, bad_request, no_worker
 from trio_pd.fleet.gates import Gates, Slot
 from trio_pd.fleet.hints import RouteHints
-from trio_pd.fleet.registry import Fleet
+from trio_pd.fleet.registry import NO_COMPATIBLE_PAIR, Fleet
 from trio_pd.fleet.retry import attempts, backoff_delay
 from trio_pd.fleet.worker import Hold, NoWorkerAvailable, RankHold, Worker, joined
 from trio_pd.observe.metrics import RouterMetrics
@@ -65,9 +65,10 @@ class PDRequest:
     headers: list[tuple[bytes, bytes]]  # the legs' headers, less authorization
     authorization: bytes | None = None  # the client's, forwarded when a worker has no key
     request_id: str = ""
-    routing_key: str | None = None  # X-SMG-Routing-Key, read only for a manual policy
+    routing_key: str | None = None  # read only when a policy routes by it (edge/routing_key.py)
     trace: RequestTrace | None = None  # its span (`--enable-trace`), else None
     account: Account | None = None  # its share of --max-buffered-bytes (budget.py)
+    affinity: str | None = None  # consistent_hashing's key without a routing key (RouteHints)
 
 
 @attrs.frozen
@@ -120,13 +121,16 @@ async def dispatch(
     model = resolve_model(ctx, request.inspected.model)
     responder.route_info["model"] = model or "-"
     inspected = request.inspected
-    hints = RouteHints(inspected.text, inspected.length, request.routing_key, model)
+    hints = RouteHints(
+        inspected.text, inspected.length, request.routing_key, model, request.affinity
+    )
     trace = request.trace
     for number in range(1, total + 1):
         try:
             prefill, decode, slots = await admitted_pair(ctx, hints, frozenset(avoid), inspected)
         except NoWorkerAvailable as exc:
-            await responder.error(no_worker(str(exc)))
+            code = exc.reason if exc.reason == NO_COMPATIBLE_PAIR else None
+            await responder.error(no_worker(str(exc), code))
             return
         except RouterError as exc:  # shed, or the prefill line or the decode window said no
             await responder.error(exc)

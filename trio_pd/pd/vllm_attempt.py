@@ -34,13 +34,8 @@ import orjson
 import trio
 
 from trio_pd import jsonbody
-from trio_pd.pd.attempt import (
-    Attempt,
-    buffer_failure,
-    read_answer,
-    read_json,
-    status_failure,
-)
+from trio_pd.pd.answers import buffer_failure, read_answer, read_json, status_failure
+from trio_pd.pd.attempt import Attempt
 from trio_pd.pd.budget import OverBudget
 from trio_pd.pd.outcome import LegFailure, LegSuccess
 from trio_pd.pd.payload import CHAT, COMPLETIONS
@@ -171,8 +166,8 @@ class VllmAttempt(Attempt):
         leg = self.prefill
         with leg.scope, leg.track():
             try:
-                leg.posted = True
-                async with self.pool.post(leg.url, self.path, leg.headers, leg.body) as response:
+                post = self.pool.post(leg.url, self.path, leg.headers, leg.body, leg.sending)
+                async with post as response:
                     await self._read_vllm_prefill(response)
             except UpstreamError as exc:
                 self._fail_prefill(LegFailure(exc.kind, str(exc)))

@@ -81,6 +81,15 @@ class Demo:
         self.decode_events = workdir / "decode-events.jsonl"
         self.router = f"http://{HOST}:{self.router_port}"
         self.failed = False
+        self.unexpected: list[str] = []
+
+    def expect(self, ok: bool, what: str) -> None:
+        """A step's promised outcome: one that did not happen is printed and fails the demo
+        (exit 1), so `make demo` in CI proves the README's claims, not only that it ran."""
+        if not ok:
+            print(f"  UNEXPECTED: {what}")
+            self.unexpected.append(what)
+            self.failed = True
 
     def commands(self) -> dict[str, list[str]]:
         py = sys.executable
@@ -170,6 +179,8 @@ class Demo:
         await self.prefill_failure(client)
         await self.vllm_pair(stack, client, nursery)
         print("\nstopping all processes")
+        if self.unexpected:
+            print("the demo did NOT show what it promises: " + "; ".join(self.unexpected))
         nursery.cancel_scope.cancel()
 
     async def normal(self, client: httpx2.AsyncClient) -> None:
@@ -180,6 +191,7 @@ class Demo:
         line("status", r.status_code)
         line("text", r.json().get("text") if r.status_code == 200 else r.text[:200])
         line("latency", f"{(time.perf_counter() - start) * 1000:.1f} ms")
+        self.expect(r.status_code == 200, f"a normal request answered {r.status_code}")
 
     async def streaming(self, client: httpx2.AsyncClient) -> None:
         print("\n2. a streaming /generate request")
@@ -195,6 +207,7 @@ class Demo:
                     if first is None:
                         first = time.perf_counter() - start
         line("events (incl. [DONE])", events)
+        self.expect(r.status_code == 200 and events > 1, f"the stream gave {events} events")
         line("first event after", f"{first * 1000:.1f} ms" if first is not None else "-")
         line("total", f"{(time.perf_counter() - start) * 1000:.1f} ms")
 
@@ -210,6 +223,8 @@ class Demo:
         fault = await wait_for_event(self.prefill_events, 5.0, event="fault", rid=rid)
         closed = await wait_for_event(self.decode_events, 5.0, event="connection_closed", rid=rid)
         freed = await wait_for_event(self.decode_events, 5.0, event="slot_freed", rid=rid)
+        self.expect(r.status_code == 502, f"a failing prefill answered {r.status_code}, not 502")
+        self.expect(closed is not None and freed is not None, "the decode was not freed in 5 s")
         if fault is None:
             line("prefill fault", "not found in the prefill event log")
             return
@@ -280,6 +295,8 @@ class Demo:
         answer = r.json() if r.status_code == 200 else {}
         line("text", answer.get("choices", [{}])[0].get("text", r.text[:120]))
         line("kv_transfer_params in the answer", "kv_transfer_params" in answer)
+        self.expect(r.status_code == 200, f"the vLLM pair answered {r.status_code}")
+        self.expect("kv_transfer_params" not in answer, "the handoff reached the client")
         after = await blocks()
         line("prefill blocks held / freed by read", f"{after['held_blocks']} / "
              f"{after['freed']['read']}  (the decode read the handoff)")  # fmt: skip
@@ -293,6 +310,8 @@ class Demo:
         line("latency", f"{(time.perf_counter() - start) * 1000:.1f} ms")
         after = await blocks()
         line("prefill blocks held after it", f"{after['held_blocks']}  (nothing leaked)")
+        self.expect(r.status_code == 502, f"a failing vLLM prefill answered {r.status_code}")
+        self.expect(after["held_blocks"] == 0, "the failing vLLM prefill left blocks held")
 
         print("\n6. a client that leaves while the vLLM prefill computes")
         slow = {**body, "prompt": " ".join(["word"] * 400)}  # 400 tokens at 2 ms: 0.8 s
@@ -304,6 +323,7 @@ class Demo:
         after = await blocks()
         line("prefill blocks freed (connection closed)", f"{after['freed']['aborted']}  "
              f"held now: {after['held_blocks']}")  # fmt: skip
+        self.expect(after["freed"]["aborted"] >= 1, "the left prefill's blocks were not freed")
 
 
 def main() -> None:

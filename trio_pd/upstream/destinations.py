@@ -7,7 +7,7 @@ loop through it). The rule is checked twice:
 
 - when a worker is added through the admin API (`urls.check_destination`), on every address its
   host resolves to, so the operator gets a 400 saying why;
-- at every connect, on both upstream clients (the legs' `http11.connect`, the control plane's
+- at every connect, on both upstream clients (the legs' `connect.connect`, the control plane's
   httpx2 transport in `client.py`): the host is resolved here, every address checked, and the
   connection made to the checked address itself (never re-resolved), so a name that answered a
   safe address when the worker was added and a metadata address later (DNS rebinding) is still

@@ -4,7 +4,8 @@ One `Connection` carries one request at a time. The caller's task does every rea
 helper task, no channel. A read is one 64 KiB receive fed to the parser, whose callbacks collect
 headers and body pieces into lists; the body iterator hands over everything one read produced
 as a single `bytes`, so SSE events that arrived together go on as one piece. Plain TCP sockets
-are driven with trio's low-level waits (`_PlainStream`); TLS goes through `trio.SSLStream`.
+are driven with trio's low-level waits (`PlainStream`); TLS goes through `trio.SSLStream`. Opening
+a connection (TCP, TLS, socket options) is `connect.py`'s.
 
 Ownership stays with the caller (the pool): a connection may carry another request only when
 `is_reusable()` says so, i.e. its last response was read to the end and the server allows
@@ -29,8 +30,6 @@ from typing import Literal
 
 import httptools
 import trio
-
-from trio_pd.upstream.destinations import DestinationRefused, Destinations
 
 RECEIVE_SIZE = 65536
 # A body up to this size goes out in the same `send_all` as the head; a bigger one separately,
@@ -57,7 +56,7 @@ class _StopParsing(Exception):
     """Raised from a parser callback to stop llhttp (after a HEAD response's head, or a 101)."""
 
 
-def _describe(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
     """A short reason for a stream error: trio wraps the OSError or SSLError as the cause."""
     if isinstance(exc, trio.ClosedResourceError):
         return "connection closed locally"
@@ -68,105 +67,7 @@ def _describe(exc: BaseException) -> str:
     return f"{type(cause).__name__}: {text}" if text else type(cause).__name__
 
 
-def _connect_reason(exc: OSError) -> str:
-    """trio.open_tcp_stream raises one OSError whose cause groups each attempt's error."""
-    cause = exc.__cause__
-    errors = cause.exceptions if isinstance(cause, BaseExceptionGroup) else (exc,)
-    reasons = []
-    for error in errors:
-        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
-        if reason not in reasons:
-            reasons.append(reason)
-    return "; ".join(reasons)
-
-
-async def connect(
-    host: str,
-    port: int,
-    *,
-    ssl_context: ssl.SSLContext | None = None,
-    server_hostname: str | None = None,
-    connect_timeout: float,
-    keepalive_expiry: float,
-    destinations: Destinations | None = None,
-) -> Connection:
-    """Open a TCP connection (and complete the TLS handshake when `ssl_context` is given), both
-    within `connect_timeout` seconds; TCP_NODELAY is on.
-
-    With `destinations` the host is resolved and checked there and the connection made to the
-    checked addresses themselves, in order; a refused one is a TransportError saying why."""
-    where = f"{host}:{port}"
-    try:
-        with trio.fail_after(connect_timeout):
-            if destinations is None:
-                stream = await trio.open_tcp_stream(host, port)
-            else:
-                stream = await _open_checked(host, port, destinations)
-            try:
-                stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
-                if ssl_context is None:
-                    # Plain TCP: take the socket out of trio's SocketStream and drive it directly.
-                    sock = socket.socket(fileno=stream.socket.detach())
-                    sock.setblocking(False)
-                    return Connection(_PlainStream(sock), sock, None, keepalive_expiry)
-                tls = trio.SSLStream(
-                    stream,
-                    ssl_context,
-                    server_hostname=server_hostname or host,
-                    https_compatible=True,  # EOF without close_notify ends a body, as in HTTPS
-                )
-                await tls.do_handshake()
-            except BaseException:
-                stream.socket.close()
-                raise
-    except trio.TooSlowError:
-        raise TransportError(
-            "timeout", f"connecting to {where} timed out after {connect_timeout:g} s"
-        ) from None
-    except DestinationRefused as exc:
-        raise TransportError("transport", str(exc)) from exc
-    except trio.BrokenResourceError as exc:  # the TLS handshake failed (verification, reset...)
-        raise TransportError(
-            "transport", f"TLS handshake with {where} failed: {_describe(exc)}"
-        ) from exc
-    except OSError as exc:
-        raise TransportError(
-            "transport", f"cannot connect to {where}: {_connect_reason(exc)}"
-        ) from exc
-    return Connection(tls, stream.socket, tls, keepalive_expiry)
-
-
-async def _open_checked(host: str, port: int, destinations: Destinations) -> trio.SocketStream:
-    """A TCP stream to the first of `host`'s checked addresses that accepts (each tried in
-    getaddrinfo's order), checked again once connected (`Destinations.check_connected`)."""
-    errors: list[OSError] = []
-    for address in await destinations.resolve(host, port, "legs"):
-        try:
-            stream = await trio.open_tcp_stream(address, port)
-        except OSError as exc:
-            errors.append(exc)
-            continue
-        try:
-            destinations.check_connected(stream.socket, "legs")
-        except BaseException:
-            stream.socket.close()
-            raise
-        return stream
-    if len(errors) == 1:
-        raise errors[0]
-    causes: list[Exception] = []
-    for error in errors:  # trio's own error groups each address's attempts as its cause
-        inner = error.__cause__
-        if isinstance(inner, ExceptionGroup):
-            causes.extend(inner.exceptions)
-        else:
-            causes.append(error)
-    failed = OSError(f"no address of {host} accepted the connection")
-    failed.__cause__ = ExceptionGroup("connect attempts", causes) if causes else None
-    raise failed
-
-
-class _PlainStream:
+class PlainStream:
     """A plain TCP socket driven with trio's low-level waits.
 
     trio.SocketStream costs a few wrappers and, on every send, a trip through the scheduler;
@@ -241,7 +142,7 @@ class Connection:
 
     def __init__(
         self,
-        stream: _PlainStream | trio.SSLStream,
+        stream: PlainStream | trio.SSLStream,
         sock: socket.socket | trio.socket.SocketType,
         tls: trio.SSLStream | None,
         keepalive_expiry: float,
@@ -408,7 +309,7 @@ class Connection:
     def _fail(self, exc: BaseException | None, message: str) -> TransportError:
         """Mark the connection unreadable and build the error to raise."""
         if exc is not None:
-            message = f"{message}: {_describe(exc)}"
+            message = f"{message}: {describe_error(exc)}"
         self._failure = message
         self._keep_alive = False
         return TransportError("transport", message)

@@ -15,12 +15,14 @@ budgets are trio deadlines; the only timeout here is the connect timeout.
 from __future__ import annotations
 
 import ssl
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import attrs
 import trio
 
 from trio_pd.upstream import http11
+from trio_pd.upstream.connect import connect
 from trio_pd.upstream.destinations import Destinations
 from trio_pd.upstream.http11 import Connection, Response
 
@@ -90,11 +92,18 @@ class UpstreamPool:
         return self._ssl_context
 
     def post(
-        self, url: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes
+        self,
+        url: str,
+        path: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        sending: Callable[[], None] | None = None,
     ) -> Exchange:
         """`async with pool.post(...) as response`: POST `body` to `url + path`; the connection
-        is reused only if the answer was read to its end."""
-        return Exchange(self, url, path, headers, body)
+        is reused only if the answer was read to its end. `sending` is called once a connection
+        is in hand, just before the request is written: a caller cancelled before that point
+        sent nothing (the write begins with a cancel point), so the engine holds nothing."""
+        return Exchange(self, url, path, headers, body, sending)
 
     def _release(self, url: str, connection: Connection) -> bool:
         """Take a connection back: True if it was pooled, False if the caller must close it."""
@@ -124,7 +133,7 @@ class UpstreamPool:
             await _close_all(stale)
         if found is not None:
             return found
-        return await http11.connect(
+        return await connect(
             endpoint.host,
             endpoint.port,
             ssl_context=self.ssl_context if endpoint.tls else None,
@@ -167,7 +176,9 @@ class Exchange:
     A class rather than an `@asynccontextmanager`: two of these per PD request, and the
     generator machinery cost more than the bookkeeping it wraps."""
 
-    __slots__ = ("_body", "_connection", "_headers", "_path", "_pool", "_response", "_url")
+    __slots__ = (
+        "_body", "_connection", "_headers", "_path", "_pool", "_response", "_sending", "_url",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -176,8 +187,10 @@ class Exchange:
         path: str,
         headers: list[tuple[bytes, bytes]],
         body: bytes,
+        sending: Callable[[], None] | None = None,
     ) -> None:
         self._pool = pool
+        self._sending = sending
         self._url = url
         self._path = path
         self._headers = headers
@@ -191,6 +204,8 @@ class Exchange:
         connection = await pool._checkout(url, endpoint)
         pool._busy[connection] = url
         self._connection = connection
+        if self._sending is not None:
+            self._sending()
         try:
             self._response = await connection.request(
                 b"POST",

@@ -89,7 +89,8 @@ FLEET: tuple[Flag, ...] = (
     Flag(
         "--policy",
         "selection policy of both roles unless overridden (manual: sticky by the "
-        "X-SMG-Routing-Key header)",
+        "X-SMG-Routing-Key header; consistent_hashing: a hash ring of it; least_load: the "
+        "shortest expected wait; prefix_hash: a ring of the prompt's head)",
         "policy.policy",
         default="cache_aware",
         type=not_bucket,
@@ -156,11 +157,13 @@ FLEET: tuple[Flag, ...] = (
     ),
     Flag(
         "--assignment-mode",
-        "manual policy: where a new routing key goes: random, min_load (fewest requests in "
-        "flight), min_group (fewest routing keys in flight)",
+        "where a new routing key goes: random, min_load (fewest requests in flight), "
+        "min_group (fewest routing keys in flight), delegate (where the role's policy sends "
+        "it); default random for manual, delegate for --routing-key-override",
         "policy.assignment_mode",
-        default="random",
         choices=ASSIGNMENT_MODES,
+        differs="SMG 1.13's: no default (random for manual, delegate for the routing-key "
+        "override) and a fourth mode, delegate",
     ),
     Flag(
         "--bucket-adjust-interval-secs",

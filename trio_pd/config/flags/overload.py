@@ -10,7 +10,7 @@ OVERLOAD: tuple[Flag, ...] = (
     Flag(
         "--disable-worker-overload-protection",
         "route to a worker whatever its engine reports (no overload veto; loads are then polled "
-        "only for power_of_two)",
+        "only for power_of_two and least_load)",
         "overload.protection",
         action=SWITCH,
         invert=True,

@@ -27,7 +27,17 @@ CLI_HEALTH_GENERATE_SECS = 1.0  # SGLang's /health takes >= 1 s; in-process test
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The simulator's flags, in groups (each its own function, in `--help` order)."""
     defaults = EngineConfig(role="prefill")
+    _add_listeners_and_pd(parser, defaults)
+    _add_capacity(parser, defaults)
+    _add_clients(parser, defaults)
+    _add_tokenizer_and_health(parser, defaults)
+    _add_tls_and_logs(parser, defaults)
+
+
+def _add_listeners_and_pd(parser: argparse.ArgumentParser, defaults: EngineConfig) -> None:
+    """The engine's role and ports, and the PD handshake's timeouts."""
     add = parser.add_argument
     add("--role", choices=ROLES, required=True)
     add("--host", default="127.0.0.1")
@@ -47,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prefill: seconds to wait for the decode's registration "
         "(SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT)",
     )
+
+
+def _add_capacity(parser: argparse.ArgumentParser, defaults: EngineConfig) -> None:
+    """Compute speed, slots, context, data parallelism, the KV transfer backend."""
+    add = parser.add_argument
     add("--prefill-ms-per-token", type=float, default=0.0)
     add("--inter-token-ms", type=float, default=0.0)
     add(
@@ -87,6 +102,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=TRANSFER_BACKENDS,
         default=defaults.transfer_backend,
     )
+
+
+def _add_clients(parser: argparse.ArgumentParser, defaults: EngineConfig) -> None:
+    """Client disconnects, injected faults, the API keys."""
+    add = parser.add_argument
     add(
         "--disconnect-poll-secs",
         type=float,
@@ -108,6 +128,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="require 'Authorization: Bearer KEY' on every route but /health*, /ready*, /metrics*",
     )
     add("--admin-api-key", default=None, help="the key /abort_request and /flush_cache need")
+
+
+def _add_tokenizer_and_health(parser: argparse.ArgumentParser, defaults: EngineConfig) -> None:
+    """The tokenizer, the load endpoint, /health, heartbeats, KV release."""
+    add = parser.add_argument
     add("--enable-dynamic-batch-tokenizer", action="store_true")
     add("--dynamic-batch-tokenizer-batch-timeout", type=float, default=0.002)
     add(
@@ -126,6 +151,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--heartbeat-interval", type=float, default=defaults.heartbeat_interval)
     add("--heartbeat-max-failures", type=int, default=defaults.heartbeat_max_failures)
     add("--deferred-kv-release-timeout", type=float, default=defaults.deferred_kv_release_timeout)
+
+
+def _add_tls_and_logs(parser: argparse.ArgumentParser, defaults: EngineConfig) -> None:
+    """TLS, the event log, the model name, the log level."""
+    add = parser.add_argument
     add("--ssl-certfile", default=None, metavar="FILE", help="serve the HTTP API over HTTPS")
     add(
         "--ssl-keyfile", default=None, metavar="FILE", help="its private key (else in the certfile)"

@@ -3,7 +3,7 @@
 Flags follow SGLang's router (`--service-discovery`, `--prefill-selector`, `--decode-selector`,
 `--selector`, `--service-discovery-port`, `--service-discovery-namespace`,
 `--bootstrap-port-annotation`), plus `--kube-api-server`, `--kube-token-file` and
-`--kube-ca-file` to point at an API server from outside a cluster.
+`--kube-ca-file` to point at an API server from outside a cluster (`api.py`).
 
 The client is the informer pattern written out by hand:
 
@@ -21,24 +21,7 @@ The client is the informer pattern written out by hand:
   resync hand the registry the whole set (`Registry.reconcile`): a missed DELETE is repaired by
   the next relist, never by replaying deltas.
 
-Membership rules (`exclusion_reason` says which one keeps a pod out): a pod is a worker while it
-matches the selectors (checked here on every event, not only by the API server's
-`labelSelector`), has no `deletionTimestamp`, is in phase `Running`, its `Ready` condition is
-`True` and it has a `podIP`. Ready=False takes it out of rotation at once: the aggregate Ready
-condition is the operator's own statement (readiness probes, readiness gates) and what a Service
-uses to admit traffic; the router's health checker stays a second, independent judge. A DELETED
-event, a relist without the pod, a selector mismatch, or a new pod (another uid) holding the same
-URL remove it too; a worker whose pod keeps its name but gets a new uid is removed and added
-again (two reconcile calls), so its breaker and health start afresh.
-
-Worker ids come from pod names so every router replica agrees: `prefill-<pod>` (`<namespace>.<pod>`
-when watching all namespaces, where names can repeat), with `-<port>` appended when the pod lists
-several ports in the `smg.ai/worker-ports` annotation (comma-separated, one worker per port, as
-SMG reads it). A prefill's bootstrap port comes from the `sglang.ai/bootstrap-port` annotation:
-one port for every worker of the pod, or a list aligned with the worker ports.
-
-RBAC: the router's service account needs `list` and `watch` on `pods` (a Role in the namespace
-of `--service-discovery-namespace`, or a ClusterRole when watching all namespaces).
+Which pods are workers, and their ids, is `pods.py`'s.
 
 When the API server cannot be reached the workers already known stay (reported through
 `Registry.source_status`); discovery errors are logged and counted in `errors` (by kind) and
@@ -48,323 +31,40 @@ passed to `on_error`, for the integrator to turn into a metric.
 from __future__ import annotations
 
 import collections
-import ipaddress
 import logging
 import os
 import random
-import ssl
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import attrs
 import httpx2
 import orjson
 import trio
 
 from trio_pd.config import KubernetesConfig
-from trio_pd.spec import Registry, Role, WorkerRecord, WorkerSpec
+from trio_pd.membership.kubernetes.api import (
+    ApiEndpoint,
+    ApiError,
+    BadResponse,
+    DiscoveryStats,
+    Gone,
+    request_headers,
+    resolve_endpoint,
+    selector_params,
+    ssl_context,
+)
+from trio_pd.membership.kubernetes.pods import (
+    SOURCE,
+    CachedPod,
+    PodView,
+    exclusion_reason,
+    merge_records,
+    pod_role,
+    records_for_pod,
+)
+from trio_pd.spec import Registry, WorkerRecord
 
 log = logging.getLogger("trio_pd.membership.kubernetes")
-
-SOURCE = "kubernetes"
-SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
-DEFAULT_TOKEN_FILE = f"{SERVICE_ACCOUNT_DIR}/token"
-DEFAULT_CA_FILE = f"{SERVICE_ACCOUNT_DIR}/ca.crt"
-USER_AGENT = "trio-pd (kubernetes discovery)"
-
-
-# -- pods as the rules see them -----------------------------------------------------------------
-
-
-@attrs.frozen
-class PodView:
-    """The part of a Pod object discovery reads (the cache keeps only this)."""
-
-    namespace: str
-    name: str
-    uid: str
-    labels: dict[str, str]
-    annotations: dict[str, str]
-    phase: str
-    pod_ip: str | None
-    ready: bool
-    deleting: bool
-    created: str
-    resource_version: str
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any], annotation_keys: Iterable[str] = ()) -> PodView:
-        meta = obj.get("metadata") or {}
-        status = obj.get("status") or {}
-        annotations = meta.get("annotations") or {}
-        ready = any(
-            c.get("type") == "Ready" and c.get("status") == "True"
-            for c in status.get("conditions") or ()
-        )
-        return cls(
-            namespace=meta.get("namespace") or "",
-            name=meta.get("name") or "",
-            uid=meta.get("uid") or "",
-            labels=dict(meta.get("labels") or {}),
-            annotations={k: annotations[k] for k in annotation_keys if k in annotations},
-            phase=status.get("phase") or "Unknown",
-            pod_ip=status.get("podIP") or None,
-            ready=ready,
-            deleting=bool(meta.get("deletionTimestamp")),
-            created=meta.get("creationTimestamp") or "",
-            resource_version=meta.get("resourceVersion") or "",
-        )
-
-    @property
-    def key(self) -> str:
-        return f"{self.namespace}/{self.name}"
-
-
-def _matches(labels: Mapping[str, str], selector: Mapping[str, str]) -> bool:
-    return all(labels.get(k) == v for k, v in selector.items())
-
-
-def pod_role(pod: PodView, config: KubernetesConfig) -> Role | None:
-    """The pod's role by its labels, or None if it matches no selector."""
-    if not _matches(pod.labels, config.selector):
-        return None
-    for role, sel in config.role_selectors():
-        if _matches(pod.labels, sel):
-            return role
-    return None
-
-
-def exclusion_reason(pod: PodView, config: KubernetesConfig) -> str:
-    """Why the pod is not a worker now, or "" when it is one."""
-    if pod_role(pod, config) is None:
-        return "labels match no selector"
-    if pod.deleting:
-        return "terminating (deletionTimestamp set)"
-    if pod.phase != "Running":
-        return f"phase {pod.phase}"
-    if not pod.ready:
-        return "not Ready"
-    if not pod.pod_ip:
-        return "no podIP"
-    if not pod.uid:
-        return "no uid"
-    return ""
-
-
-def _port_list(raw: str) -> list[int] | None:
-    ports: list[int] = []
-    for part in raw.split(","):
-        try:
-            port = int(part.strip())
-        except ValueError:
-            return None
-        if not 0 < port < 65536:
-            return None
-        ports.append(port)
-    return ports
-
-
-def worker_ports(pod: PodView, config: KubernetesConfig) -> list[int]:
-    """The worker-ports annotation (deduplicated, in order), else the configured port."""
-    raw = pod.annotations.get(config.worker_ports_annotation)
-    if raw is None:
-        return [config.port]
-    ports = _port_list(raw)
-    if not ports:
-        log.warning(
-            "pod %s: invalid %s annotation %r, using port %d",
-            pod.key,
-            config.worker_ports_annotation,
-            raw,
-            config.port,
-        )
-        return [config.port]
-    return list(dict.fromkeys(ports))
-
-
-def bootstrap_ports(pod: PodView, config: KubernetesConfig, count: int) -> list[int | None]:
-    """Bootstrap port per worker port: one value for all, or a list aligned with the ports."""
-    raw = pod.annotations.get(config.bootstrap_port_annotation)
-    if raw is None:
-        return [None] * count
-    ports = _port_list(raw)
-    if ports and len(ports) == 1:
-        return [ports[0]] * count
-    if ports and len(ports) == count:
-        return list(ports)
-    log.warning(
-        "pod %s: %s annotation %r does not fit %d worker port(s), ignored",
-        pod.key,
-        config.bootstrap_port_annotation,
-        raw,
-        count,
-    )
-    return [None] * count
-
-
-def model_id(pod: PodView, config: KubernetesConfig) -> str | None:
-    source = config.model_id_from
-    if source is None:
-        return None
-    if source == "namespace":
-        return pod.namespace or None
-    kind, _, key = source.partition(":")
-    values = pod.labels if kind == "label" else pod.annotations
-    return values.get(key) or None
-
-
-def worker_url(ip: str, port: int) -> str:
-    try:
-        bracket = ipaddress.ip_address(ip).version == 6
-    except ValueError:
-        bracket = False
-    return f"http://[{ip}]:{port}" if bracket else f"http://{ip}:{port}"
-
-
-def records_for_pod(pod: PodView, config: KubernetesConfig) -> list[WorkerRecord]:
-    """The workers a pod stands for (none unless it passes every rule)."""
-    if exclusion_reason(pod, config):
-        return []
-    role = pod_role(pod, config)
-    assert role is not None and pod.pod_ip is not None
-    ports = worker_ports(pod, config)
-    boots = bootstrap_ports(pod, config, len(ports)) if role == "prefill" else [None] * len(ports)
-    base = f"{role}-{pod.name}" if config.namespace else f"{role}-{pod.namespace}.{pod.name}"
-    records = []
-    for port, boot in zip(ports, boots, strict=True):
-        spec = WorkerSpec(
-            url=worker_url(pod.pod_ip, port),
-            role=role,
-            bootstrap_port=boot,
-            model_id=model_id(pod, config),
-            engine="vllm" if config.engine == "vllm" else "sglang",
-        )
-        meta = {"pod": pod.name, "namespace": pod.namespace, "uid": pod.uid, "ip": pod.pod_ip}
-        worker_id = f"{base}-{port}" if len(ports) > 1 else base
-        records.append(WorkerRecord(id=worker_id, spec=spec, source=SOURCE, meta=meta))
-    return records
-
-
-@attrs.frozen
-class CachedPod:
-    """A pod in the cache, with its workers worked out once (when the pod changed)."""
-
-    pod: PodView
-    records: tuple[WorkerRecord, ...]
-    seen: int  # when its uid was first seen here: tells the newer of two same-second pods
-
-    @property
-    def age_key(self) -> tuple[str, int]:
-        return (self.pod.created, self.seen)
-
-
-def merge_records(entries: Iterable[CachedPod]) -> dict[str, WorkerRecord]:
-    """The whole desired set by id. Two pods claiming one URL (a new pod on a deleted pod's IP
-    whose DELETE has not arrived yet): the newer pod keeps it."""
-    by_url: dict[str, WorkerRecord] = {}
-    for entry in sorted(entries, key=lambda e: e.age_key):
-        for record in entry.records:
-            by_url[record.spec.url] = record  # a newer pod replaces an older one
-    return {r.id: r for r in by_url.values()}
-
-
-def desired_records(pods: Iterable[PodView], config: KubernetesConfig) -> dict[str, WorkerRecord]:
-    """`merge_records` for bare pods (newer by creation time, then by position)."""
-    entries = (CachedPod(p, tuple(records_for_pod(p, config)), i) for i, p in enumerate(pods))
-    return merge_records(entries)
-
-
-# -- the API client -----------------------------------------------------------------------------
-
-
-class ApiError(Exception):
-    """An API server answer that is not what we asked for (a Status object, usually)."""
-
-    def __init__(self, code: int, reason: str, message: str) -> None:
-        super().__init__(f"{code} {reason}: {message}".strip())
-        self.code = code
-        self.reason = reason
-        self.message = message
-
-    @classmethod
-    def from_status(cls, status: Mapping[str, Any], default_code: int = 0) -> ApiError:
-        code = int(status.get("code") or default_code)
-        kind = Gone if code == 410 else ApiError
-        return kind(code, str(status.get("reason") or ""), str(status.get("message") or ""))
-
-    @classmethod
-    def from_response(cls, response: httpx2.Response) -> ApiError:
-        try:
-            status = orjson.loads(response.content)
-        except orjson.JSONDecodeError:
-            status = None
-        if not isinstance(status, dict) or status.get("kind") != "Status":
-            status = {"message": response.content[:200].decode("utf-8", "replace")}
-        status.setdefault("reason", response.reason_phrase)
-        return cls.from_status(status, response.status_code)
-
-
-class Gone(ApiError):
-    """410: the resource version (or continue token) is older than the server keeps."""
-
-
-class BadResponse(Exception):
-    """The API server sent something that is not a list or a watch event."""
-
-
-@attrs.frozen
-class ApiEndpoint:
-    url: str
-    token_file: str | None
-    ca_file: str | None
-
-
-def resolve_endpoint(config: KubernetesConfig, environ: Mapping[str, str]) -> ApiEndpoint:
-    """The explicit `--kube-api-server`, else the in-cluster service and service account."""
-    if config.api_server:
-        return ApiEndpoint(config.api_server.rstrip("/"), config.token_file, config.ca_file)
-    host = environ.get("KUBERNETES_SERVICE_HOST")
-    port = environ.get("KUBERNETES_SERVICE_PORT")
-    if not host or not port:
-        raise ValueError(
-            "Kubernetes discovery outside a cluster (KUBERNETES_SERVICE_HOST/PORT unset): "
-            "give --kube-api-server"
-        )
-    if ":" in host:
-        host = f"[{host}]"
-    return ApiEndpoint(
-        f"https://{host}:{port}",
-        config.token_file or DEFAULT_TOKEN_FILE,
-        config.ca_file or DEFAULT_CA_FILE,
-    )
-
-
-def ssl_context(endpoint: ApiEndpoint) -> ssl.SSLContext | bool:
-    """Trust the cluster CA when there is one, else the system store."""
-    if not endpoint.url.startswith("https://"):
-        return True
-    if endpoint.ca_file and os.path.exists(endpoint.ca_file):
-        return ssl.create_default_context(cafile=endpoint.ca_file)
-    if endpoint.ca_file and endpoint.ca_file != DEFAULT_CA_FILE:
-        raise ValueError(f"Kubernetes CA file not found: {endpoint.ca_file}")
-    if endpoint.ca_file:
-        log.warning("no %s: trusting the system CA store for %s", endpoint.ca_file, endpoint.url)
-    return ssl.create_default_context()
-
-
-@attrs.define
-class DiscoveryStats:
-    """What the client did, for tests and for the integrator's metrics."""
-
-    lists: int = 0  # complete LISTs (all pages)
-    pages: int = 0
-    watches: int = 0  # watch requests answered 200
-    events: int = 0  # ADDED, MODIFIED, DELETED
-    bookmarks: int = 0
-    expired: int = 0  # 410s (HTTP or ERROR event)
-    stalls: int = 0  # watches the watchdog ended
-    severed: int = 0  # watch streams that broke after the server answered
-    reconciles: int = 0
 
 
 class _Stalled(Exception):
@@ -521,30 +221,19 @@ class KubernetesDiscovery:
 
     # -- LIST -------------------------------------------------------------------------------
 
-    async def _headers(self) -> dict[str, str]:
-        headers = {"Accept": "application/json", "User-Agent": USER_AGENT}
-        token_file = self._endpoint.token_file if self._endpoint else None
-        if token_file:
-            token = (await trio.Path(token_file).read_text()).strip()
-            if token:
-                headers["Authorization"] = f"Bearer {token}"
-        return headers
-
-    def _base_params(self) -> dict[str, str]:
-        selector = self.config.server_selector()
-        return {"labelSelector": selector} if selector else {}
-
     async def _list(self) -> None:
         assert self._http is not None
         pods: dict[str, PodView] = {}
         rv = ""
         cont = ""
         while True:
-            params = {**self._base_params(), "limit": str(self.config.page_size)}
+            params = {**selector_params(self.config), "limit": str(self.config.page_size)}
             if cont:
                 params["continue"] = cont
             response = await self._http.get(
-                self.config.pods_path(), params=params, headers=await self._headers()
+                self.config.pods_path(),
+                params=params,
+                headers=await request_headers(self._endpoint),
             )
             if response.status_code != 200:
                 raise ApiError.from_response(response)
@@ -591,14 +280,14 @@ class KubernetesDiscovery:
         assert self._http is not None
         cfg = self.config
         params = {
-            **self._base_params(),
+            **selector_params(self.config),
             "watch": "true",
             "resourceVersion": self._rv,
             "allowWatchBookmarks": "true",
             "timeoutSeconds": str(cfg.watch_timeout_secs),
         }
         timeout = httpx2.Timeout(cfg.request_timeout_secs, read=None)
-        headers = await self._headers()
+        headers = await request_headers(self._endpoint)
         with trio.CancelScope(deadline=trio.current_time() + cfg.stall_timeout_secs) as watchdog:
             async with self._http.stream(
                 "GET", cfg.pods_path(), params=params, headers=headers, timeout=timeout
@@ -706,6 +395,3 @@ class KubernetesDiscovery:
         (log.warning if warn else log.info)("kubernetes discovery: %s", message)
         if self._on_error is not None:
             self._on_error(kind)
-
-
-# -- command line -------------------------------------------------------------------------------
