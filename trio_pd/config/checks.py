@@ -108,10 +108,11 @@ def check_overload(config: RouterConfig, fail: Fail) -> None:
         fail("overload.waiting_requests", f"must be 1 or more, not {overload.waiting_requests}")
     if not 0.0 < overload.token_usage <= 1.0:
         fail("overload.token_usage", f"must be in (0, 1], not {overload.token_usage}")
-    if overload.prefill_queue_size < 0:
-        fail("overload.prefill_queue_size", f"must be 0 or more, not {overload.prefill_queue_size}")
-    if not overload.prefill_queue_timeout_secs > 0:
-        fail("overload.prefill_queue_timeout_secs", "must be > 0")
+    size, timeout = overload.prefill_line
+    if size < 0:
+        fail("overload.prefill_queue_size", f"must be 0 or more, not {size}")
+    if not timeout > 0:
+        fail("overload.prefill_queue_timeout_secs", f"must be > 0, not {timeout}")
     if overload.pd_admission_wait_secs < 0:
         fail("overload.pd_admission_wait_secs", "must be 0 (no gate) or more")
 

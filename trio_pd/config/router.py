@@ -84,13 +84,22 @@ class OverloadConfig:
     token_usage: float = 0.8  # KV token usage, mean over DP ranks
     shed: bool = False  # every candidate over: 503 + Retry-After, not the least loaded
     prefill_max_inflight: int = -1  # per prefill worker; <= 0: no cap (SMG's default -1)
-    prefill_queue_size: int = 100  # requests waiting for a prefill slot, at most
-    prefill_queue_timeout_secs: float = 60.0  # longest wait for one
+    # Requests waiting for a prefill slot, at most, and the longest wait; None: SMG's built-in
+    # defaults once the cap is on (100, 60 s).
+    prefill_queue_size: int | None = None
+    prefill_queue_timeout_secs: float | None = None
     pd_admission_wait_secs: float = 30.0  # wait for a place in the decode's window; 0: no gate
 
     @property
     def prefill_cap(self) -> int | None:
         return self.prefill_max_inflight if self.prefill_max_inflight > 0 else None
+
+    @property
+    def prefill_line(self) -> tuple[int, float]:
+        """(the line's size, its timeout), SMG's defaults where not given."""
+        size = 100 if self.prefill_queue_size is None else self.prefill_queue_size
+        timeout = self.prefill_queue_timeout_secs
+        return size, 60.0 if timeout is None else timeout
 
 
 @attrs.frozen

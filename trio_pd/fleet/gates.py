@@ -218,9 +218,5 @@ class Gates:
 
     def __init__(self, config: OverloadConfig) -> None:
         cap = config.prefill_cap
-        self.prefill = (
-            PrefillGate(cap, config.prefill_queue_size, config.prefill_queue_timeout_secs)
-            if cap is not None
-            else None
-        )
+        self.prefill = PrefillGate(cap, *config.prefill_line) if cap is not None else None
         self.decode = DecodeGate(config.pd_admission_wait_secs)

@@ -52,16 +52,15 @@ OVERLOAD: tuple[Flag, ...] = (
     ),
     Flag(
         "--prefill-queue-size",
-        "with the prefill cap: requests waiting for a prefill slot, at most (more: 429)",
+        "with the prefill cap: requests waiting for a prefill slot, at most (more: 429); "
+        "default 100",
         "overload.prefill_queue_size",
-        default=100,
         type=int,
     ),
     Flag(
         "--prefill-queue-timeout-secs",
-        "with the prefill cap: longest wait for a prefill slot (then 429)",
+        "with the prefill cap: longest wait for a prefill slot (then 429); default 60",
         "overload.prefill_queue_timeout_secs",
-        default=60,
         type=float,
     ),
     Flag(
