@@ -273,3 +273,23 @@ async def test_a_full_window_past_the_wait_is_503(nursery: trio.Nursery) -> None
         cluster.decodes, "refused"
     )
     await cluster.client.aclose()
+
+
+async def test_a_zero_wait_turns_the_decode_gate_off(nursery: trio.Nursery) -> None:
+    """0 is no gate (SMG 1.13: shed at once): the engine queues what its window cannot run."""
+    cluster = await start_cluster(
+        nursery,
+        decode={"max_running": 1, "inter_token_ms": 20.0},
+        overload=OverloadConfig(pd_admission_wait_secs=0),
+    )
+    codes: list[int] = []
+
+    async def send(i: int) -> None:
+        codes.append((await post(cluster, f"nogate-{i}", max_new_tokens=10)).status_code)
+
+    async with trio.open_nursery() as load:
+        for i in range(3):
+            load.start_soon(send, i)
+    assert codes == [200] * 3
+    assert peak_in_flight(cluster.decode) == 3  # all three reached it; it ran one at a time
+    await cluster.client.aclose()
