@@ -4,7 +4,8 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint format demo bench bench-peers bench-router-bound bench-vllm bench-aborts clean sglang-env \
+.PHONY: install test lint format demo bench bench-peers bench-router-bound bench-vllm bench-aborts \
+	bench-overload clean sglang-env \
 	test-sglang demo-sglang
 
 $(STAMP): pyproject.toml
@@ -36,7 +37,8 @@ WRK_INSTALL = command -v wrk >/dev/null 2>&1 || apt-get install -y -qq wrk >/dev
 	|| (apt-get update -qq && apt-get install -y -qq wrk) >/dev/null 2>&1 \
 	|| echo "wrk unavailable: the Python load generator runs alone (router-bound needs wrk)"
 PEERS_INSTALL = (test -x bench/.peers/bin/python || $(PYTHON) -m venv bench/.peers) \
-	&& bench/.peers/bin/python -m pip install -q 'sglang-router==0.3.2' 'vllm-router==0.1.17'
+	&& bench/.peers/bin/python -m pip install -q 'sglang-router==0.3.2' 'vllm-router==0.1.17' \
+	'smg==1.13.0'
 
 bench: $(STAMP)
 	@$(WRK_INSTALL)
@@ -51,6 +53,12 @@ bench-peers: $(STAMP)
 bench-vllm: $(STAMP)
 	$(PEERS_INSTALL)
 	$(BIN)/python -m bench.storm_vllm $(BENCH_ARGS)
+
+# Engine-aware admission (bench/overload.py, docs/overload.md): one decode saturated, overload
+# protection on and off, trio_pd and SMG 1.13's `smg launch` in one run (about 3 minutes).
+bench-overload: $(STAMP)
+	$(PEERS_INSTALL)
+	$(BIN)/python -m bench.overload $(BENCH_ARGS)
 
 # Aborts at storm rate (issue 19, bench/abort_rate.py): 100-750 failing req/s, aborts on and off
 # (about 3 minutes; BENCH_ARGS=--quick about 1).

@@ -3,8 +3,8 @@
 `python -m tests.launch_surface` rewrites the table of docs/smg-1.13.md (between its markers);
 `tests/test_launch.py` fails while it is not what this prints. Every flag of the checked-in list
 (tests/data/smg_1.13.0_flags.json, `tests/data/dump_smg_flags.py`) gets one `treatment`:
-implemented (serve's row, as in SMG or differing, and why), pending (a serve row other branches
-add), ignored or refused (why). A flag with no treatment is an error, not a row.
+implemented (serve's row, as in SMG or differing, and why), ignored or refused (why). A flag
+with no treatment is an error, not a row.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from trio_pd.cli.launch import foreign_rows
 from trio_pd.cli.main import build_parser
 from trio_pd.config.flags import BY_NAME
 from trio_pd.config.flags.launch import ALIASES, FOLLOWS_1_13, LAUNCH_FLAGS
-from trio_pd.config.launch_compat import PENDING_SERVE_ROWS
 
 ROOT = Path(__file__).resolve().parent.parent
 SMG_FLAGS = ROOT / "tests" / "data" / "smg_1.13.0_flags.json"
@@ -66,8 +65,6 @@ def treatment(flag: str) -> tuple[str, str]:
     """(what `trio-pd launch` does with an SMG 1.13 flag, why or how)."""
     foreign = {row.flag: row for row in foreign_rows()}
     row = {row.name: row for row in LAUNCH_FLAGS}.get(flag)
-    if flag in PENDING_SERVE_ROWS and row is None:
-        return "pending", "the serve row of the same name, being added (until then: ignored)"
     if row is not None:
         help_text = (row.help or "").replace("%%", "%")
         if row.differs:

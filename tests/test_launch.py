@@ -2,8 +2,8 @@
 
 Every flag of `smg launch` (tests/data/smg_1.13.0_flags.json, with its provenance), and every
 second spelling of one, is in `trio-pd launch --help`, parses with SMG's arity, and is
-implemented (serve's row, SMG 1.13's meaning where 1.13 changed it), pending (a serve row other
-branches add), ignored with a warning naming it, or refused with a message naming it (exit 2):
+implemented (serve's row, SMG 1.13's meaning where 1.13 changed it), ignored with a warning
+naming it, or refused with a message naming it (exit 2):
 never argparse's "unrecognized arguments". The examples of `smg launch --help` parse; the PD
 ones build a RouterConfig. docs/smg-1.13.md's table is the one `tests/launch_surface.py` makes.
 """
@@ -38,7 +38,7 @@ from trio_pd.config.flags.launch import (
     WIDER_CHOICES,
     available_cores,
 )
-from trio_pd.config.launch_compat import PENDING_SERVE_ROWS, UPSTREAM_HTTP2
+from trio_pd.config.launch_compat import UPSTREAM_HTTP2
 
 SMG = smg_flags()
 SPELLINGS = sorted(
@@ -52,6 +52,7 @@ SMG_SAMPLES: dict[str, list[str]] = {
     "--model-alias": ["alias=model"],
     "--encode-selector": ["role=encode"],
     "--router-selector": ["app=router"],
+    "--worker-overload-token-usage": ["0.5"],  # SMG's range (0, 1], as serve checks it
 }
 
 
@@ -89,11 +90,10 @@ def test_the_smg_list_is_the_whole_surface() -> None:
 
 def test_every_smg_flag_is_classified() -> None:
     """A flag 1.13 has and trio_pd neither implements, nor ignores, nor refuses fails here (as
-    one a newer list would add); so does a note or a pending row naming no SMG flag."""
+    one a newer list would add); so does a note naming no SMG flag."""
     treated = {flag: treatment(flag)[0] for flag in SMG}  # Unclassified raises
-    statuses = {"as in SMG", AS_1_13, "differs", "pending", "ignored", "refused"}
+    statuses = {"as in SMG", AS_1_13, "differs", "ignored", "refused"}
     assert set(treated.values()) <= statuses | {row.status for row in foreign_rows()}
-    assert not PENDING_SERVE_ROWS - set(SMG)
     assert not set(LAUNCH_DIFFERS) - set(SMG)
     assert not set(FOLLOWS_1_13) - set(SMG)
     assert not set(WIDER_CHOICES) - set(SMG)
@@ -123,7 +123,9 @@ def test_implemented_flags_keep_smg_defaults_and_choices() -> None:
     assert len(implemented) > 60
     for flag in implemented:
         spec, action = SMG[flag], actions[flag]
-        if not same_default(action.default, spec["default"]):
+        # A switch not given is off whether SMG's parser says None or False.
+        unset_switch = spec["switch"] and action.default is False and spec["default"] is None
+        if not same_default(action.default, spec["default"]) and not unset_switch:
             assert treatment(flag)[0] == "differs", f"{flag}: default {action.default!r} not 1.13's"
         if spec["choices"]:
             missing = set(spec["choices"]) - {str(c) for c in action.choices or ()}
@@ -134,7 +136,7 @@ def test_implemented_flags_keep_smg_defaults_and_choices() -> None:
 def test_each_smg_flag_parses_with_its_treatment(
     spelling: str, flag: str, tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Implemented: a config. Ignored or pending: a warning naming the flag. Refused: exit 2
+    """Implemented: a config. Ignored: a warning naming the flag. Refused: exit 2
     with a message naming the flag and saying why, never "unrecognized arguments"."""
     words = sample(spelling, SMG[flag]) + COMPANIONS.get(flag, [])
     argv = [a.format(tmp=tmp_path) for a in words]
@@ -150,7 +152,7 @@ def test_each_smg_flag_parses_with_its_treatment(
         return
     config = config_of(argv)
     warned = [w for w in config.startup_warnings if w.startswith(flag)]
-    if status in ("ignored", "pending"):
+    if status == "ignored":
         assert warned, f"{spelling} is ignored without a warning"
     else:
         assert not warned

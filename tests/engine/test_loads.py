@@ -162,3 +162,21 @@ async def test_get_load_is_gone_unless_kept_for_old_engines(nursery, client):
             {"dp_rank": 1, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0},
         ],
     }
+
+
+async def test_saturate_reports_another_routers_load(nursery, client):
+    """The test knob (`EngineState.saturate`, `--extra-queued`): requests queued for compute
+    in the waiting queue, running ones and KV held, on every rank, until it is undone."""
+    decode = await start_engine(nursery, "decode", extra_queued=3)
+    url = f"http://127.0.0.1:{decode.port}/v1/loads?include=core,disagg,queues"
+    [load] = (await client.get(url)).json()["loads"]
+    assert (load["num_waiting_reqs"], load["queues"]["waiting"]) == (3, 3)
+    assert load["disaggregation"]["decode_prealloc_queue_reqs"] == 0  # none waits for KV
+    half = decode.config.max_total_tokens // 2
+    decode.state.saturate(queued=9, running=2, used_tokens=half)
+    [load] = (await client.get(url)).json()["loads"]
+    assert (load["num_waiting_reqs"], load["num_running_reqs"]) == (9, 2)
+    assert load["token_usage"] == 0.5 and load["num_used_tokens"] == half
+    decode.state.saturate()
+    [load] = (await client.get(url)).json()["loads"]
+    assert (load["num_waiting_reqs"], load["num_running_reqs"], load["token_usage"]) == (0, 0, 0.0)

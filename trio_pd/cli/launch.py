@@ -44,7 +44,7 @@ def serve_foreign_under_launch(foreign: compat.Foreign) -> compat.Foreign:
 def foreign_rows() -> tuple[compat.Foreign, ...]:
     return (
         *(serve_foreign_under_launch(f) for f in compat.FOREIGN),
-        *launch_foreign(list(BY_NAME)),
+        *launch_foreign(),
     )
 
 

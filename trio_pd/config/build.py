@@ -22,6 +22,7 @@ from trio_pd.config.router import (
     BreakerConfig,
     EdgeConfig,
     HealthConfig,
+    OverloadConfig,
     PolicyConfig,
     RetryConfig,
     RouterConfig,
@@ -36,6 +37,7 @@ NESTED: dict[str, type] = {
     "policy": PolicyConfig,
     "timeouts": TimeoutConfig,
     "edges": EdgeConfig,
+    "overload": OverloadConfig,
 }
 OPTIONAL: dict[str, type] = {"kubernetes": KubernetesConfig, "etcd": EtcdConfig}
 MINI_LB = (

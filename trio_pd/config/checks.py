@@ -57,6 +57,7 @@ def check(config: RouterConfig, sources: Mapping[str, str]) -> None:
     check_ports(config, fail)
     check_edges(config, fail)
     check_admission(config, fail)
+    check_overload(config, fail)
     check_policy(config, fail)
     check_keys(config, where)
     for name in config.request_id_headers or ():
@@ -145,6 +146,22 @@ def check_admission(config: RouterConfig, fail: Fail) -> None:
     if 0 < cap < config.workers:
         fail("max_concurrent_requests", f"{cap} is below --workers {config.workers}: each "
              "process needs one slot at least (it is divided among them)")  # fmt: skip
+
+
+def check_overload(config: RouterConfig, fail: Fail) -> None:
+    """SMG's ranges: waiting requests >= 1, token usage in (0, 1], a queue and a wait."""
+    overload = config.overload
+    if overload.waiting_requests < 1:
+        fail("overload.waiting_requests", f"must be 1 or more, not {overload.waiting_requests}")
+    if not 0.0 < overload.token_usage <= 1.0:
+        fail("overload.token_usage", f"must be in (0, 1], not {overload.token_usage}")
+    size, timeout = overload.prefill_line
+    if size < 0:
+        fail("overload.prefill_queue_size", f"must be 0 or more, not {size}")
+    if not timeout > 0:
+        fail("overload.prefill_queue_timeout_secs", f"must be > 0, not {timeout}")
+    if overload.pd_admission_wait_secs < 0:
+        fail("overload.pd_admission_wait_secs", "must be 0 (no gate) or more")
 
 
 def check_policy(config: RouterConfig, fail: Fail) -> None:

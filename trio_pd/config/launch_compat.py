@@ -11,10 +11,6 @@ not offer, parsed with SMG's arity, and follow `config/compat.py`'s rule:
   cache-aware index and worker monitor;
 - **refused** (exit 2, the reason) where it would: EPD (encode workers), HTTP/2 to the workers,
   per-tenant data-plane keys, tenant rate limits and the priority scheduler.
-
-`PENDING_SERVE_ROWS` are flags other branches are adding to `serve` as rows: `launch` maps each
-to the serve row of the same name when it is there and, until then, parses it with SMG's arity
-and warns that it is ignored. (The lead empties the set when those rows are merged.)
 """
 
 from __future__ import annotations
@@ -34,29 +30,6 @@ from trio_pd.config.flags.launch import LAUNCH_FLAGS, WIDER_CHOICES
 from trio_pd.config.router import RouterConfig
 
 # Flags whose serve row is being added on another branch: the serve row of the same name.
-PENDING_SERVE_ROWS: frozenset[str] = frozenset(
-    {
-        "--worker-overload-waiting-requests", "--worker-overload-token-usage",
-        "--worker-overload-protection", "--disable-worker-overload-protection",
-        "--worker-overload-shed", "--prefill-max-inflight-requests-per-worker",
-        "--prefill-queue-size", "--prefill-queue-timeout-secs", "--pd-admission-wait-secs",
-    }
-)  # fmt: skip
-PENDING = "trio_pd's serve row for it is not in this build yet (it is being added)"
-
-# SMG's arity of the pending flags, used only while their serve row is absent.
-PENDING_ARITY: dict[str, dict[str, Any]] = {
-    "--worker-overload-waiting-requests": {"type": int},
-    "--worker-overload-token-usage": {"type": float},
-    "--worker-overload-protection": {"switch": True},
-    "--disable-worker-overload-protection": {"switch": True},
-    "--worker-overload-shed": {"switch": True},
-    "--prefill-max-inflight-requests-per-worker": {"type": int},
-    "--prefill-queue-size": {"type": int},
-    "--prefill-queue-timeout-secs": {"type": int},
-    "--pd-admission-wait-secs": {"type": int},
-}
-
 UPSTREAM_HTTP2 = (
     "trio_pd's upstream is its own HTTP/1.1 keep-alive pool (trio_pd/upstream/http11.py) and "
     "h2c to the workers is not supported: a Python h2c client (the h2 library) spent 5.7-6.5x "
@@ -243,23 +216,21 @@ LAUNCH_FOREIGN: tuple[Foreign, ...] = (
     *_ignored(LOAD_MONITOR, ["--disable-load-monitoring"], switch=True),
     *_ignored("SMG's heap profiles of its Rust process", ["--jemalloc-prof-dir"]),
     *_ignored(
+        "overload protection is on by default here as in SMG 1.13, where this switch only keeps "
+        "it on (for older command lines): it changes nothing; --disable-worker-overload-protection "
+        "turns it off",
+        ["--worker-overload-protection"],
+        switch=True,
+    ),
+    *_ignored(
         BUFFERING, ["--max-buffered-request-bytes", "--stream-body-stall-timeout-secs"], type=int
     ),
 )
 
 
-def pending_rows(present: Sequence[str]) -> tuple[Foreign, ...]:
-    """The pending flags whose serve row is not among `present`: parsed with SMG's arity,
-    ignored with a warning until the row lands."""
-    rows = []
-    for flag in sorted(PENDING_SERVE_ROWS - set(present)):
-        rows.append(Foreign(flag, PENDING, "pending", kwargs=dict(PENDING_ARITY[flag])))
-    return tuple(rows)
-
-
-def launch_foreign(present: Sequence[str]) -> tuple[Foreign, ...]:
-    """Every row launch adds to serve's: SMG-only flags, and pending flags without a row."""
-    return (*LAUNCH_FOREIGN, *pending_rows(present))
+def launch_foreign() -> tuple[Foreign, ...]:
+    """Every row launch adds to serve's: the SMG-only flags, ignored or refused."""
+    return LAUNCH_FOREIGN
 
 
 def widened_choices(values: Mapping[str, Any], given: Collection[str]) -> list[str]:
@@ -290,7 +261,7 @@ def build_launch_config(
 ) -> RouterConfig:
     """The RouterConfig of a parsed `trio-pd launch` line: launch's own rows judged (refused:
     one ConfigError; ignored: a startup warning), then serve's build over `LAUNCH_FLAGS`."""
-    rows = {row.flag: row for row in launch_foreign(list(BY_NAME))}
+    rows = {row.flag: row for row in launch_foreign()}
     errors, warnings = compat.check_values(values, given, rows)
     errors += widened_choices(values, given)
     if errors:

@@ -77,6 +77,35 @@ class HealthConfig:
 
 
 @attrs.frozen
+class OverloadConfig:
+    """Engine-aware admission (docs/overload.md), SMG 1.13's flags: the overload veto from the
+    engines' /v1/loads, the per-prefill in-flight cap with its FIFO queue, the decode's
+    running-window gate."""
+
+    protection: bool = True  # --disable-worker-overload-protection turns it off
+    waiting_requests: int = 8  # queued for compute, summed over DP ranks (decode: not for KV)
+    token_usage: float = 0.8  # KV token usage, mean over DP ranks
+    shed: bool = False  # every candidate over: 503 + Retry-After, not the least loaded
+    prefill_max_inflight: int = -1  # per prefill worker; <= 0: no cap (SMG's default -1)
+    # Requests waiting for a prefill slot, at most, and the longest wait; None: SMG's built-in
+    # defaults once the cap is on (100, 60 s).
+    prefill_queue_size: int | None = None
+    prefill_queue_timeout_secs: float | None = None
+    pd_admission_wait_secs: float = 30.0  # wait for a place in the decode's window; 0: no gate
+
+    @property
+    def prefill_cap(self) -> int | None:
+        return self.prefill_max_inflight if self.prefill_max_inflight > 0 else None
+
+    @property
+    def prefill_line(self) -> tuple[int, float]:
+        """(the line's size, its timeout), SMG's defaults where not given."""
+        size = 100 if self.prefill_queue_size is None else self.prefill_queue_size
+        timeout = self.prefill_queue_timeout_secs
+        return size, 60.0 if timeout is None else timeout
+
+
+@attrs.frozen
 class TimeoutConfig:
     """Idle timeouts (seconds), in the spirit of AIBrix's decode watchdog. Each ends the request
     with the docs/protocol.md §4 answer (504 before headers, an error frame after) and closes both
@@ -247,3 +276,4 @@ class RouterConfig:
     policy: PolicyConfig = PolicyConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
     edges: EdgeConfig = EdgeConfig()  # connection edges: keep-alives, timeouts, probes
+    overload: OverloadConfig = OverloadConfig()

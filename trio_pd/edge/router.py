@@ -90,10 +90,12 @@ class Router:
     def _default_fleet(self) -> Fleet:
         # With a shared membership file the command line's workers live in the file.
         panics = self.metrics.panic_selections
+        overload = self.metrics.overload_decisions
         return Fleet(
             self.config,
             static=self.config.membership_file is None,
             on_panic=lambda role: panics.labels(role).inc(),
+            on_overload=lambda role, outcome: overload.labels(role, outcome).inc(),
         )
 
     @ssl_context.default

@@ -94,7 +94,7 @@ async def run_background(ctx: ServiceContext, *, task_status: trio.TaskStatus[No
         }
         if ctx.metrics.multiprocess_dir:
             tasks["metrics_sync"] = partial(sync_metrics, ctx.metrics)
-        roles = polled_roles(ctx.config.policy)
+        roles = polled_roles(ctx.config.policy, ctx.config.overload)
         if roles:
             interval = ctx.config.load_poll_interval_secs
             fetch = partial(worker_load, ctx)

@@ -8,14 +8,14 @@ a fixed backoff of its own (1 s, 2 s, ... 5 s), which the flag does not touch.
 
 Here the workers of each role whose policy is power_of_two are polled the same way, the healthy
 ones (only they can be chosen), at SGLang 0.5.23's `GET /v1/loads` (its `/get_load` is gone; an
-older engine's is asked when `/v1/loads` answers 404: `control/engine_info.py`), and each
-answer goes to `Worker.report_load`: `Worker.load()`
-then counts the engine's figure while it is fresh, so requests sent by other routers weigh too.
-Roles with another policy are not polled, as in SMG. An engine figure that reaches a worker
-anyway (`GET /get_loads` reports every worker's) counts in `Worker.load()` while fresh, for any
-policy that reads load (cache-aware's balance check, manual's `min_load`): it is what the engine
-said it holds, and freshness bounds how long it speaks.
-"""
+older engine's is asked when `/v1/loads` answers 404: `control/engine_info.py`), and each answer
+goes to `Worker.report_load`: `Worker.load()` then counts the engine's figure while it is fresh,
+so requests sent by other routers weigh too. Roles with another policy are not polled, as in SMG
+0.3.2, unless overload protection is on (SMG 1.13's default, docs/overload.md): then every role
+is, since the veto reads every worker's. An engine figure that reaches a worker anyway (`GET
+/get_loads` reports every worker's) counts in `Worker.load()` while fresh, for any policy that
+reads load (cache-aware's balance check, manual's `min_load`): it is what the engine said it
+holds, and freshness bounds how long it speaks."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import trio
 
-from trio_pd.config import PolicyConfig
+from trio_pd.config import OverloadConfig, PolicyConfig
 from trio_pd.fleet.registry import Fleet
 from trio_pd.fleet.reports import EngineLoad
 from trio_pd.fleet.worker import ROLES, Worker
@@ -37,9 +37,12 @@ FETCH_TIMEOUT_SECS = 5.0  # SMG's REQUEST_TIMEOUT for a load poll
 LOAD_POLICIES = ("power_of_two", "least_load")
 
 
-def polled_roles(policy: PolicyConfig) -> tuple[Role, ...]:
-    """The roles whose choices use the engines' loads: power_of_two, least_load (SMG's
+def polled_roles(policy: PolicyConfig, overload: OverloadConfig | None = None) -> tuple[Role, ...]:
+    """The roles whose choices use the engines' loads: every role while overload protection
+    is on (`fleet/overload.py`), else power_of_two's and least_load's (SMG's
     `needs_backend_loads`)."""
+    if overload is not None and overload.protection:
+        return ROLES
     return tuple(role for role in ROLES if policy.for_role(role) in LOAD_POLICIES)
 
 

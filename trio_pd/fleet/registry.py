@@ -13,9 +13,11 @@ import trio
 
 from trio_pd.config import RouterConfig
 from trio_pd.fleet.breaker import CircuitBreaker
+from trio_pd.fleet.gates import AtCapacity
 from trio_pd.fleet.hints import NO_HINTS, RouteHints
+from trio_pd.fleet.overload import Overloaded, veto
 from trio_pd.fleet.policies import Policy, make_policy
-from trio_pd.fleet.worker import ROLES, NoWorkerAvailable, RankHold, Tracked, Worker
+from trio_pd.fleet.worker import ROLES, Hold, NoWorkerAvailable, Tracked, Worker
 from trio_pd.spec import Role, WorkerRecord, WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,7 @@ class Fleet:
         *,
         static: bool = True,
         on_panic: Callable[[Role], None] | None = None,
+        on_overload: Callable[[Role, str], None] | None = None,
     ) -> None:
         self.config = config
         self.rng = rng or random.Random()
@@ -57,6 +60,7 @@ class Fleet:
         self._changed = trio.Event()
         self.panics: dict[Role, int] = dict.fromkeys(ROLES, 0)  # selections in panic routing
         self.on_panic = on_panic  # e.g. a metric
+        self.on_overload = on_overload  # (role, "vetoed" | "fallback" | "shed"): a metric
         self.sources: dict[str, tuple[bool, str]] = {}  # source -> (reachable, detail)
         self._models: tuple[int, list[str]] | None = None
         # An engine's reported load (GET /get_loads, the polling of `fleet/loads.py`) counts
@@ -210,6 +214,7 @@ class Fleet:
         avoid: frozenset[Worker] = frozenset(),
         engine: str | None = None,
         fits: Callable[[Worker], bool] | None = None,
+        admit: Callable[[Worker], bool] | None = None,
     ) -> Worker:
         """Choose a worker of `role` (serving `hints.model`, when given) for a leg.
 
@@ -219,7 +224,8 @@ class Fleet:
         last workers of a role out of rotation, or a handful of poisonous requests would turn
         into an outage for everyone. A worker that is really dead fails its health checks and
         leaves rotation that way. Policies only ever see the model's own workers, so cache-aware
-        trees and loads never mix models.
+        trees and loads never mix models. Workers over the overload thresholds are left out
+        while another candidate is under them (`fleet/overload.py`; may raise Overloaded).
         """
         model = hints.model
         candidates = self.available(role, model)
@@ -248,6 +254,11 @@ class Fleet:
             self.panics[role] += 1
             if self.on_panic is not None:
                 self.on_panic(role)
+        if admit is not None:  # the prefill gate: only workers with a free slot (`fleet/gates.py`)
+            candidates = [w for w in candidates if admit(w)]
+            if not candidates:
+                raise AtCapacity(role)
+        candidates = self._veto_overloaded(role, candidates)
         if avoid:
             preferred = [w for w in candidates if w not in avoid]
             if preferred:
@@ -255,13 +266,17 @@ class Fleet:
         return self.policies[role].choose(candidates, hints)
 
     def select_pair(
-        self, hints: RouteHints = NO_HINTS, avoid: frozenset[Worker] = frozenset()
+        self,
+        hints: RouteHints = NO_HINTS,
+        avoid: frozenset[Worker] = frozenset(),
+        admit: Callable[[Worker], bool] | None = None,
     ) -> tuple[Worker, Worker]:
         """(prefill, decode). Raises NoWorkerAvailable for the first role with nobody up. The
         decode speaks the prefill's engine's protocol: a pair never mixes engines. Nor KV
         transfer backends (`pairable`): a prefill is a candidate only with a routable decode it
         can pair with, the decode only if it pairs with the chosen prefill; none left is
-        `no_compatible_pd_pair` (SMG 1.13's lenient pairing)."""
+        `no_compatible_pd_pair` (SMG 1.13's lenient pairing). `admit`: which prefills have a
+        free slot (the prefill gate; AtCapacity when none has)."""
         backends: dict[str, set[str | None]] = {}  # engine -> its decodes' backends
         for d in self.routable("decode", hints.model):
             backends.setdefault(d.spec.engine, set()).add(d.server_info.transfer_backend)
@@ -274,7 +289,7 @@ class Fleet:
             backend = prefill.server_info.transfer_backend
             return backend is None or None in found or backend in found
 
-        prefill = self.select("prefill", hints, avoid, fits=has_partner)
+        prefill = self.select("prefill", hints, avoid, fits=has_partner, admit=admit)
         decode = self.select(
             "decode", hints, avoid, engine=prefill.spec.engine,
             fits=lambda d: pairable(prefill, d),
@@ -293,9 +308,7 @@ class Fleet:
     def models_changed(self) -> None:
         self._models = None
 
-    def track(
-        self, worker: Worker, hold: RankHold | None = None, key: str | None = None
-    ) -> Tracked:
+    def track(self, worker: Worker, hold: Hold | None = None, key: str | None = None) -> Tracked:
         """`with fleet.track(worker, hold, key)`: count a leg on `worker` (under its routing
         `key`, if any); release its rank hold."""
         return Tracked(worker, hold, key)
@@ -325,6 +338,18 @@ class Fleet:
         return [w.to_json() for w in self._workers.values()]
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _veto_overloaded(self, role: Role, candidates: list[Worker]) -> list[Worker]:
+        """Leave out the workers over the overload thresholds (`fleet/overload.py`)."""
+        try:
+            kept, vetoed, fell_back = veto(role, candidates, self.config.overload)
+        except Overloaded:
+            if self.on_overload is not None:
+                self.on_overload(role, "shed")
+            raise
+        if vetoed and self.on_overload is not None:
+            self.on_overload(role, "fallback" if fell_back else "vetoed")
+        return kept
 
     def _bump(self) -> None:
         self.version += 1

@@ -6,6 +6,8 @@ Pure bookkeeping on trio time; nothing here knows HTTP. Hashes by identity.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import attrs
 import trio
 
@@ -190,13 +192,40 @@ class RankHold:
             worker.rank_in_flight[self._rank] -= 1
 
 
+class Hold(Protocol):
+    """A claim a leg gives back when it ends: a DP rank, a gate's slot (`fleet/gates.py`)."""
+
+    def release(self) -> None: ...
+
+
+class Holds:
+    """Several holds of one leg, released together (each release is idempotent)."""
+
+    __slots__ = ("_holds",)
+
+    def __init__(self, *holds: Hold) -> None:
+        self._holds = holds
+
+    def release(self) -> None:
+        for hold in self._holds:
+            hold.release()
+
+
+def joined(*holds: Hold | None) -> Hold | None:
+    """One hold for all of `holds` (None when there are none)."""
+    present = [hold for hold in holds if hold is not None]
+    if not present:
+        return None
+    return present[0] if len(present) == 1 else Holds(*present)
+
+
 class Tracked:
     """A leg counted on its worker while it runs, under its routing key when it has one (and its
     rank hold released when it ends); a class, not a generator: it is on every leg's path."""
 
     __slots__ = ("_hold", "_key", "_worker")
 
-    def __init__(self, worker: Worker, hold: RankHold | None, key: str | None = None) -> None:
+    def __init__(self, worker: Worker, hold: Hold | None, key: str | None = None) -> None:
         self._worker = worker
         self._hold = hold
         self._key = key

@@ -143,6 +143,22 @@ class RouterMetrics:
             ["role"],
             registry=r,
         )
+        self.overload_decisions = Counter(
+            "trio_pd_overload_decisions",
+            "Selections the overload veto changed (docs/overload.md), by role and outcome: "
+            "vetoed (over-threshold workers left out), fallback (all over: the least loaded), "
+            "shed (all over: 503).",
+            ["role", "outcome"],
+            registry=r,
+        )
+        self.gate_waits = Histogram(
+            "trio_pd_gate_wait_seconds",
+            "Waits for a prefill slot (gate=prefill) or a place in the decode's running window "
+            "(gate=decode), by how they ended (admitted, full, timeout, cancelled).",
+            ["gate", "outcome"],
+            registry=r,
+            buckets=self.buckets_for("trio_pd_gate_wait_seconds", REQUEST_BUCKETS),
+        )
 
     def _services(self, r: CollectorRegistry) -> None:
         """The router's own health: internal errors, restarts, health checks, membership."""

@@ -22,12 +22,14 @@ import trio
 from trio_pd import jsonbody
 from trio_pd.config import RouterConfig
 from trio_pd.errors import RouterError, bad_request, no_worker
+from trio_pd.fleet.gates import Gates, Slot
 from trio_pd.fleet.hints import RouteHints
 from trio_pd.fleet.registry import NO_COMPATIBLE_PAIR, Fleet
 from trio_pd.fleet.retry import attempts, backoff_delay
-from trio_pd.fleet.worker import NoWorkerAvailable, RankHold, Worker
+from trio_pd.fleet.worker import Hold, NoWorkerAvailable, RankHold, Worker, joined
 from trio_pd.observe.metrics import RouterMetrics
 from trio_pd.pd.aborts import AbortJob, AbortService
+from trio_pd.pd.admission import admit_decode, admit_pair
 from trio_pd.pd.attempt import Attempt, Leg
 from trio_pd.pd.budget import Account
 from trio_pd.pd.cancel import RequestCancel
@@ -79,6 +81,10 @@ class DispatchContext:
     rng: random.Random
     metrics: RouterMetrics
     aborts: AbortService | None = None  # None: --no-abort-on-cancel
+    # The prefill cap and the decode window (`fleet/gates.py`), one set per process.
+    gates: Gates = attrs.field(
+        default=attrs.Factory(lambda self: Gates(self.config.overload), takes_self=True)
+    )
 
 
 async def dispatch_request(
@@ -121,12 +127,15 @@ async def dispatch(
     trace = request.trace
     for number in range(1, total + 1):
         try:
-            prefill, decode = ctx.fleet.select_pair(hints, frozenset(avoid))
+            prefill, decode, slots = await admitted_pair(ctx, hints, frozenset(avoid), inspected)
         except NoWorkerAvailable as exc:
             code = exc.reason if exc.reason == NO_COMPATIBLE_PAIR else None
             await responder.error(no_worker(str(exc), code))
             return
-        ranks = choose_ranks(ctx, prefill, decode)
+        except RouterError as exc:  # shed, or the prefill line or the decode window said no
+            await responder.error(exc)
+            return
+        ranks = with_slots(choose_ranks(ctx, prefill, decode), *slots)
         try:
             attempt = new_attempt(
                 ctx, request, responder, cancel, (prefill, decode), (started, deadline), number,
@@ -169,6 +178,36 @@ async def dispatch(
             continue
         await responder.reply(reply)
         return
+
+
+async def admitted_pair(
+    ctx: DispatchContext, hints: RouteHints, avoid: frozenset[Worker], inspected: Inspected
+) -> tuple[Worker, Worker, tuple[Slot | None, Slot | None]]:
+    """The pair through the admission gates (`pd/admission.py`), with the slots it holds."""
+    interval = ctx.config.load_poll_interval_secs
+    prefill, decode, prefill_slot = await admit_pair(
+        ctx.fleet, ctx.gates, ctx.metrics, hints, avoid, interval
+    )
+    try:
+        rooms = inspected.batch or 1
+        decode_slot = await admit_decode(ctx.gates, ctx.metrics, decode, rooms, interval)
+    except BaseException:
+        if prefill_slot is not None:
+            prefill_slot.release()
+        raise
+    return prefill, decode, (prefill_slot, decode_slot)
+
+
+def with_slots(ranks: Ranks, prefill_slot: Slot | None, decode_slot: Slot | None) -> Ranks:
+    """The gates' slots ride on the legs' holds: each is freed when its leg ends (the prefill
+    slot with the prefill phase, not the request), and by `Ranks.release` in any case."""
+    if prefill_slot is None and decode_slot is None:
+        return ranks
+    return attrs.evolve(
+        ranks,
+        prefill_hold=joined(ranks.prefill_hold, prefill_slot),
+        decode_hold=joined(ranks.decode_hold, decode_slot),
+    )
 
 
 def retry_plan(
@@ -238,7 +277,7 @@ def new_attempt(
             "payload_too_large",
         )
 
-    def leg(worker: Worker, body: bytes, hold: RankHold | None) -> Leg:
+    def leg(worker: Worker, body: bytes, hold: Hold | None) -> Leg:
         return Leg(
             worker.role,
             worker,
@@ -337,8 +376,8 @@ class Ranks:
     decode: int | None = None
     prefill_dp: int = 1
     decode_dp: int = 1
-    prefill_hold: RankHold | None = None
-    decode_hold: RankHold | None = None
+    prefill_hold: Hold | None = None  # a RankHold, with a gate's slot when one applies
+    decode_hold: Hold | None = None
 
     def release(self) -> None:
         for hold in (self.prefill_hold, self.decode_hold):

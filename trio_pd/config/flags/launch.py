@@ -115,6 +115,13 @@ LAUNCH_DIFFERS: dict[str, str] = {
     "load above the fleet's mean by both); trio_pd's cache_aware keeps SGLang 0.3.2's rule "
     "(the gap between the busiest and the idlest worker), its tree and its defaults",
     "--balance-rel-threshold": "as --balance-abs-threshold: SGLang 0.3.2's balance rule",
+    # Engine-aware admission (docs/overload.md).
+    "--worker-overload-waiting-requests": "on a PD decode, requests waiting for their KV cache "
+    "(the prealloc and transfer queues of /v1/loads' disaggregation section) are not counted: "
+    "every PD request waits there while its prefill runs, and SMG 1.13's count of them vetoes "
+    "(or with --worker-overload-shed sheds) healthy decodes under ordinary load",
+    "--pd-admission-wait-secs": "the gate is on the HTTP PD path (SMG 1.13: gRPC only), and 0 "
+    "turns it off (SMG: shed at once)",
 }
 
 

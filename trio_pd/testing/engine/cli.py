@@ -73,6 +73,13 @@ def _add_capacity(parser: argparse.ArgumentParser, defaults: EngineConfig) -> No
         help="decode slots per data-parallel rank (a FIFO queue beyond them)",
     )
     add("--max-total-tokens", type=int, default=defaults.max_total_tokens)
+    add(
+        "--extra-queued",
+        type=int,
+        default=0,
+        help="/v1/loads reports this many more requests "
+        "queued for compute per rank (another router's load)",
+    )
     add("--context-length", type=int, default=defaults.context_length)
     add(
         "--dp-size",
@@ -176,6 +183,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         inter_token_ms=args.inter_token_ms,
         max_running=args.max_running,
         max_total_tokens=args.max_total_tokens,
+        extra_queued=args.extra_queued,
         context_length=args.context_length,
         dp_size=args.dp_size,
         attn_dp_size=args.attn_dp_size,

@@ -61,6 +61,9 @@ class EngineConfig:
     inter_token_ms: float = 0.0
     max_running: int = 64  # decode slots (KV preallocations) per data-parallel rank
     max_total_tokens: int = 262_144  # KV pool size per rank (/v1/loads token_usage)
+    # Another router's requests queued for compute per rank, reported by /v1/loads from the start
+    # (`EngineState.saturate` changes it at run time): a saturated engine for the benchmarks.
+    extra_queued: int = 0
     # a prompt this long or longer is refused with SGLang's 400 (SGLang: the model's context;
     # large here unless a test sets it, e.g. a prefill with a shorter context than its decode)
     context_length: int = 1 << 24

@@ -19,6 +19,8 @@ scheduler's queues (state.py stages):
   num_used_tokens = KV held (transfer + running + aborted transfers whose pages are still held,
   see decode.py); num_total_tokens adds the prealloc queue's tokens; num_active_tokens takes
   away those of prealloc + transfer (KV not arrived).
+  `EngineState.saturate` adds another router's requests: queued ones to the waiting queue
+  (`queues.waiting`, num_waiting_reqs), running ones, and KV held (token_usage).
 - prefill: num_running_reqs = computing; num_waiting_reqs = bootstrap queue (waiting for the
   decode's registration); num_used_tokens = KV of the requests computing.
 """
@@ -120,11 +122,16 @@ def snapshot(engine: EngineState, rank: int) -> dict[str, Any]:
         active = total
         bootstrap_q, inflight = len(bootstrap), 0
     max_running = cfg.max_running
+    extra = engine.extra_queued  # another router's load (EngineState.saturate)
+    used = min(cfg.max_total_tokens, used + engine.extra_used_tokens)
+    total += engine.extra_used_tokens
+    active += engine.extra_used_tokens
+    running_count = len(running) + engine.extra_running
     return {
         "timestamp": time.time(),
         "dp_rank": rank,
-        "num_running_reqs": len(running),
-        "num_waiting_reqs": len(waiting),
+        "num_running_reqs": running_count,
+        "num_waiting_reqs": len(waiting) + extra,
         "num_waiting_uncached_tokens": 0,  # the prefill's waiting queue: not modelled (empty)
         "num_used_tokens": used,
         "num_total_tokens": total,
@@ -135,7 +142,7 @@ def snapshot(engine: EngineState, rank: int) -> dict[str, Any]:
         "token_usage": round(used / cfg.max_total_tokens, 4),
         "gen_throughput": 0.0,
         "cache_hit_rate": 0.0,
-        "utilization": round(len(running) / max_running, 4),
+        "utilization": round(running_count / max_running, 4),
         "total_prefill_uncached_tokens": 0 if decode else engine.prefill_uncached_tokens,
         "total_prefill_busy_us": 0 if decode else engine.prefill_busy_us,
         "decode_moments": None,
@@ -156,7 +163,7 @@ def snapshot(engine: EngineState, rank: int) -> dict[str, Any]:
             "kv_transfer_latency_ms": 0.0,
         },
         "queues": {
-            "waiting": len(queue),
+            "waiting": len(queue) + extra,
             "grammar": 0,
             "paused": 0,
             "retracted": 0,

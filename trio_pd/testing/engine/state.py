@@ -101,6 +101,16 @@ class EngineState:
         self.prefill_busy_us = 0
         self.health_status = 200  # what GET /health answers (a test sets 503: "still loading")
         self.stopping = False  # shutting down: /health and /ready answer 503
+        # Load another router's requests put on this engine, per DP rank, which /v1/loads
+        # reports beside the engine's own (`saturate`): a test drives a worker's load up.
+        self.extra_queued = config.extra_queued  # requests queued for compute (waiting queue)
+        self.extra_running = 0
+        self.extra_used_tokens = 0  # KV held: token_usage rises with it
+
+    def saturate(self, queued: int = 0, running: int = 0, used_tokens: int = 0) -> None:
+        """Report this much more load on every DP rank from now on (0, 0, 0: none)."""
+        self.extra_queued, self.extra_running = queued, running
+        self.extra_used_tokens = min(used_tokens, self.config.max_total_tokens)
 
     def set_faults(self, specs: tuple[str, ...] | list[str]) -> None:
         self.faults = parse_many(tuple(specs))

@@ -1,0 +1,207 @@
+"""Scenario `overload`: one of two decodes saturated by another tenant, overload protection on
+and off, trio_pd against SMG 1.13 (`smg launch`) in the same run (docs/overload.md).
+
+Engines (simulator processes): one prefill; decode A healthy (5 ms a token); decode B saturated:
+it reports 20 more requests queued for compute in `/v1/loads` (`--extra-queued 20`: another
+router's load) and is five times slower (25 ms a token), as a busy engine is. Round robin, loads
+polled every second (`--worker-startup-check-interval 1`, SMG's `--load-monitor-interval 1`).
+Open loop, non-stream `/generate`, 40 tokens, 16 req/s for 8 s (`--quick`: 5 s) per router, on
+fresh engines each:
+
+- `trio_pd`: its defaults (protection on: decode B is vetoed while A is under the thresholds);
+- `trio_pd_off`: `--disable-worker-overload-protection` (round robin sends B half);
+- `smg113`, `smg113_off`: the same two with SMG 1.13's `smg launch --pd-disaggregation`
+  (bench/.peers/bin/smg, /work/ref/smg-venv/bin/smg or `smg` on PATH; skipped without).
+
+A second part, `trio_pd_shed` and `smg113_shed` with `--worker-overload-shed`: both decodes
+healthy and the prefill slow (80 ms a token), so each decode holds about twenty requests waiting
+for their KV cache, ordinary PD operation that SGLang counts in `num_waiting_reqs`. SMG 1.13 counts
+them against `--worker-overload-waiting-requests` and sheds; trio_pd counts the compute queue.
+
+Reports goodput (answers 200 per second), p50/p99 of the successes, and how many requests each
+decode engine saw (from its event log). Writes bench/results/overload-*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import trio
+
+from bench import common, stats
+from bench.common import HOST, Proc, free_port, http_get, print_flush, wait_until
+from bench.httpc import one_request
+from bench.loadgen import sleep_until
+from bench.stats import pct
+
+NAME = "overload"
+ROUTERS = ("trio_pd", "trio_pd_off", "smg113", "smg113_off")
+# The second part: both decodes healthy, prefills slow, shedding on (`--worker-overload-shed`).
+SHED_ROUTERS = ("trio_pd_shed", "smg113_shed")
+COLUMNS = ("router", "sent", "ok", "goodput", "ok_p50_ms", "ok_p99_ms", "to_saturated",
+           "to_healthy")  # fmt: skip
+SHED_COLUMNS = ("router", "sent", "ok", "shed_503", "goodput", "ok_p50_ms", "ok_p99_ms")
+# bench/.peers (`make bench-overload` installs smg==1.13.0 there), the reference venv, PATH.
+SMG_CANDIDATES = (str(common.PEERS / "bin" / "smg"), "/work/ref/smg-venv/bin/smg",
+                  shutil.which("smg") or "")  # fmt: skip
+
+
+def settings(quick: bool) -> dict[str, Any]:
+    return {"rate": 16.0, "seconds": 5.0 if quick else 8.0, "tokens": 40, "healthy_ms": 5.0,
+            "saturated_ms": 25.0, "extra_queued": 20, "client_timeout": 30.0,
+            "shed_prefill_ms": 80.0}  # fmt: skip
+
+
+def smg_binary() -> str | None:
+    for path in SMG_CANDIDATES:
+        if path and os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def router_argv(
+    kind: str, prefill: common.Engine, decodes: list[common.Engine], port: int
+) -> list[str]:
+    workers = ["--prefill", prefill.url, str(prefill.bootstrap_port)]
+    for decode in decodes:
+        workers += ["--decode", decode.url]
+    workers += ["--host", HOST, "--port", str(port), "--policy", "round_robin"]
+    metrics = ["--prometheus-host", HOST, "--prometheus-port", str(free_port())]
+    off = ["--disable-worker-overload-protection"] if kind.endswith("_off") else []
+    if kind.endswith("_shed"):
+        off = ["--worker-overload-shed"]
+    if kind.startswith("smg113"):
+        binary = smg_binary()
+        assert binary is not None
+        return [binary, "launch", "--pd-disaggregation", *workers, "--load-monitor-interval", "1",
+                "--log-level", "warn", *metrics, *off]  # fmt: skip
+    return [common.trio_pd_bin(), "serve", *workers, "--log-level", "warning", *metrics,
+            "--admin-port", str(free_port()), "--worker-startup-check-interval", "1",
+            *off]  # fmt: skip
+
+
+async def open_loop(port: int, s: dict[str, Any], t0: float) -> list[dict[str, Any]]:
+    count = int(s["rate"] * s["seconds"])
+    records: list[dict[str, Any]] = []
+
+    async def one(i: int) -> None:
+        body = {"text": f"overload request {i} " + "word " * 20,
+                "sampling_params": {"max_new_tokens": s["tokens"], "temperature": 0}}  # fmt: skip
+        reply = await one_request(HOST, port, "POST", "/generate", orjson.dumps(body),
+                                  timeout=s["client_timeout"])  # fmt: skip
+        records.append({"t_send": reply.t_start - t0, "t_end": reply.t_end - t0,
+                        "status": reply.status, "ok": reply.ok, "error": reply.error})  # fmt: skip
+
+    async with trio.open_nursery() as nursery:
+        for i in range(count):
+            await sleep_until(t0 + i / s["rate"])
+            nursery.start_soon(one, i)
+    return records
+
+
+def started(engine: common.Engine) -> int:
+    return sum(1 for e in engine.events() if e.get("event") == "request_start")
+
+
+def run(kind: str, quick: bool) -> dict[str, Any]:
+    """One router on fresh engines; a `_shed` router gets the second part's engines: both
+    decodes healthy, the prefill slow (`shed_prefill_ms` a token), so each decode holds about
+    twenty requests waiting for their KV (normal PD operation, num_waiting_reqs over 8)."""
+    s = settings(quick)
+    shed_part = kind.endswith("_shed")
+    logdir = Path(tempfile.mkdtemp(prefix=f"overload-{kind}-"))
+    procs: list[Proc] = []
+    try:
+        prefill_ms = s["shed_prefill_ms"] if shed_part else 0.2
+        prefill = common.start_engine("prefill", logdir,
+                                      args=["--prefill-ms-per-token", str(prefill_ms)])  # fmt: skip
+        healthy = common.start_engine("decode", logdir, name="decode-healthy",
+                                      args=["--inter-token-ms", str(s["healthy_ms"])])  # fmt: skip
+        busy = ["--inter-token-ms", str(s["saturated_ms"]), "--extra-queued",
+                str(s["extra_queued"])]  # fmt: skip
+        saturated = common.start_engine(
+            "decode",
+            logdir,
+            name="decode-saturated",
+            args=["--inter-token-ms", str(s["healthy_ms"])] if shed_part else busy,
+        )
+        procs += [prefill.proc, healthy.proc, saturated.proc]
+        port = free_port()
+        router = Proc(f"router-{kind}", router_argv(kind, prefill, [healthy, saturated], port),
+                      logdir)  # fmt: skip
+        procs.append(router)
+        wait_until(lambda: http_get(port, "/health") == 200, 60, f"router {kind}", router)
+        probe = {"text": "probe", "sampling_params": {"max_new_tokens": 1}}
+        wait_until(lambda: common.http_post(port, "/generate", probe) == 200, 60,
+                   f"router {kind} first request", router)  # fmt: skip
+        time.sleep(2.5)  # two load polls: the saturated decode's figures are known
+        before = (started(saturated), started(healthy))
+        t0 = time.monotonic() + 0.2
+        records = trio.run(open_loop, port, s, t0)
+        to_saturated = started(saturated) - before[0]
+        to_healthy = started(healthy) - before[1]
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        shutil.rmtree(logdir, ignore_errors=True)
+    ok = [r for r in records if r["ok"]]
+    lat = [r["t_end"] - r["t_send"] for r in ok]
+    row = {
+        "router": kind, "sent": len(records), "ok": len(ok),
+        "goodput": round(len(ok) / s["seconds"], 2),
+        "ok_p50_ms": stats.ms(pct(lat, 50)), "ok_p99_ms": stats.ms(pct(lat, 99)),
+        "to_saturated": to_saturated, "to_healthy": to_healthy,
+        "shed_503": sum(1 for r in records if r["status"] == 503),
+    }  # fmt: skip
+    print_flush(f"  overload {kind}: {row}")
+    return {"router": kind, "row": row, "records": records}
+
+
+def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """p99 and goodput of each router with protection on over the same router with it off."""
+    out: dict[str, Any] = {}
+    for base in ("trio_pd", "smg113"):
+        on, off = rows.get(base), rows.get(f"{base}_off")
+        if on and off and on["ok_p99_ms"] and off["ok_p99_ms"]:
+            out[f"{base}_p99_on_over_off"] = round(on["ok_p99_ms"] / off["ok_p99_ms"], 3)
+            out[f"{base}_goodput_on_over_off"] = round(on["goodput"] / max(off["goodput"], 1e-9), 3)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.overload", description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    every = (*ROUTERS, *SHED_ROUTERS)
+    parser.add_argument("--routers", nargs="*", default=list(every), choices=every)
+    args = parser.parse_args(argv)
+    routers = list(args.routers)
+    if smg_binary() is None and any(r.startswith("smg113") for r in routers):
+        print_flush("no smg binary (pip install 'smg==1.13.0'): skipping smg113, smg113_off")
+        routers = [r for r in routers if not r.startswith("smg113")]
+    results = [run(kind, args.quick) for kind in routers]
+    rows = {r["router"]: r["row"] for r in results}
+    summary = ratios(rows)
+    first = [row for name, row in rows.items() if name in ROUTERS]
+    second = [row for name, row in rows.items() if name in SHED_ROUTERS]
+    if first:
+        print(common.table(first, COLUMNS, "overload: one of two decodes saturated"))
+    if second:
+        title = "overload: both decodes healthy, slow prefills, --worker-overload-shed"
+        print(common.table(second, SHED_COLUMNS, title))
+    for key, value in summary.items():
+        print(f"  {key}: {value}")
+    path = common.write_result(NAME, {"scenario": NAME, "settings": settings(args.quick),
+                                      "rows": list(rows.values()), "ratios": summary,
+                                      "runs": results})  # fmt: skip
+    print_flush(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
