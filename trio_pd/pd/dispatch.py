@@ -33,6 +33,7 @@ from trio_pd.pd.admission import admit_decode, admit_pair
 from trio_pd.pd.attempt import Attempt, Leg
 from trio_pd.pd.budget import Account
 from trio_pd.pd.cancel import RequestCancel
+from trio_pd.pd.ending import account_cancelled_legs, count_failures, stream_error_frame
 from trio_pd.pd.injection import (
     attempt_rids,
     bootstrap_fields,
@@ -43,7 +44,6 @@ from trio_pd.pd.injection import (
 )
 from trio_pd.pd.outcome import FailureHistory, LegFailure, record_outcome
 from trio_pd.pd.payload import GENERATE, Inspected
-from trio_pd.pd.relay import error_frame
 from trio_pd.pd.samples import dispatch_samples
 from trio_pd.pd.trace import RequestTrace
 from trio_pd.pd.vllm_attempt import VllmAttempt, prefill_body
@@ -478,28 +478,3 @@ def leg_headers_for(
     if not key and not request.authorization:
         return request.headers
     return [*request.headers, *worker_authorization(key, request.authorization)]
-
-
-def stream_error_frame(attempt: Attempt) -> bytes:
-    """The error event that ends a stream cut after it started (docs/protocol.md §4)."""
-    failure = attempt.decode.result
-    if isinstance(failure, LegFailure) and failure.kind != "timeout":
-        return error_frame(f"decode worker failed: {failure.message}", "upstream_error", 502)
-    message = failure.message if isinstance(failure, LegFailure) else "request deadline passed"
-    return error_frame(message, "timeout_error", 504)
-
-
-def account_cancelled_legs(metrics: RouterMetrics, attempt: Attempt) -> None:
-    """Count each leg cancelled while its request was out, and how long its teardown took."""
-    for leg in (attempt.prefill, attempt.decode):
-        if leg.cancel_cause is None or not leg.posted:
-            continue
-        metrics.legs_cancelled.labels(leg.role, leg.cancel_cause).inc()
-        if leg.cancelled_at is not None and leg.ended_at is not None:
-            metrics.teardown.labels(leg.role).observe(max(0.0, leg.ended_at - leg.cancelled_at))
-
-
-def count_failures(metrics: RouterMetrics, attempt: Attempt) -> None:
-    for leg in (attempt.prefill, attempt.decode):
-        if isinstance(leg.result, LegFailure):
-            metrics.leg_failures.labels(leg.role, leg.result.kind).inc()
