@@ -175,12 +175,60 @@ def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def plot(result: dict[str, Any], path: Path) -> Path | None:
+    """Each request's latency against its send time, one colour a router: the first part (one
+    decode saturated) above, the shed part below."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover - matplotlib is in the bench extra
+        return None
+    parts = (ROUTERS, SHED_ROUTERS)
+    fig, axes = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    for ax, names in zip(axes, parts, strict=True):
+        for n, run_ in enumerate(r for r in result["runs"] if r["router"] in names):
+            row = run_["row"]
+            ok = [
+                (r["t_send"], (r["t_end"] - r["t_send"]) * 1000) for r in run_["records"] if r["ok"]
+            ]
+            shed = [r["t_send"] for r in run_["records"] if r["status"] == 503]
+            label = (f"{row['router']}: p99 {row['ok_p99_ms']:.0f} ms, {row['to_saturated']} to "
+                     f"decode B, {row['shed_503']} shed")  # fmt: skip
+            if ok:
+                ax.scatter(*zip(*ok, strict=True), s=8, color=f"C{n}", label=label)
+            if shed:
+                ax.scatter(shed, [0] * len(shed), s=14, marker="x", color=f"C{n}")
+        ax.set_ylabel("latency of each ok request, ms")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    s = result["settings"]
+    axes[0].set_title(f"overload, {s['rate']:g} req/s open loop: decode B saturated")
+    axes[1].set_title(
+        "both decodes healthy, KV waiters, --worker-overload-shed (x: a request shed)"
+    )
+    axes[1].set_xlabel("send time, s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.overload", description=__doc__)
     parser.add_argument("--quick", action="store_true")
     every = (*ROUTERS, *SHED_ROUTERS)
     parser.add_argument("--routers", nargs="*", default=list(every), choices=every)
+    parser.add_argument(
+        "--plot", type=Path, help="also draw the run as a PNG (docs/overload-*.png)"
+    )
+    parser.add_argument("--plot-from", type=Path, help="draw a run's JSON again, run nothing")
     args = parser.parse_args(argv)
+    if args.plot_from is not None:
+        drawn = plot(orjson.loads(args.plot_from.read_bytes()), args.plot or Path("overload.png"))
+        print_flush(f"drew {drawn}")
+        return
     routers = list(args.routers)
     if smg_binary() is None and any(r.startswith("smg113") for r in routers):
         print_flush("no smg binary (pip install 'smg==1.13.0'): skipping smg113, smg113_off")
@@ -201,6 +249,8 @@ def main(argv: list[str] | None = None) -> None:
                                       "rows": list(rows.values()), "ratios": summary,
                                       "runs": results})  # fmt: skip
     print_flush(f"wrote {path}")
+    if args.plot is not None:
+        print_flush(f"drew {plot(orjson.loads(path.read_bytes()), args.plot)}")
 
 
 if __name__ == "__main__":
