@@ -34,6 +34,7 @@ from trio_pd.cli.main import build_parser, router_config
 from trio_pd.config.flags import BY_NAME
 from trio_pd.config.flags.launch import (
     FOLLOWS_1_13,
+    LAUNCH_FLAGS,
     LAUNCH_DIFFERS,
     WIDER_CHOICES,
     available_cores,
@@ -119,7 +120,8 @@ def test_implemented_flags_keep_smg_defaults_and_choices() -> None:
     from tests.flag_surface import same_default
 
     actions = launch_actions()
-    implemented = [flag for flag in SMG if flag in BY_NAME]
+    launch_rows = {row.name for row in LAUNCH_FLAGS}
+    implemented = [flag for flag in SMG if flag in launch_rows]
     assert len(implemented) > 60
     for flag in implemented:
         spec, action = SMG[flag], actions[flag]
@@ -218,6 +220,17 @@ def test_max_concurrent_requests_is_each_version_s() -> None:
         config_of([*WORKERS, "--max-concurrent-requests", "0"], "serve").max_concurrent_requests
         == 0
     )
+
+
+def test_loads_are_polled_at_each_version_s_interval() -> None:
+    """1.13 polls loads every --load-monitor-interval (10 s) and gave
+    --worker-startup-check-interval back to start-up probing; 0.3.2 polled at the latter (30)."""
+    assert config_of(WORKERS, "serve").load_poll_interval_secs == 30
+    assert config_of(WORKERS).load_poll_interval_secs == 10
+    assert config_of([*WORKERS, "--load-monitor-interval", "3"]).load_poll_interval_secs == 3
+    ignored = config_of([*WORKERS, "--worker-startup-check-interval", "7"])
+    assert ignored.load_poll_interval_secs == 10
+    assert any(w.startswith("--worker-startup-check-interval") for w in ignored.startup_warnings)
 
 
 def test_prometheus_host_follows_host_under_launch() -> None:

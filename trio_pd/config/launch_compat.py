@@ -70,9 +70,13 @@ WORKER_JOBS = (
     "trio_pd adds and removes workers at once (no job queue, no startup delay): "
     "--worker-startup-timeout-secs bounds the wait for the first ones"
 )
+STARTUP_PROBING = (
+    "a starting worker is probed at the health-check interval (--health-check-interval-secs); "
+    "the engines' loads are polled every --load-monitor-interval"
+)
 LOAD_MONITOR = (
-    "trio_pd polls the engines' loads itself for power_of_two (trio_pd/fleet/loads.py), "
-    "at its own interval"
+    "trio_pd polls loads only where a policy or overload protection reads them (as this "
+    "switch asks; trio_pd/fleet/loads.py)"
 )
 BUFFERING = (
     "trio_pd reads each body whole before routing it (bounded by --max-payload-size, "
@@ -212,7 +216,7 @@ LAUNCH_FOREIGN: tuple[Foreign, ...] = (
         ["--job-queue-capacity", "--job-queue-concurrency", "--worker-startup-delay"],
         type=int,
     ),
-    *_ignored(LOAD_MONITOR, ["--load-monitor-interval"], type=int),
+    *_ignored(STARTUP_PROBING, ["--worker-startup-check-interval"], type=int),
     *_ignored(LOAD_MONITOR, ["--disable-load-monitoring"], switch=True),
     *_ignored("SMG's heap profiles of its Rust process", ["--jemalloc-prof-dir"]),
     *_ignored(

@@ -144,4 +144,19 @@ def launch_row(row: Flag) -> Flag:
     return attrs.evolve(row, **changes) if changes else row
 
 
-LAUNCH_FLAGS: tuple[Flag, ...] = tuple(launch_row(row) for row in SERVE_FLAGS)
+# SMG 1.13 polls loads every `--load-monitor-interval` seconds and gave
+# `--worker-startup-check-interval` back its name's meaning (start-up probing): launch polls at
+# the first (`config/launch_compat.py` ignores the second, with the reason).
+LOAD_MONITOR_INTERVAL = Flag(
+    "--load-monitor-interval",
+    "how often the engines' loads (/v1/loads) are polled, for the load-aware policies and "
+    "overload protection",
+    "load_poll_interval_secs",
+    default=10,
+    type=int,
+)
+STARTUP_CHECK = "--worker-startup-check-interval"
+LAUNCH_FLAGS: tuple[Flag, ...] = (
+    *(launch_row(row) for row in SERVE_FLAGS if row.name != STARTUP_CHECK),
+    LOAD_MONITOR_INTERVAL,
+)
