@@ -34,8 +34,8 @@ from trio_pd.cli.main import build_parser, router_config
 from trio_pd.config.flags import BY_NAME
 from trio_pd.config.flags.launch import (
     FOLLOWS_1_13,
-    LAUNCH_FLAGS,
     LAUNCH_DIFFERS,
+    LAUNCH_FLAGS,
     WIDER_CHOICES,
     available_cores,
 )
