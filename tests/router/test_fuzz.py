@@ -648,6 +648,13 @@ async def test_fuzz_generation_routes(nursery: trio.Nursery) -> None:
     @example(
         case=Case(GENERATE, b'{"text": "x", "x": 1.7976931348623157e308, "y": 5e-324, "z": -0.0}')
     )
+    # Batches just over the limit, each shape once: a generated run draws too few of them to
+    # count on (1 to 7, by run), and refusing them without reaching an engine is the claim.
+    @example(case=Case(GENERATE, orjson.dumps({"text": ["a"] * (MAX_BATCH + 1)})))
+    @example(case=Case(GENERATE, orjson.dumps({"input_ids": [[1]] * (MAX_BATCH + 1)})))
+    @example(case=Case(COMPLETIONS, orjson.dumps({"prompt": ["a"] * (MAX_BATCH + 1)})))
+    @example(case=Case(COMPLETIONS, orjson.dumps({"prompt": [[1, 2]] * (MAX_BATCH + 2)})))
+    @example(case=Case(GENERATE, orjson.dumps({"text": ["b"] * (4 * MAX_BATCH), "stream": True})))
     def run(case: Case) -> None:
         trio.from_thread.run(checker.check, case)
 
