@@ -18,7 +18,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -526,10 +526,6 @@ def router_rss(c: Cluster) -> dict[str, Any]:
 
 def print_flush(*args: Any) -> None:
     print(*args, flush=True)
-
-
-def selected(names: Iterable[str] | None, default: Sequence[str]) -> list[str]:
-    return list(names) if names else list(default)
 
 
 def scenario_parser(doc: str | None) -> argparse.ArgumentParser:

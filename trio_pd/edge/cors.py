@@ -63,10 +63,6 @@ class CorsPolicy:
     def from_origins(cls, origins: Sequence[str]) -> CorsPolicy:
         return cls(frozenset(o.encode("ascii") for o in origins) if origins else None)
 
-    @property
-    def any_origin(self) -> bool:
-        return self.allowed is None
-
     def response_headers(self, headers: list[tuple[bytes, bytes]]) -> Headers:
         """For every answer but a preflight (success, error or stream alike)."""
         if self.allowed is None:

@@ -57,10 +57,6 @@ class RequestIds:
         self._random = bytes(_ALPHANUMERIC[b % 62] for b in os.urandom(14))
         self._serial = 0
 
-    @property
-    def header_names(self) -> tuple[str, ...]:
-        return tuple(name.decode("latin-1") for name in self._rank)
-
     def incoming(self, headers: list[tuple[bytes, bytes]]) -> bytes | None:
         """The client's id from the configured headers (by their order, not the request's)."""
         rank = self._rank

@@ -369,14 +369,6 @@ class EtcdMembership:
                     spec.url,
                 )
 
-    async def revoke_lease(self) -> None:
-        """Revoke this replica's lease now (its workers vanish everywhere at once); for a
-        graceful shutdown that should not wait for the TTL."""
-        lease, self._lease = self._lease, 0
-        self._owned.clear()
-        if lease:
-            await self.client.lease_revoke(lease)
-
     # -- the store -------------------------------------------------------------------------
 
     async def add(self, spec: WorkerSpec) -> WorkerRecord:

@@ -91,10 +91,6 @@ class Output:
         self.held: list[Any] = []  # stream events held while headers are deferred
 
     @property
-    def out_tokens(self) -> int:
-        return 1 if self.role == "prefill" else self.w.max_new_tokens
-
-    @property
     def complete(self) -> bool:
         """Nothing more will be rendered (all items ended, or the answer is already decided)."""
         if self.resp.completed or self.stopped:

@@ -106,9 +106,6 @@ class RidTable(Generic[Owner]):
     def get(self, rid: str) -> RidState[Owner] | None:
         return self._held.get(rid)
 
-    def owned_by(self, owner: Owner) -> list[str]:
-        return [rid for rid, state in self._held.items() if state.owner is owner]
-
     def __contains__(self, rid: str) -> bool:
         return rid in self._held
 
