@@ -12,6 +12,7 @@ from typing import Literal, Protocol
 import attrs
 
 Role = Literal["prefill", "decode"]
+ROLES: tuple[Role, Role] = ("prefill", "decode")  # a worker's roles, in the order shown
 # Which PD protocol a worker speaks (docs/vllm.md §5): a pair never mixes engines.
 Engine = Literal["sglang", "vllm"]
 ENGINES: tuple[str, ...] = ("sglang", "vllm")

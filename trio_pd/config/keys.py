@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import attrs
 
-ROLES = ("admin", "user")
+KEY_ROLES = ("admin", "user")  # a control-plane key's roles (a worker's are spec.ROLES)
 # Where a list of entries is cut: a `,` or `;` followed by the start of the next entry.
 NEXT_ENTRY = re.compile(r"[,;](?=[^:,;]+:[^:,;]+:(?i:admin|user):)")
 
@@ -52,7 +52,7 @@ class ControlKey:
         if not all((key_id, name, role, key)):
             raise ValueError(f"entry {position}: id, name, role and key must all be non-empty")
         role = role.lower()
-        if role not in ROLES:
+        if role not in KEY_ROLES:
             raise ValueError(f"entry {position}: the role (third field) must be admin or user")
         if not visible_ascii(key):
             raise ValueError(

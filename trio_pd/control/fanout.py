@@ -33,8 +33,9 @@ from trio_pd.asgi import Receive, Scope, json_reply
 from trio_pd.control.context import ControlContext
 from trio_pd.control.engine_info import EngineAnswerError, EngineInfoError, fetch_load
 from trio_pd.errors import RouterError, no_worker
-from trio_pd.fleet.worker import ROLES, Worker
+from trio_pd.fleet.worker import Worker
 from trio_pd.respond import Reply, Responder
+from trio_pd.spec import ROLES
 from trio_pd.upstream.headers import forwarded_headers
 
 log = logging.getLogger("trio_pd.fanout")

@@ -27,8 +27,8 @@ import trio
 from trio_pd.config import OverloadConfig, PolicyConfig
 from trio_pd.fleet.registry import Fleet
 from trio_pd.fleet.reports import EngineLoad
-from trio_pd.fleet.worker import ROLES, Worker
-from trio_pd.spec import Role
+from trio_pd.fleet.worker import Worker
+from trio_pd.spec import ROLES, Role
 
 log = logging.getLogger(__name__)
 

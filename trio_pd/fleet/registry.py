@@ -17,8 +17,8 @@ from trio_pd.fleet.gates import AtCapacity
 from trio_pd.fleet.hints import NO_HINTS, RouteHints
 from trio_pd.fleet.overload import Overloaded, veto
 from trio_pd.fleet.policies import Policy, make_policy
-from trio_pd.fleet.worker import ROLES, Hold, NoWorkerAvailable, Tracked, Worker
-from trio_pd.spec import Role, WorkerRecord, WorkerSpec
+from trio_pd.fleet.worker import Hold, NoWorkerAvailable, Tracked, Worker
+from trio_pd.spec import ROLES, Role, WorkerRecord, WorkerSpec
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,6 @@ from trio_pd.fleet.breaker import CircuitBreaker
 from trio_pd.fleet.reports import EngineLoad, ServerInfo
 from trio_pd.spec import Role, WorkerSpec
 
-ROLES: tuple[Role, Role] = ("prefill", "decode")
-
 
 class NoWorkerAvailable(Exception):
     """No worker of `role` can take a request. `reason` is "none_registered" or

@@ -18,6 +18,7 @@ import attrs
 
 from trio_pd.errors import RouterError, gateway_timeout
 from trio_pd.respond import JSON_HEADERS, Reply, error_reply
+from trio_pd.spec import Role
 
 if TYPE_CHECKING:
     from trio_pd.fleet.registry import Fleet
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
 # "kv_transfer": a vLLM decode failed after it was given the prefill's KV handoff
 # (docs/vllm.md §4): 502 `kv_transfer_failed`, retried with a fresh prefill, never the same params.
 FailureKind = Literal["status", "inband", "transport", "timeout", "overload", "kv_transfer"]
-Role = Literal["prefill", "decode"]
 RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
 

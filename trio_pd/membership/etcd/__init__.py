@@ -17,13 +17,12 @@ from trio_pd.membership.etcd.errors import (
     LeaseNotFound,
     UnstorableSpec,
 )
-from trio_pd.membership.etcd.records import ROLES, SOURCE, EtcdKeys, decode_spec, encode_spec
+from trio_pd.membership.etcd.records import SOURCE, EtcdKeys, decode_spec, encode_spec
 from trio_pd.membership.etcd.source import ADD_ATTEMPTS, EtcdMembership
 from trio_pd.membership.etcd.wire import KeyValue, WatchEvent, header_revision, prefix_end
 
 __all__ = [
     "ADD_ATTEMPTS",
-    "ROLES",
     "SOURCE",
     "DuplicateWorker",
     "EtcdClient",

@@ -19,10 +19,9 @@ import attrs
 import orjson
 
 from trio_pd.membership.etcd.wire import KeyValue
-from trio_pd.spec import ENGINES, Role, WorkerRecord, WorkerSpec
+from trio_pd.spec import ENGINES, ROLES, Role, WorkerRecord, WorkerSpec
 
 SOURCE = "etcd"
-ROLES: tuple[Role, ...] = ("prefill", "decode")
 
 
 @attrs.frozen

@@ -38,7 +38,7 @@ from trio_pd.membership.etcd.errors import (
     LeaseNotFound,
     UnstorableSpec,
 )
-from trio_pd.membership.etcd.records import ROLES, SOURCE, EtcdKeys, encode_spec
+from trio_pd.membership.etcd.records import SOURCE, EtcdKeys, encode_spec
 from trio_pd.membership.etcd.wire import (
     KeyValue,
     WatchEvent,
@@ -53,7 +53,7 @@ from trio_pd.membership.etcd.wire import (
     txn_deleted,
     txn_kvs,
 )
-from trio_pd.spec import Registry, WorkerRecord, WorkerSpec
+from trio_pd.spec import ROLES, Registry, WorkerRecord, WorkerSpec
 
 log = logging.getLogger("trio_pd.membership.etcd")
 
