@@ -115,8 +115,8 @@ async def test_log_level_warn(nursery: trio.Nursery, tmp_path: Path, level: str)
     finally:
         await router.stop()
     for text in (file_text(log_dir), router.log()):
-        assert "WARNING trio_pd.auth" in text  # no control-plane keys: a warning at start
-        assert ("INFO trio_pd.server" in text) == (level == "info")
+        assert "WARNING trio_pd.edge.auth" in text  # no control-plane keys: a warning at start
+        assert ("INFO trio_pd.serve.process" in text) == (level == "info")
 
 
 def test_warn_is_sglangs_spelling_and_the_others_still_work() -> None:

@@ -28,7 +28,7 @@ import orjson
 
 from trio_pd.fleet.reports import EngineLoad, RankLoad, ServerInfo
 
-log = logging.getLogger("trio_pd.engine_info")
+log = logging.getLogger(__name__)
 
 LOADS_PATH = "/v1/loads?include=core,disagg,queues"
 LEGACY_LOAD_PATH = "/get_load"

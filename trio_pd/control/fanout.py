@@ -38,7 +38,7 @@ from trio_pd.respond import Reply, Responder
 from trio_pd.spec import ROLES
 from trio_pd.upstream.headers import forwarded_headers
 
-log = logging.getLogger("trio_pd.fanout")
+log = logging.getLogger(__name__)
 
 MAX_BODY = 4 << 20  # an info answer larger than this is refused (they are a few hundred bytes)
 

@@ -41,7 +41,7 @@ import attrs
 from trio_pd.config import ControlKey
 from trio_pd.errors import RouterError
 
-log = logging.getLogger("trio_pd.auth")
+log = logging.getLogger(__name__)
 audit_log = logging.getLogger("trio_pd.audit")
 
 AccessClass = Literal["open", "data", "read", "write"]

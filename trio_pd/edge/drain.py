@@ -23,7 +23,7 @@ import trio
 from trio_pd.errors import RouterError
 from trio_pd.pd.cancel import RequestCancel
 
-log = logging.getLogger("trio_pd.drain")
+log = logging.getLogger(__name__)
 RETRY_AFTER = b"1"
 
 

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from trio_pd.edge.tracing import Tracing
     from trio_pd.pd.trace import RequestTrace
 
-log = logging.getLogger("trio_pd.app")
+log = logging.getLogger(__name__)
 
 
 GENERATION_PATHS = (payload.GENERATE, payload.COMPLETIONS, payload.CHAT)

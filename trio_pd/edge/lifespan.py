@@ -39,7 +39,7 @@ from trio_pd.upstream.pool import UpstreamPool
 if TYPE_CHECKING:
     from trio_pd.edge.tracing import Tracing
 
-log = logging.getLogger("trio_pd.app")
+log = logging.getLogger(__name__)
 
 
 @attrs.frozen

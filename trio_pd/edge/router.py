@@ -51,7 +51,7 @@ from trio_pd.upstream.tls import worker_ssl_context
 if TYPE_CHECKING:
     pass
 
-log = logging.getLogger("trio_pd.app")
+log = logging.getLogger(__name__)
 
 
 @attrs.define(eq=False)

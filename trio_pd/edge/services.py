@@ -38,7 +38,7 @@ from trio_pd.pd.aborts import AbortService
 from trio_pd.upstream.headers import generation_key, worker_authorization
 from trio_pd.upstream.pool import UpstreamPool
 
-log = logging.getLogger("trio_pd.background")
+log = logging.getLogger(__name__)
 STARTUP_POLL_SECS = 0.01
 METRICS_SYNC_SECS = 1.0
 

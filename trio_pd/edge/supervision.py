@@ -23,7 +23,7 @@ import trio
 
 from trio_pd.observe.metrics import RouterMetrics
 
-log = logging.getLogger("trio_pd.background")
+log = logging.getLogger(__name__)
 RESTART_BACKOFF_SECS = (0.1, 30.0)  # first delay, cap (doubling)
 MAX_CRASHES = 5  # within CRASH_WINDOW_SECS: the service cannot be kept alive
 CRASH_WINDOW_SECS = 60.0

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from trio_pd.pd.cancel import RequestCancel
     from trio_pd.respond import Responder
 
-log = logging.getLogger("trio_pd.tracing")
+log = logging.getLogger(__name__)
 
 SERVICE_NAME = "trio-pd"  # SMG's is "smg"; OTEL_SERVICE_NAME overrides it
 SCHEDULE_DELAY_MILLIS = 500  # SMG's BatchConfig (OTEL_BSP_SCHEDULE_DELAY overrides it)

@@ -59,7 +59,7 @@ import trio
 from trio_pd.observe.metrics import RouterMetrics
 from trio_pd.upstream.pool import UpstreamError, UpstreamPool
 
-log = logging.getLogger("trio_pd.aborts")
+log = logging.getLogger(__name__)
 SENDERS = 32  # POSTs in flight at once, at most
 MAX_PENDING = 65_536  # POSTs waiting (due or not), at most
 TIMEOUT_SECS = 2.0

@@ -54,7 +54,7 @@ from trio_pd.spec import Role
 from trio_pd.upstream.headers import relayable_headers
 from trio_pd.upstream.pool import UpstreamError, UpstreamPool, UpstreamResponse
 
-log = logging.getLogger("trio_pd.attempt")
+log = logging.getLogger(__name__)
 
 DEFAULT_EVENT_LIMIT = 16 << 20  # RouterConfig.max_sse_event_bytes
 WATCHDOG_CHECKS = 4  # the stream watchdog looks this often per (shortest) timeout

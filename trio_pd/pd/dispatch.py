@@ -51,7 +51,7 @@ from trio_pd.respond import Responder
 from trio_pd.upstream.headers import admin_key, generation_key, worker_authorization
 from trio_pd.upstream.pool import UpstreamPool
 
-log = logging.getLogger("trio_pd.dispatch")
+log = logging.getLogger(__name__)
 # How long the first abort of a leg waits where the latch hazard applies (see `abort_hook`).
 LATCH_DELAY_SECS = 1.0
 

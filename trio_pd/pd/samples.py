@@ -42,7 +42,7 @@ from trio_pd.pd.relay import parse_json as parse
 from trio_pd.pd.sse import EventReader, EventTooLarge
 from trio_pd.respond import JSON_HEADERS, Reply, Responder
 
-log = logging.getLogger("trio_pd.samples")
+log = logging.getLogger(__name__)
 MAX_HELD_BYTES = 64 << 10  # a sample's stream held before the client's stream starts, at most
 
 Dispatch = Callable[[int, Responder, RequestCancel], Awaitable[None]]

@@ -43,7 +43,7 @@ from trio_pd.pd.relay import answer_failure, event_data, parse_json
 from trio_pd.pd.sse import EventReader, EventTooLarge
 from trio_pd.upstream.pool import UpstreamError, UpstreamResponse
 
-log = logging.getLogger("trio_pd.vllm")
+log = logging.getLogger(__name__)
 
 # What the router asks of a vLLM prefill (vllm-router 0.1.17's `prepare_prefill_request` and
 # `build_prefill_kv_transfer_params` for NIXL): a remote decode will read the blocks.

@@ -37,7 +37,7 @@ from hypercorn.utils import repr_socket_addr, wrap_app
 
 from trio_pd.serve.connection import ClientTimeouts, Connection
 
-log = logging.getLogger("trio_pd.serving")
+log = logging.getLogger(__name__)
 ACCEPT_BURST = 512  # connections accepted per wake-up of a listening socket, at most
 # Out of file descriptors or memory: wait a little before accepting again (as trio does).
 RESOURCE_ERRORS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}

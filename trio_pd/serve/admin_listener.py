@@ -36,7 +36,7 @@ from trio_pd.respond import deny_websocket
 from trio_pd.serve.accept import bound_url, serve_app, wrap_asgi
 from trio_pd.serve.listeners import bind_one, side_listener_config, where
 
-log = logging.getLogger("trio_pd.admin")
+log = logging.getLogger(__name__)
 
 
 class AdminListenError(Exception):

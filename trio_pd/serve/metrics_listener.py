@@ -41,7 +41,7 @@ from trio_pd.serve.listeners import (
     where,
 )
 
-log = logging.getLogger("trio_pd.metrics")
+log = logging.getLogger(__name__)
 THREAD_START_SECS = 10.0
 
 Render = Callable[[], bytes]

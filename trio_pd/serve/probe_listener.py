@@ -33,7 +33,7 @@ from trio_pd.respond import Responder, deny_websocket
 from trio_pd.serve.accept import bound_url, serve_app, wrap_asgi
 from trio_pd.serve.listeners import bind_one, side_listener_config, where
 
-log = logging.getLogger("trio_pd.probes")
+log = logging.getLogger(__name__)
 PROBE_PATHS = frozenset({"/health", "/liveness", "/readiness"})
 
 

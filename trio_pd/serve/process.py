@@ -33,7 +33,7 @@ from trio_pd.serve.listeners import (
 from trio_pd.serve.metrics_listener import bind_metrics, serve_metrics
 from trio_pd.serve.probe_listener import bind_probes, serve_probes
 
-log = logging.getLogger("trio_pd.server")
+log = logging.getLogger(__name__)
 
 
 async def serve(

@@ -16,7 +16,7 @@ from trio_pd.serve.metrics_listener import MetricsListenError, bind_metrics
 from trio_pd.serve.probe_listener import ProbeListenError, bind_probes
 from trio_pd.serve.process import _serve_main
 
-log = logging.getLogger("trio_pd.server")
+log = logging.getLogger(__name__)
 
 
 def run(config: RouterConfig) -> int:

@@ -47,7 +47,7 @@ from trio_pd.serve.listeners import close_sockets
 from trio_pd.serve.metrics_listener import MetricsThread, bind_metrics
 from trio_pd.serve.probe_listener import bind_probes
 
-log = logging.getLogger("trio_pd.processes")
+log = logging.getLogger(__name__)
 RESTART_BACKOFF_SECS = (0.5, 30.0)  # first delay, cap (doubling; reset after a minute of life)
 POLL_SECS = 0.2
 

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 import attrs
 import trio
 
-log = logging.getLogger("trio_pd.upstream.destinations")
+log = logging.getLogger(__name__)
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
