@@ -8,6 +8,13 @@ from trio_pd.config.router import ASSIGNMENT_MODES, POLICY_NAMES, PREFILL_POLICY
 from trio_pd.config.values import model_alias, model_aliases, not_bucket
 
 # `action` names `cli/parser.py` maps to its own argparse actions.
+# Both routers answer 503 once every breaker of a role is open; trio_pd keeps routing to them.
+PANIC_ROUTING = (
+    "with every breaker of a role open, trio_pd routes to those workers anyway (panic routing, "
+    "as Envoy below its panic threshold; counted in trio_pd_panic_selections) where SGLang's "
+    "router and SMG answer 503: a few poisonous requests must not become an outage for every "
+    "client, and a worker that is really down leaves rotation by its health checks"
+)
 PREFILL_WORKER = "prefill_worker"
 DECODE_WORKER = "decode_worker"
 
@@ -239,6 +246,7 @@ FLEET: tuple[Flag, ...] = (
         "breaker.failure_threshold",
         default=10,
         type=int,
+        differs=PANIC_ROUTING,
     ),
     Flag(
         "--cb-success-threshold",

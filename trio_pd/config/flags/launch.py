@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 
 from trio_pd.config.flags import SERVE_FLAGS, Flag
+from trio_pd.config.flags.fleet import PANIC_ROUTING
 from trio_pd.config.router import POLICY_NAMES
 
 # SMG 1.13's second spellings of flags serve has (smg/router_args.py `add_cli_args`); one that
@@ -120,6 +121,7 @@ LAUNCH_DIFFERS: dict[str, str] = {
     "(the prealloc and transfer queues of /v1/loads' disaggregation section) are not counted: "
     "every PD request waits there while its prefill runs, and SMG 1.13's count of them vetoes "
     "(or with --worker-overload-shed sheds) healthy decodes under ordinary load",
+    "--cb-failure-threshold": PANIC_ROUTING,
     "--pd-admission-wait-secs": "the gate is on the HTTP PD path (SMG 1.13: gRPC only), and 0 "
     "turns it off (SMG: shed at once)",
 }
