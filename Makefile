@@ -61,7 +61,7 @@ bench-overload: $(STAMP)
 	$(BIN)/python -m bench.overload $(BENCH_ARGS)
 
 # Aborts at storm rate (issue 19, bench/abort_rate.py): 100-750 failing req/s, aborts on and off
-# (about 3 minutes; BENCH_ARGS=--quick about 1).
+# (4 rates x 2 modes x 3 repetitions, about 8 minutes; BENCH_ARGS=--quick about 1).
 bench-aborts: $(STAMP)
 	$(BIN)/python -m bench.abort_rate $(BENCH_ARGS)
 
