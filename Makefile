@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: install test lint format demo bench bench-peers bench-router-bound bench-vllm bench-aborts \
-	bench-overload clean sglang-env \
+	bench-overload clean sglang-env image \
 	test-sglang demo-sglang
 
 $(STAMP): pyproject.toml
@@ -31,6 +31,11 @@ format: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/trio-pd demo
+
+# The router's container image (Dockerfile; needs a Docker engine). The Kubernetes manifests in
+# docs/operations.md and docs/scaling-out.md run it; tests/test_deployment.py checks their args.
+image:
+	docker build -t trio-pd:latest .
 
 # Benchmarks (docs/benchmarks.md). BENCH_ARGS passes extra flags, e.g. BENCH_ARGS=--quick.
 WRK_INSTALL = command -v wrk >/dev/null 2>&1 || apt-get install -y -qq wrk >/dev/null 2>&1 \
