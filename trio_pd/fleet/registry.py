@@ -47,6 +47,7 @@ class Fleet:
         static: bool = True,
         on_panic: Callable[[Role], None] | None = None,
         on_overload: Callable[[Role, str], None] | None = None,
+        on_load_rejected: Callable[[Worker, str], None] | None = None,
     ) -> None:
         self.config = config
         self.rng = rng or random.Random()
@@ -61,6 +62,7 @@ class Fleet:
         self.panics: dict[Role, int] = dict.fromkeys(ROLES, 0)  # selections in panic routing
         self.on_panic = on_panic  # e.g. a metric
         self.on_overload = on_overload  # (role, "vetoed" | "fallback" | "shed"): a metric
+        self.on_load_rejected = on_load_rejected  # (worker, reason): a metric
         self.sources: dict[str, tuple[bool, str]] = {}  # source -> (reachable, detail)
         self._models: tuple[int, list[str]] | None = None
         # An engine's reported load (GET /get_loads, the polling of `fleet/loads.py`) counts
@@ -325,6 +327,20 @@ class Fleet:
             log.warning(
                 "worker %s (%s) circuit breaker %s -> %s", worker.id, worker.url, before, after
             )
+
+    def reject_load(self, worker: Worker, reason: str, detail: str) -> None:
+        """`worker`'s engine reported a load that cannot be true: its load is unknown until a
+        believable report, the refusal is counted, and logged once per run of refusals."""
+        if worker.reject_load(reason) and not worker.removed:
+            log.warning(
+                "worker %s (%s): load report refused, its load is unknown until one that could "
+                "be true (%s)",
+                worker.id,
+                worker.url,
+                detail,
+            )
+        if self.on_load_rejected is not None:
+            self.on_load_rejected(worker, reason)
 
     def evict(self) -> bool:
         """Periodic eviction for every policy; `run_eviction(fleet, secs)` drives it. True when
