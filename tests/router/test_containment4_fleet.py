@@ -5,6 +5,9 @@ real sockets with a control measured in the same run."""
 
 from __future__ import annotations
 
+import random
+import string
+import sys
 from collections import Counter
 from typing import Any
 
@@ -17,6 +20,7 @@ from tests.router.fleet_tools import who_started
 from tests.router.helpers import generate_body, settle
 from trio_pd.config import PolicyConfig
 from trio_pd.control.engine_info import LoadReportRejected, parse_v1_loads
+from trio_pd.fleet.prefix_tree import NODE_BYTES, PrefixTree
 
 # -- N9: load reports that cannot be true ------------------------------------------------------
 
@@ -110,3 +114,60 @@ def test_impossible_figures_are_refused_with_their_reason(
         parse_v1_loads(loads(**fields))
     assert refused.value.reason == reason
     assert parse_v1_loads(loads()).ranks[0].waiting == 2  # the control is believed
+
+
+# -- N5: prefix trees bounded by memory --------------------------------------------------------
+
+TREE_BOUND = 50_000  # --max-tree-size: bytes a worker's tree may hold after a trim
+
+
+def held_bytes(tree: PrefixTree[Any]) -> int:
+    """What the tree's objects hold, measured (`sys.getsizeof`), not what the tree charges:
+    every node with its children dict, tenant set and text, and the tenants' LRU orders."""
+    total = sum(sys.getsizeof(order) for order in tree._lru.values())
+    for node in tree._walk():
+        total += sys.getsizeof(node) + sys.getsizeof(node.children)
+        total += sys.getsizeof(node.tenants) + sys.getsizeof(node.text)
+    return total
+
+
+async def drive_tree(nursery: trio.Nursery, prompts: list[str]) -> tuple[PrefixTree[Any], int]:
+    """`prompts` through a router whose policy is cache_aware (the default); the prefill
+    role's tree and the most it held after any request (bytes, measured)."""
+    policy = PolicyConfig(policy="cache_aware", max_tree_size=TREE_BOUND)
+    cluster = await start_cluster(nursery, policy=policy)
+    tree = cluster.router.fleet.policies["prefill"].tree
+    most = 0
+    for i, prompt in enumerate(prompts):
+        response = await cluster.client.post(
+            "/generate", json=generate_body(text=prompt, max_new_tokens=1)
+        )
+        assert response.status_code == 200, (i, response.text)
+        most = max(most, held_bytes(tree))
+    await cluster.client.aclose()
+    await cluster.admin.aclose()
+    return tree, most
+
+
+async def test_prefix_trees_are_bounded_by_memory_not_characters(nursery: trio.Nursery) -> None:
+    """N5: prompts `"A" * k + "B"` each added two nodes (~1 KB) for one or two counted
+    characters, never evicted. Trees are now charged by memory: the attack's tree stays within
+    twice `--max-tree-size` (a trim at twice the bound on insert), as the control of distinct
+    prompts of the same lengths does."""
+    count = 400
+    attack = ["A" * k + "B" for k in range(1, count + 1)]
+    rng = random.Random(5)
+    control = ["".join(rng.choice(string.ascii_letters) for _ in range(len(p))) for p in attack]
+    # The provoked thing: unbounded, the attack's nodes would hold several times the bound.
+    unbounded: PrefixTree[str] = PrefixTree()
+    for prompt in attack:
+        unbounded.insert(prompt, "w")
+    assert held_bytes(unbounded) > 3 * 2 * TREE_BOUND
+    for prompts in (attack, control):
+        tree, most = await drive_tree(nursery, prompts)
+        [worker] = tree.tenants()
+        assert most <= 2 * TREE_BOUND, most  # measured, every request
+        assert tree.size(worker) <= 2 * TREE_BOUND
+        assert tree.total_nodes() <= 2 * TREE_BOUND // NODE_BYTES + 1
+        # The newest prompt is still there: trimming drops the least recently used.
+        assert tree.match(prompts[-1], [worker])[0] == len(prompts[-1])
