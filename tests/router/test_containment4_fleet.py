@@ -5,22 +5,29 @@ real sockets with a control measured in the same run."""
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import random
 import string
 import sys
 from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 import trio
 
-from tests.conftest import Cluster, start_cluster
-from tests.router.fleet_tools import who_started
+from tests.conftest import Cluster, cluster_of, start_cluster, start_engine
+from tests.router.fleet_tools import FAST_HEALTH, LOOSE, who_started
 from tests.router.helpers import generate_body, settle
+from trio_pd.cli.main import build_parser, router_config
 from trio_pd.config import PolicyConfig
 from trio_pd.control.engine_info import LoadReportRejected, parse_v1_loads
 from trio_pd.fleet.prefix_tree import NODE_BYTES, PrefixTree
+from trio_pd.testing.engine import EngineHandle
 
 # -- N9: load reports that cannot be true ------------------------------------------------------
 
@@ -171,3 +178,173 @@ async def test_prefix_trees_are_bounded_by_memory_not_characters(nursery: trio.N
         assert tree.total_nodes() <= 2 * TREE_BOUND // NODE_BYTES + 1
         # The newest prompt is still there: trimming drops the least recently used.
         assert tree.match(prompts[-1], [worker])[0] == len(prompts[-1])
+
+
+# -- N12: membership files another user can write; aliases shadowing a served model ----------
+
+NOBODY = 65534
+
+
+def membership(path: Path, *workers: tuple[str, EngineHandle, str], mode: int = 0o600) -> None:
+    """A membership file listing `workers` (id, engine, role), written as its owner (root
+    here) would, then given `mode`."""
+    entries = [
+        {"id": worker_id, "url": engine.url, "worker_type": role,
+         "bootstrap_port": engine.bootstrap_port if role == "prefill" else None}
+        for worker_id, engine, role in workers
+    ]  # fmt: skip
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"version": 1, "serial": {}, "workers": entries}))
+    tmp.chmod(mode)
+    tmp.replace(path)
+
+
+def membership_errors(cluster: Cluster, kind: str) -> float:
+    value = cluster.router.metrics.registry.get_sample_value(
+        "trio_pd_membership_errors_total", {"source": "file", "kind": kind}
+    )
+    return value or 0.0
+
+
+def live_ids(cluster: Cluster) -> list[str]:
+    return sorted(w.id for w in cluster.router.fleet.workers() if not w.removed)
+
+
+@pytest.mark.parametrize(
+    ("what", "make_unsafe"),
+    [
+        ("a 0666 file", lambda path: path.chmod(0o666)),
+        ("a file of another uid", lambda path: os.chown(path, NOBODY, NOBODY)),
+        ("a 0777 directory", lambda path: path.parent.chmod(0o777)),
+    ],
+)
+async def test_a_membership_file_others_can_write_is_not_read(
+    nursery: trio.Nursery, tmp_path: Path, what: str, make_unsafe: Callable[[Path], None]
+) -> None:
+    """N12: whoever could rewrite the file named the workers (and got users' prompts and the
+    router's --api-key). Refused at start (a usage error naming the path and mode) and on every
+    reload (the last good set stays, counted, the source down); the control rewrite, by the
+    owner with mode 0600, is taken."""
+    os.chmod(tmp_path, 0o700)
+    prefill = await start_engine(nursery, "prefill")
+    decode = await start_engine(nursery, "decode")
+    other = await start_engine(nursery, "decode")
+    path = tmp_path / "membership.json"
+    membership(path, ("p", prefill, "prefill"), ("d", decode, "decode"))
+    cluster = await cluster_of(nursery, [], [], membership_file=str(path), health=FAST_HEALTH)
+    assert live_ids(cluster) == ["d", "p"]
+    # Control: the owner's own rewrite, private, is followed.
+    membership(path, ("p", prefill, "prefill"), ("d", decode, "decode"), ("d2", other, "decode"))
+    await settle(lambda: live_ids(cluster) == ["d", "d2", "p"], LOOSE)
+    assert membership_errors(cluster, "unsafe") == 0
+    # The attack: the file rewritten to send every prompt elsewhere, and left writable.
+    membership(path, ("p", prefill, "prefill"), ("evil", other, "decode"))
+    make_unsafe(path)
+    await settle(lambda: membership_errors(cluster, "unsafe") >= 1, LOOSE)  # it was seen
+    await trio.sleep(0.6)  # a few more polls: still not read
+    assert live_ids(cluster) == ["d", "d2", "p"]
+    ready = (await cluster.client.get("/readiness")).json()
+    assert ready["membership"] == {"file": "down"}
+    detail = cluster.router.fleet.sources["file"][1]
+    assert str(path) in detail and ("mode" in detail or f"uid {NOBODY}" in detail), detail
+    # An admin change is refused too: the file is not written through.
+    fresh = {"url": prefill.url, "worker_type": "decode"}  # a worker not registered yet
+    refused = await cluster.admin.post("/workers", json=fresh)
+    assert refused.status_code == 503, refused.text
+    # At start: a usage error naming the path (and the mode or the owner).
+    args = build_parser().parse_args(["serve", "--membership-file", str(path)])
+    with pytest.raises(SystemExit):
+        router_config(args)
+    await cluster.client.aclose()
+    await cluster.admin.aclose()
+
+
+def test_an_unsafe_file_is_a_usage_error_naming_path_and_mode(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    os.chmod(tmp_path, 0o700)
+    path = tmp_path / "manifest.json"
+    path.write_text('{"version": 1, "workers": []}')
+    path.chmod(0o600)
+    argv = ["serve", "--discovery-provider", "file", "--discovery-file", str(path)]
+    assert router_config(build_parser().parse_args(argv)).discovery_file == str(path)  # control
+    path.chmod(0o666)
+    with pytest.raises(SystemExit):
+        router_config(build_parser().parse_args(argv))
+    error = capsys.readouterr().err
+    assert str(path) in error and "mode 0666" in error and "group and others" in error
+
+
+async def test_an_alias_never_takes_over_a_served_model(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """N12: `--model-alias alpha=beta` sent every request naming the served model `alpha` to
+    beta. A served model's own name now wins over an alias (logged once); the control alias,
+    a name no worker serves, still routes to its model. An alias naming a model the command
+    line's workers serve is refused at start."""
+    caplog.set_level(logging.ERROR, logger="trio_pd.fleet")
+    engines = {
+        model: (
+            await start_engine(nursery, "prefill", model=model),
+            await start_engine(nursery, "decode", model=model),
+        )
+        for model in ("alpha", "beta")
+    }
+    aliases = (("alpha", "beta"), ("gpt", "beta"))
+    cluster = await cluster_of(
+        nursery, [e[0] for e in engines.values()], [e[1] for e in engines.values()],
+        health=FAST_HEALTH, model_aliases=aliases,
+    )  # fmt: skip
+    await settle(lambda: cluster.router.fleet.models() == ["alpha", "beta"], LOOSE)
+    for name, served_by in (("alpha", "alpha"), ("gpt", "beta"), ("beta", "beta")):
+        body = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        response = await cluster.client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        rid = response.headers["x-request-id"]
+        assert engines[served_by][0].events.find("request_start", rid=rid), (name, served_by)
+    shadowed = [r.getMessage() for r in caplog.records if "--model-alias alpha=beta" in r.message]
+    assert len(shadowed) == 1, shadowed
+    argv = ["serve", "--prefill", "http://p:1", "8998", "model=evil", "--decode", "http://d:1",
+            "model=evil", "--model-alias", "evil=good"]  # fmt: skip
+    with pytest.raises(SystemExit):
+        router_config(build_parser().parse_args(argv))
+    argv[-1] = "nice=evil"  # control: an alias of the served model is fine
+    assert router_config(build_parser().parse_args(argv)).model_aliases == (("nice", "evil"),)
+    await cluster.client.aclose()
+    await cluster.admin.aclose()
+
+
+# -- N14: a file entry pointing where no worker may --------------------------------------------
+
+
+async def test_a_file_entry_for_a_metadata_address_is_never_listed(
+    nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """N14: a membership-file entry for 169.254.169.254 was listed (a worker in /workers, probed
+    and refused only at connect). It is skipped as the file is read, as the admin API refuses
+    it; the control entry beside it is listed."""
+    caplog.set_level(logging.WARNING, logger="trio_pd.membership.file")
+    os.chmod(tmp_path, 0o700)
+    prefill = await start_engine(nursery, "prefill")
+    decode = await start_engine(nursery, "decode")
+    path = tmp_path / "membership.json"
+    membership(path, ("p", prefill, "prefill"), ("d", decode, "decode"))
+    data = json.loads(path.read_text())
+    data["workers"].append(
+        {"id": "imds", "url": "http://169.254.169.254:80", "worker_type": "decode"}
+    )
+    data["workers"].append(
+        {"id": "gcp", "url": "http://metadata.google.internal", "worker_type": "decode"}
+    )
+    path.write_text(json.dumps(data))
+    cluster = await cluster_of(nursery, [], [], membership_file=str(path), health=FAST_HEALTH)
+    assert live_ids(cluster) == ["d", "p"]
+    listed = [w["id"] for w in (await cluster.client.get("/workers")).json()["workers"]]
+    assert sorted(listed) == ["d", "p"]
+    warnings = [r.getMessage() for r in caplog.records]
+    assert any("(id 'imds') skipped" in w and "link-local" in w for w in warnings), warnings
+    assert any("(id 'gcp') skipped" in w and "metadata" in w for w in warnings), warnings
+    assert membership_errors(cluster, "bad_entry") == 2
+    assert (await cluster.client.post("/generate", json=generate_body())).status_code == 200
+    await cluster.client.aclose()
+    await cluster.admin.aclose()

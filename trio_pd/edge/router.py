@@ -163,7 +163,7 @@ class Router:
 
     @membership.default
     def _default_membership(self) -> Membership:
-        return membership_for(self.config, self.fleet, self.metrics)
+        return membership_for(self.config, self.fleet, self.metrics, self.destinations)
 
     @control.default
     def _default_control(self) -> ControlContext:
