@@ -26,6 +26,8 @@ from tests.router.helpers import generate_body, settle
 from trio_pd.cli.main import build_parser, router_config
 from trio_pd.config import PolicyConfig
 from trio_pd.control.engine_info import LoadReportRejected, parse_v1_loads
+from trio_pd.fleet import manual
+from trio_pd.fleet.manual import ManualPolicy
 from trio_pd.fleet.prefix_tree import NODE_BYTES, PrefixTree
 from trio_pd.testing.engine import EngineHandle
 
@@ -346,5 +348,82 @@ async def test_a_file_entry_for_a_metadata_address_is_never_listed(
     assert any("(id 'gcp') skipped" in w and "metadata" in w for w in warnings), warnings
     assert membership_errors(cluster, "bad_entry") == 2
     assert (await cluster.client.post("/generate", json=generate_body())).status_code == 200
+    await cluster.client.aclose()
+    await cluster.admin.aclose()
+
+
+# -- N14: sticky pin tables ----------------------------------------------------------------------
+
+STICKY = PolicyConfig(policy="round_robin", routing_key_override=True)
+
+
+def table_bytes(table: ManualPolicy) -> int:
+    """What a pin table's objects hold, measured (`sys.getsizeof`; the worker URLs are the
+    workers' own strings): the table, and each key with its route and the route's list."""
+    total = sys.getsizeof(table.routes)
+    for key, route in table.routes.items():
+        total += sys.getsizeof(key) + sys.getsizeof(route) + sys.getsizeof(route.urls)
+    return total
+
+
+async def send_keyed(
+    cluster: Cluster, request_id: str, headers: dict[str, str], **body: Any
+) -> None:
+    response = await cluster.client.post(
+        "/generate",
+        json=generate_body(max_new_tokens=1, **body),
+        headers={"x-request-id": request_id, **headers},
+    )
+    assert response.status_code == 200, response.text
+
+
+async def test_sticky_pin_tables_are_bounded_in_bytes(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """N14: a pin table held up to 262144 keys (~98 MiB per role per process, outside the
+    memory budget). It is now bounded in bytes too (`MAX_ROUTING_KEY_BYTES`, 16 MiB; 64 KiB
+    here): 400 sessions with 128-byte keys stay within it, measured, the newest kept."""
+    bound = 64 << 10
+    monkeypatch.setattr(manual, "MAX_ROUTING_KEY_BYTES", bound)
+    cluster = await start_cluster(nursery, n_decode=2, policy=STICKY)
+    pins = cluster.router.fleet.policies["decode"].pins
+    count = 400
+    for i in range(count):
+        key = f"session-{i:04d}-" + "k" * 115  # 128 bytes: kept whole, not digested
+        await send_keyed(cluster, f"pin-{i}", {"x-smg-routing-key": key})
+        assert table_bytes(pins) <= bound, i  # measured, after every request
+    # The provoked thing: the sessions need several times the bound.
+    assert count * manual.key_cost("3:m:" + "k" * 128) > 2 * bound
+    assert pins.bytes <= bound and 0 < len(pins.routes) < count
+    assert next(reversed(pins.routes)).endswith("session-0399-" + "k" * 115)  # the newest
+    await cluster.client.aclose()
+    await cluster.admin.aclose()
+
+
+async def test_one_shot_rids_are_not_pinned_but_a_conversation_is(nursery: trio.Nursery) -> None:
+    """N14: with `--routing-key-override`, every request's own `rid` became a pin for
+    `--max-idle-secs` (4 hours). A rid key is now pinned only when seen again: 200 one-shot
+    rids pin nothing, while the control, a conversation's turns (`conv_t1`, `conv_t2`, ...),
+    is pinned at its second turn and every turn meets one pair."""
+    cluster = await start_cluster(nursery, n_prefill=2, n_decode=2, policy=STICKY)
+    policies = cluster.router.fleet.policies
+    for i in range(200):
+        await send_keyed(cluster, f"once-{i}", {}, rid=f"one-shot-{i}")
+    assert all(len(policies[role].pins.routes) == 0 for role in ("prefill", "decode"))
+    assert policies["decode"].branches["first_sight"] == 200  # each was a key, seen once
+    for turn in range(1, 5):
+        await send_keyed(cluster, f"conv-{turn}", {}, rid=f"conv_t{turn}")
+    placed = {
+        (
+            tuple(who_started(cluster.prefills, f"conv-{t}")),
+            tuple(who_started(cluster.decodes, f"conv-{t}")),
+        )
+        for t in range(1, 5)
+    }
+    assert len(placed) == 1, placed
+    assert all(len(policies[role].pins.routes) == 1 for role in ("prefill", "decode"))
+    # A header key is the client's explicit session: pinned at once, as before.
+    await send_keyed(cluster, "hdr", {"x-smg-routing-key": "explicit"})
+    assert all(len(policies[role].pins.routes) == 2 for role in ("prefill", "decode"))
     await cluster.client.aclose()
     await cluster.admin.aclose()

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import attrs
 
 from trio_pd.config import PolicyConfig
+from trio_pd.fleet.hints import RidKey
 
 ROUTING_KEY_HEADER = b"x-smg-routing-key"
 MAX_KEY_BYTES = 128
@@ -97,7 +98,7 @@ class RoutingKeys:
         if raw is not None:
             return _bounded(strip_lineage(raw.decode("latin-1")).encode("latin-1"))
         if isinstance(rid, str) and rid:
-            return _bounded(strip_lineage(rid).encode("utf-8", "surrogatepass"))
+            return RidKey(_bounded(strip_lineage(rid).encode("utf-8", "surrogatepass")))
         return None
 
     def affinity(self, headers: list[tuple[bytes, bytes]]) -> str | None:
