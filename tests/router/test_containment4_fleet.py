@@ -28,7 +28,7 @@ from trio_pd.config import PolicyConfig
 from trio_pd.control.engine_info import LoadReportRejected, parse_v1_loads
 from trio_pd.fleet import manual
 from trio_pd.fleet.manual import ManualPolicy
-from trio_pd.fleet.prefix_tree import NODE_BYTES, PrefixTree
+from trio_pd.fleet.prefix_tree import MAX_PATH_NODES, NODE_BYTES, PrefixTree
 from trio_pd.testing.engine import EngineHandle
 
 # -- N9: load reports that cannot be true ------------------------------------------------------
@@ -427,3 +427,26 @@ async def test_one_shot_rids_are_not_pinned_but_a_conversation_is(nursery: trio.
     assert all(len(policies[role].pins.routes) == 2 for role in ("prefill", "decode"))
     await cluster.client.aclose()
     await cluster.admin.aclose()
+
+
+def depth(node: Any) -> int:
+    levels = 0
+    while node.parent is not None:
+        levels, node = levels + 1, node.parent
+    return levels
+
+
+def test_a_walk_stops_at_max_path_nodes() -> None:
+    """N5's CPU: the attack made a chain one node a character, walked by every request. A walk
+    now stops at MAX_PATH_NODES (a prompt's tail past it is not recorded or matched): 1,500
+    attack prompts leave no chain deeper, and a prompt that branches less matches whole."""
+    tree: PrefixTree[str] = PrefixTree()
+    for k in range(1, 1501):
+        tree.insert("A" * k + "B", "w")
+    # The chain stops at the bound (a split there pushes its child one deeper).
+    assert max(depth(node) for node in tree._walk()) <= MAX_PATH_NODES + 1
+    assert tree.total_nodes() <= 2 * MAX_PATH_NODES + 1
+    deep = "A" * 1400 + "B"
+    assert tree.match(deep, ["w"])[0] < len(deep)  # its tail lies past the bound
+    tree.insert("x" * 30_000, "w")  # control: one long text is one node, matched whole
+    assert tree.match("x" * 30_000, ["w"])[0] == 30_000

@@ -14,6 +14,12 @@ one or two characters each, so a tree under a 64 Mi-character cap could hold gig
 (issue 26 N5); counted this way the cap bounds what the tree holds. A node carried by two
 tenants counts for both: the sum of the tenants' sizes bounds the tree from above.
 
+A walk (`match`, `insert`) takes at most `MAX_PATH_NODES` steps from the root: the same prompts
+made a chain one node per character, and every request walked it (router CPU per request 1.9 ->
+11.5 ms after 6,000 of them); a text's tail past that depth is neither matched nor recorded (a
+split at the bound may push a node below it, where no walk reaches it and eviction drops it in
+its turn). Real prompts branch where conversations part, tens of nodes deep.
+
 "Approximate": the tree holds what the router sent, not what the engine's KV cache actually keeps.
 
 LRU without timestamps or tree walks: each tenant keeps an ordered dict of the nodes it carries,
@@ -33,6 +39,7 @@ from typing import Generic, TypeVar
 
 T = TypeVar("T", bound=Hashable)
 
+MAX_PATH_NODES = 1024  # steps of one walk from the root
 NODE_BYTES = 640  # what a node holds beside its text's characters (measured 530-570, 3.11)
 
 
@@ -97,7 +104,9 @@ class PrefixTree(Generic[T]):
         node = self.root
         pos = 0
         n = len(text)
-        while pos < n and live:
+        depth = 0
+        while pos < n and live and depth < MAX_PATH_NODES:
+            depth += 1
             child = node.children.get(text[pos])
             if child is None:
                 break
@@ -129,7 +138,7 @@ class PrefixTree(Generic[T]):
         added = 0
         pos = 0
         n = len(text)
-        while pos < n:
+        while pos < n and len(path) < MAX_PATH_NODES:
             first = text[pos]
             child = node.children.get(first)
             if child is None:
