@@ -13,6 +13,8 @@ With the sticky override (SMG's `RoutingKeyOverrideConfig`), a request without a
 keyed by its body's `rid` (a string only), and both kinds lose one trailing `_r<n>` (a retry)
 and then one `_t<n>` (a turn): `conv_t2_r1` and `conv_t3` are the conversation `conv`, so every
 turn of it goes to the same worker. A `rid` that is nothing but such a suffix keys as itself.
+A key read from the `rid` is a `RidKey` (`fleet/hints.py`): the override pins it only once it
+is seen again (`fleet/sticky.py`), since most rids are one request's own.
 
 For consistent_hashing alone a request without a key is hashed by its `x-forwarded-for`, else its
 `cookie` (`affinity`, SMG's implicit key), bounded the same way.
