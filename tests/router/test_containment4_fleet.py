@@ -86,6 +86,10 @@ async def test_a_negative_load_report_no_longer_attracts_every_request(
     assert liar.load_fault == "negative" and liar.engine_load is None
     listed = {w["id"]: w for w in (await cluster.client.get("/workers")).json()["workers"]}
     assert listed[liar.id]["load_fault"] == "negative"
+    # An operator's GET /get_loads sees the refusal too, and feeds the liar no figure.
+    asked = {w["id"]: w for w in (await cluster.client.get("/get_loads")).json()["workers"]}
+    assert not asked[liar.id]["ok"] and "refused" in asked[liar.id]["error"]
+    assert liar.engine_load is None and asked["prefill-2"]["ok"]
     # Control: both honest, an even split (least_load's ties drawn at random). The liar now
     # gets no more than a fair draw would (it took all 80 before).
     assert 20 <= control[0] <= 60, control
