@@ -15,7 +15,7 @@ from trio_pd.fleet.policies import (
     make_policy,
     run_eviction,
 )
-from trio_pd.fleet.prefix_tree import PrefixTree
+from trio_pd.fleet.prefix_tree import PrefixTree, node_cost
 from trio_pd.fleet.worker import Worker
 from trio_pd.spec import WorkerSpec
 
@@ -121,7 +121,7 @@ def test_cache_aware_threshold_decides_hit_or_miss():
     ws = workers(2)
     p = CacheAwarePolicy(PolicyConfig(cache_threshold=0.5), random.Random(0))
     a = p.choose(ws, hint("a" * 100))
-    assert p.tree.size(a) == 100
+    assert p.tree.size(a) == node_cost("a" * 100)  # bytes: the node and its text
     # 40 % match: below the threshold, so the smaller (empty) tree wins.
     assert p.choose(ws, hint("a" * 40 + "b" * 60)) is not a
     # 60 % match: above the threshold.
@@ -145,7 +145,7 @@ def test_cache_aware_sheds_load_only_when_both_thresholds_exceeded():
     hot.in_flight, cold.in_flight = 30, 2
     before = p.tree.size(cold)
     assert p.choose(ws, hint(text)) is cold
-    assert p.tree.size(cold) == before + len(text)
+    assert p.tree.size(cold) == before + node_cost(text)
 
 
 def test_cache_aware_no_text_goes_to_least_loaded():
@@ -182,7 +182,7 @@ def test_cache_aware_removed_worker_is_forgotten():
 
 def test_cache_aware_eviction_bounds_each_tree():
     ws = workers(2)
-    p = CacheAwarePolicy(PolicyConfig(max_tree_size=1000), random.Random(0))
+    p = CacheAwarePolicy(PolicyConfig(max_tree_size=10_000), random.Random(0))
     rng = random.Random(3)
     texts = [words(rng, 100) for _ in range(60)]
     sizes: dict = {w: [] for w in ws}
@@ -192,11 +192,11 @@ def test_cache_aware_eviction_bounds_each_tree():
     for w in ws:
         # Between periodic evictions a tree grows, but never past twice the cap: an insert
         # that crosses it trims that tree at once.
-        assert max(sizes[w]) > 1500
-        assert all(size <= 2 * 1000 for size in sizes[w])
+        assert max(sizes[w]) > 15_000
+        assert all(size <= 2 * 10_000 for size in sizes[w])
     p.evict()
     for w in ws:
-        assert 900 < p.tree.size(w) <= 1000
+        assert 8_000 < p.tree.size(w) <= 10_000
     # The most recent texts survive, the oldest are gone.
     matched, holders = p.tree.match(texts[-1], ws)
     assert matched == 100 and holders
@@ -223,8 +223,9 @@ def test_tree_split_keeps_sizes_and_matches():
     t.insert("hello world", "a")
     t.insert("hello there", "b")
     t.insert("help", "a")
-    assert t.size("a") == len("hello world") + len("p")  # "hel" shared, "p" new
-    assert t.size("b") == len("hello there")
+    # "hel" and "lo " shared, "p" new: a size is its nodes' costs (bytes)
+    assert t.size("a") == sum(map(node_cost, ("hel", "lo ", "world", "p")))
+    assert t.size("b") == sum(map(node_cost, ("hel", "lo ", "there")))
     assert t.match("hello wor", ["a", "b"]) == (9, ["a"])
     assert t.match("hello xyz", ["a", "b"]) == (6, ["a", "b"])
     assert t.match("hello there!", ["a"]) == (6, ["a"])
@@ -238,8 +239,8 @@ def test_tree_lru_eviction_prefers_old_leaves():
     t.insert("aaaa", "x")
     t.insert("bbbb", "x")
     t.insert("aaaa", "x")  # touch: "bbbb" is now the LRU leaf
-    t.evict_tenant("x", 4)
-    assert t.size("x") == 4
+    t.evict_tenant("x", node_cost("aaaa"))
+    assert t.size("x") == node_cost("aaaa")
     assert t.match("aaaa", ["x"]) == (4, ["x"])
     assert t.match("bbbb", ["x"]) == (0, [])
 
@@ -249,7 +250,8 @@ def check_tree(t):
     nodes = list(t._walk())
     for tenant in t.tenants():
         carrying = [n for n in nodes if tenant in n.tenants and n is not t.root]
-        assert sum(len(n.text) for n in carrying) == t.size(tenant)
+        assert all(n.cost == node_cost(n.text) for n in carrying)
+        assert sum(n.cost for n in carrying) == t.size(tenant)
         order = list(t._lru[tenant])
         assert set(order) == set(carrying)
         position = {n: i for i, n in enumerate(order)}
@@ -270,9 +272,9 @@ def test_tree_randomized_invariants():
         t.insert(text, rng.randrange(4))
         if i % 100 == 99:
             check_tree(t)
-            t.evict(120)
+            t.evict(3000)
             check_tree(t)
-            assert all(t.size(x) <= 120 for x in range(4))
+            assert all(t.size(x) <= 3000 for x in range(4))
     t.remove_tenant(2)
     check_tree(t)
     assert 2 not in t.tenants()

@@ -13,11 +13,13 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from trio_pd.cli.launch import LAUNCH_DESCRIPTION, add_launch_arguments, launch_config
 from trio_pd.cli.parser import add_serve_arguments, serve_config
 from trio_pd.config.router import RouterConfig
+from trio_pd.membership.private_file import UnsafeFile, check_private
 
 SERVE_DESCRIPTION = (
     "Run the PD router. Takes every flag of SGLang's router (python -m "
@@ -70,6 +72,15 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     parser: Any = args.serve_parser
     build = launch_config if args.command == "launch" else serve_config
     config = build(parser, getattr(args, "_serve_argv", []), args)
+    files = [config.membership_file]
+    if config.discovery_provider == "file":
+        files.append(config.discovery_file)
+    for name in files:  # a file another user can write names the workers: refused now
+        if name:
+            try:
+                check_private(Path(name))
+            except UnsafeFile as exc:
+                parser.error(str(exc))
     if config.kubernetes is not None:  # the environment it needs: now, not after startup
         from trio_pd.membership import kubernetes
 

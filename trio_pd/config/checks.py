@@ -68,6 +68,7 @@ def check(config: RouterConfig, sources: Mapping[str, str]) -> None:
             "--etcd-endpoints and --membership-file are two membership stores: pick one"
         )
     check_discovery(config, fail)
+    check_aliases(config, fail)
     if config.enable_trace:
         check_tracing(config, fail)
 
@@ -134,6 +135,20 @@ def check_discovery(config: RouterConfig, fail: Fail) -> None:
             fail(field, "applies to --discovery-provider file only")
     if interval is not None and not interval > 0:
         fail("discovery_check_interval_secs", f"must be > 0, not {interval}")
+
+
+def check_aliases(config: RouterConfig, fail: Fail) -> None:
+    """An alias must not be the name of a model a worker of the command line serves: it would
+    take that model's requests over (issue 26 N12). A worker that joins later serving such a
+    name wins over the alias (`fleet/registry.py` `Fleet.models`)."""
+    served = {spec.model_id for spec in (*config.prefill, *config.decode) if spec.model_id}
+    for alias, canonical in config.model_aliases:
+        if alias in served:
+            fail(
+                "model_aliases",
+                f"{alias}={canonical}: {alias!r} is a model a worker serves; an alias may not "
+                "shadow it",
+            )
 
 
 def check_admission(config: RouterConfig, fail: Fail) -> None:

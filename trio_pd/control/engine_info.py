@@ -16,11 +16,19 @@ SGLang 0.5.23 (docs/protocol.md §11, §12):
 On a PD decode, `num_waiting_reqs` counts requests waiting for their KV cache (the decode's
 prealloc and transfer queues) as well as those queued for compute: `RankLoad.queued` is the
 second alone, what an overload judgement must read.
+
+A load report is believed only when it could be true (docs/policies.md "Load"): a count below
+zero, a figure no engine could reach (`MAX_REQUESTS`, `MAX_TOKENS`, a KV usage past
+`MAX_TOKEN_USAGE`, a throughput that is not a finite number under `MAX_THROUGHPUT`) or figures
+that contradict each other (more requests waiting for KV than waiting at all; more waiting than
+held on an old `/get_load`) is a worker's fault, `LoadReportRejected`: the fleet drops the
+worker's load as unknown rather than routing on a lie (`Fleet.reject_load`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import httpx2
@@ -36,10 +44,25 @@ SERVER_INFO_PATH = "/server_info"
 LEGACY_SERVER_INFO_PATH = "/get_server_info"
 MAX_DP = 1024  # a DP width beyond this is not believed
 MAX_ANSWER = 4 << 20  # an info answer larger than this is refused (they are a few KB)
+# Beyond these a rank's report is a lie, not a load: SGLang's running batch and queues hold
+# thousands of requests, its KV pool millions of tokens.
+MAX_REQUESTS = 1 << 24
+MAX_TOKENS = 1 << 40
+MAX_TOKEN_USAGE = 1.5  # a ratio of the KV pool (SGLang rounds it; 1.0 is full)
+MAX_THROUGHPUT = 1e9  # tokens per second
 
 
 class EngineInfoError(ValueError):
     """An engine's answer the router cannot read (not JSON, wrong types, too large)."""
+
+
+class LoadReportRejected(EngineInfoError):
+    """A load report that cannot be true: a worker fault. `reason` is `negative`, `absurd` or
+    `contradictory` (the label of `trio_pd_load_reports_rejected_total`)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason} load report: {detail}")
+        self.reason = reason
 
 
 def _int(value: Any, default: int = 0) -> int:
@@ -56,6 +79,26 @@ def _number(value: Any, default: float = 0.0) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise EngineInfoError(f"not a number: {value!r}")
     return float(value)
+
+
+def _count(item: dict[str, Any], name: str, limit: int = MAX_REQUESTS) -> int:
+    """A count a rank reports: an integer from 0 to `limit` (absent: 0)."""
+    value = _int(item.get(name))
+    if value < 0:
+        raise LoadReportRejected("negative", f"{name} = {value}")
+    if value > limit:
+        raise LoadReportRejected("absurd", f"{name} = {value}")
+    return value
+
+
+def _rate(item: dict[str, Any], name: str, limit: float) -> float:
+    """A ratio or rate a rank reports: a finite number from 0 to `limit` (absent: 0)."""
+    value = _number(item.get(name))
+    if value < 0:
+        raise LoadReportRejected("negative", f"{name} = {value}")
+    if not math.isfinite(value) or value > limit:
+        raise LoadReportRejected("absurd", f"{name} = {value}")
+    return value
 
 
 def _json(body: bytes) -> Any:
@@ -78,22 +121,27 @@ def parse_v1_loads(body: bytes) -> EngineLoad:
         if not isinstance(item, dict):
             raise EngineInfoError("a `loads` entry is not an object")
         disagg = item.get("disaggregation")
+        waiting = _count(item, "num_waiting_reqs")
         for_kv = 0
         if isinstance(disagg, dict) and disagg.get("mode") == "decode":
-            for_kv = _int(disagg.get("decode_prealloc_queue_reqs")) + _int(
-                disagg.get("decode_transfer_queue_reqs")
+            for_kv = _count(disagg, "decode_prealloc_queue_reqs") + _count(
+                disagg, "decode_transfer_queue_reqs"
             )
+            if for_kv > waiting:  # SGLang counts both queues in num_waiting_reqs
+                raise LoadReportRejected(
+                    "contradictory", f"{for_kv} waiting for KV of {waiting} waiting"
+                )
         ranks.append(
             RankLoad(
                 dp_rank=_int(item.get("dp_rank"), index),
-                running=_int(item.get("num_running_reqs")),
-                waiting=_int(item.get("num_waiting_reqs")),
+                running=_count(item, "num_running_reqs"),
+                waiting=waiting,
                 waiting_for_kv=for_kv,
-                used_tokens=_int(item.get("num_used_tokens")),
-                token_usage=_number(item.get("token_usage")),
-                max_running=_int(item.get("max_running_requests")),
-                waiting_tokens=_int(item.get("num_waiting_uncached_tokens")),
-                gen_throughput=_number(item.get("gen_throughput")),
+                used_tokens=_count(item, "num_used_tokens", MAX_TOKENS),
+                token_usage=_rate(item, "token_usage", MAX_TOKEN_USAGE),
+                max_running=_count(item, "max_running_requests"),
+                waiting_tokens=_count(item, "num_waiting_uncached_tokens", MAX_TOKENS),
+                gen_throughput=_rate(item, "gen_throughput", MAX_THROUGHPUT),
             )
         )
     return EngineLoad(tuple(ranks), LOADS_PATH.partition("?")[0])
@@ -112,13 +160,15 @@ def parse_legacy_load(body: bytes) -> EngineLoad:
             raise EngineInfoError("not a JSON object")
         if "num_reqs" not in part:
             raise EngineInfoError("no num_reqs")
-        total, waiting = _int(part.get("num_reqs")), _int(part.get("num_waiting_reqs"))
+        total, waiting = _count(part, "num_reqs"), _count(part, "num_waiting_reqs")
+        if waiting > total:
+            raise LoadReportRejected("contradictory", f"{waiting} waiting of {total} requests")
         ranks.append(
             RankLoad(
                 dp_rank=_int(part.get("dp_rank"), index),
-                running=max(0, total - waiting),
+                running=total - waiting,
                 waiting=waiting,
-                used_tokens=_int(part.get("num_tokens")),
+                used_tokens=_count(part, "num_tokens", MAX_TOKENS),
             )
         )
     return EngineLoad(tuple(ranks), LEGACY_LOAD_PATH)

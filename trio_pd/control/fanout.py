@@ -31,7 +31,12 @@ import trio
 
 from trio_pd.asgi import Receive, Scope, json_reply
 from trio_pd.control.context import ControlContext
-from trio_pd.control.engine_info import EngineAnswerError, EngineInfoError, fetch_load
+from trio_pd.control.engine_info import (
+    EngineAnswerError,
+    EngineInfoError,
+    LoadReportRejected,
+    fetch_load,
+)
 from trio_pd.errors import RouterError, no_worker
 from trio_pd.fleet.worker import Worker
 from trio_pd.respond import Reply, Responder
@@ -280,6 +285,9 @@ async def handle_get_loads(
                 load = await fetch_load(ctx.http, worker.url, leg, worker.legacy_load)
             except EngineAnswerError as exc:
                 error, item["status"] = str(exc), exc.status
+            except LoadReportRejected as exc:
+                error = f"load report refused: {exc}"
+                ctx.fleet.reject_load(worker, exc.reason, str(exc))
             except EngineInfoError as exc:
                 error = f"unreadable load answer: {exc}"
             except httpx2.HTTPError as exc:

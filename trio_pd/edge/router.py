@@ -91,11 +91,13 @@ class Router:
         # With a shared membership file the command line's workers live in the file.
         panics = self.metrics.panic_selections
         overload = self.metrics.overload_decisions
+        rejected = self.metrics.load_reports_rejected
         return Fleet(
             self.config,
             static=self.config.membership_file is None,
             on_panic=lambda role: panics.labels(role).inc(),
             on_overload=lambda role, outcome: overload.labels(role, outcome).inc(),
+            on_load_rejected=lambda w, reason: rejected.labels(w.id, w.role, reason).inc(),
         )
 
     @ssl_context.default
@@ -161,7 +163,7 @@ class Router:
 
     @membership.default
     def _default_membership(self) -> Membership:
-        return membership_for(self.config, self.fleet, self.metrics)
+        return membership_for(self.config, self.fleet, self.metrics, self.destinations)
 
     @control.default
     def _default_control(self) -> ControlContext:

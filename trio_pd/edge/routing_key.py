@@ -13,6 +13,8 @@ With the sticky override (SMG's `RoutingKeyOverrideConfig`), a request without a
 keyed by its body's `rid` (a string only), and both kinds lose one trailing `_r<n>` (a retry)
 and then one `_t<n>` (a turn): `conv_t2_r1` and `conv_t3` are the conversation `conv`, so every
 turn of it goes to the same worker. A `rid` that is nothing but such a suffix keys as itself.
+A key read from the `rid` is a `RidKey` (`fleet/hints.py`): the override pins it only once it
+is seen again (`fleet/sticky.py`), since most rids are one request's own.
 
 For consistent_hashing alone a request without a key is hashed by its `x-forwarded-for`, else its
 `cookie` (`affinity`, SMG's implicit key), bounded the same way.
@@ -26,6 +28,7 @@ from collections.abc import Sequence
 import attrs
 
 from trio_pd.config import PolicyConfig
+from trio_pd.fleet.hints import RidKey
 
 ROUTING_KEY_HEADER = b"x-smg-routing-key"
 MAX_KEY_BYTES = 128
@@ -97,7 +100,7 @@ class RoutingKeys:
         if raw is not None:
             return _bounded(strip_lineage(raw.decode("latin-1")).encode("latin-1"))
         if isinstance(rid, str) and rid:
-            return _bounded(strip_lineage(rid).encode("utf-8", "surrogatepass"))
+            return RidKey(_bounded(strip_lineage(rid).encode("utf-8", "surrogatepass")))
         return None
 
     def affinity(self, headers: list[tuple[bytes, bytes]]) -> str | None:

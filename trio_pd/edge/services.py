@@ -21,6 +21,7 @@ import trio
 from trio_pd.config import RouterConfig
 from trio_pd.control.engine_info import (
     EngineInfoError,
+    LoadReportRejected,
     fetch_load,
     fetch_served_model,
     fetch_server_info,
@@ -163,11 +164,16 @@ async def learn_info(ctx: ServiceContext, worker: Worker) -> bool:
     return worker.learn(info, served)
 
 
-async def worker_load(ctx: ServiceContext, worker: Worker) -> EngineLoad:
+async def worker_load(ctx: ServiceContext, worker: Worker) -> EngineLoad | None:
     """One worker's load (`/v1/loads`, `/get_load` on older engines: a worker found to be one
-    is asked the old endpoint from then on, `Worker.legacy_load`)."""
+    is asked the old endpoint from then on, `Worker.legacy_load`); None for a report that
+    cannot be true, after the fleet marked the worker's load unknown."""
     headers = worker_headers(ctx, worker)
-    return await fetch_load(ctx.client, worker.url, headers, worker.legacy_load)
+    try:
+        return await fetch_load(ctx.client, worker.url, headers, worker.legacy_load)
+    except LoadReportRejected as exc:
+        ctx.fleet.reject_load(worker, exc.reason, str(exc))
+        return None
 
 
 async def prune_idle_connections(pool: UpstreamPool) -> None:

@@ -9,12 +9,21 @@ from __future__ import annotations
 import attrs
 
 
+class RidKey(str):
+    """A routing key read from the body's `rid` lineage (the sticky override without a header
+    key), not from a header: most rids are one request's own, and `sticky.py` pins such a key
+    only once it is seen again (issue 26 N14). Otherwise the same string as any key."""
+
+    __slots__ = ()
+
+
 @attrs.frozen
 class RouteHints:
     """`text`: the routing text (the prompt or conversation, capped) cache-aware matches on.
     `length`: the prompt's length in characters, uncapped (bucket); 0 without text (token ids).
     `key`: the client's routing key (manual, consistent_hashing, prefix_hash, the sticky
-    override: `edge/routing_key.py`); None when it sent none or no policy reads it.
+    override: `edge/routing_key.py`), a `RidKey` when read from the `rid` lineage; None when it
+    sent none or no policy reads it.
     `model`: the model whose workers are the candidates; None when the router serves one.
     `affinity`: the client's `x-forwarded-for`, else its `cookie` (bounded as keys are): the key
     consistent_hashing hashes when there is no routing key; None unless that policy is used."""

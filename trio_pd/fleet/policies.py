@@ -145,8 +145,9 @@ class CacheAwarePolicy:
        cache_threshold (ties: least loaded); else the candidate with the smallest tree (ties:
        least loaded, then candidate order). The text is inserted for the chosen worker.
     3. No text (None or ""): the least loaded candidate; the tree is not touched.
-    Trees grow between evictions; `evict()` trims every worker to max_tree_size characters, and a
-    worker whose tree passes twice that is trimmed at once on insert.
+    Trees grow between evictions; `evict()` trims every worker to max_tree_size bytes (its nodes'
+    memory, `prefix_tree.node_cost`), and a worker whose tree passes twice that is trimmed at
+    once on insert.
     """
 
     name = "cache_aware"

@@ -47,6 +47,7 @@ class Fleet:
         static: bool = True,
         on_panic: Callable[[Role], None] | None = None,
         on_overload: Callable[[Role, str], None] | None = None,
+        on_load_rejected: Callable[[Worker, str], None] | None = None,
     ) -> None:
         self.config = config
         self.rng = rng or random.Random()
@@ -61,8 +62,10 @@ class Fleet:
         self.panics: dict[Role, int] = dict.fromkeys(ROLES, 0)  # selections in panic routing
         self.on_panic = on_panic  # e.g. a metric
         self.on_overload = on_overload  # (role, "vetoed" | "fallback" | "shed"): a metric
+        self.on_load_rejected = on_load_rejected  # (worker, reason): a metric
         self.sources: dict[str, tuple[bool, str]] = {}  # source -> (reachable, detail)
         self._models: tuple[int, list[str]] | None = None
+        self._shadowed: set[str] = set()  # aliases a served model's name overrides (logged)
         # An engine's reported load (GET /get_loads, the polling of `fleet/loads.py`) counts
         # until the poll after next would have replaced it.
         self.load_fresh_secs = 2 * max(config.health.interval_secs, config.load_poll_interval_secs)
@@ -303,7 +306,23 @@ class Fleet:
         if self._models is None or self._models[0] != self.version:
             by_role = {role: {w.model for w in self.workers(role) if w.model} for role in ROLES}
             self._models = (self.version, sorted(by_role["prefill"] & by_role["decode"]))
+            self._warn_shadowed(self._models[1])
         return self._models[1]
+
+    def _warn_shadowed(self, models: list[str]) -> None:
+        """A `--model-alias` named as a model a worker now serves: the served model wins (the
+        alias would take its requests over, issue 26 N12); said once per alias."""
+        for alias, canonical in self.config.model_aliases:
+            if alias in models and alias not in self._shadowed:
+                self._shadowed.add(alias)
+                log.error(
+                    "--model-alias %s=%s: a worker serves a model named %r; requests naming it "
+                    "go to that model, not to %r",
+                    alias,
+                    canonical,
+                    alias,
+                    canonical,
+                )
 
     def models_changed(self) -> None:
         self._models = None
@@ -325,6 +344,20 @@ class Fleet:
             log.warning(
                 "worker %s (%s) circuit breaker %s -> %s", worker.id, worker.url, before, after
             )
+
+    def reject_load(self, worker: Worker, reason: str, detail: str) -> None:
+        """`worker`'s engine reported a load that cannot be true: its load is unknown until a
+        believable report, the refusal is counted, and logged once per run of refusals."""
+        if worker.reject_load(reason) and not worker.removed:
+            log.warning(
+                "worker %s (%s): load report refused, its load is unknown until one that could "
+                "be true (%s)",
+                worker.id,
+                worker.url,
+                detail,
+            )
+        if self.on_load_rejected is not None:
+            self.on_load_rejected(worker, reason)
 
     def evict(self) -> bool:
         """Periodic eviction for every policy; `run_eviction(fleet, secs)` drives it. True when

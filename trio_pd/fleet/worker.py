@@ -57,6 +57,7 @@ class Worker:
     rank_turn: int = 0  # where the next tie between ranks starts
     reported_load: int | None = None
     reported_at: float | None = None
+    load_fault: str | None = None  # why its last load report was refused (None: believed)
     load_fresh_secs: float = 120.0
     # Legs in flight per routing key (only counted when a policy reads keys): min_group places a
     # new key where the fewest distinct keys are active; the sticky override respills a key
@@ -122,6 +123,19 @@ class Worker:
             load = load.requests
         self.reported_load = load
         self.reported_at = trio.current_time()
+        self.load_fault = None
+
+    def reject_load(self, reason: str) -> bool:
+        """Its engine reported a load that cannot be true (`control/engine_info.py`): forget
+        every figure it reported, so its load is unknown (the router's own legs alone count,
+        no veto reads it) until a report that could be true. True the first time in a row
+        (the caller logs once)."""
+        first = self.load_fault is None
+        self.load_fault = reason
+        self.engine_load = None
+        self.reported_load = None
+        self.reported_at = None
+        return first
 
     def load(self) -> int:
         reported = self.reported_load
@@ -168,6 +182,7 @@ class Worker:
             **({"engine": self.spec.engine} if self.spec.engine != "sglang" else {}),
             **({"dp_size": self.dp_size} if self.dp_size > 1 else {}),
             **({"engine_load": self.engine_load.to_json()} if self.engine_load else {}),
+            **({"load_fault": self.load_fault} if self.load_fault else {}),
             **({"meta": self.meta} if self.meta else {}),
         }
 

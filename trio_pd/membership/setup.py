@@ -47,6 +47,9 @@ from trio_pd.membership.memory import MemoryStore
 from trio_pd.membership.shared_file import SOURCE as file_source
 from trio_pd.membership.shared_file import FileMembership
 from trio_pd.membership.source import MembershipSource, MembershipStore
+from trio_pd.spec import WorkerSpec
+from trio_pd.upstream.destinations import Destinations
+from trio_pd.upstream.urls import refuse_listed
 
 if TYPE_CHECKING:
     from trio_pd.observe.metrics import RouterMetrics
@@ -68,9 +71,22 @@ def error_counter(metrics: RouterMetrics, source: str) -> Callable[[str], None]:
     return on_error
 
 
-def membership_for(config: RouterConfig, fleet: Fleet, metrics: RouterMetrics) -> Membership:
-    """The store and the sources ``config`` asks for (see the module doc)."""
+def membership_for(
+    config: RouterConfig,
+    fleet: Fleet,
+    metrics: RouterMetrics,
+    destinations: Destinations | None = None,
+) -> Membership:
+    """The store and the sources ``config`` asks for (see the module doc). With
+    `destinations`, a file's entry pointing where no worker may is skipped as it is read."""
     sources: list[MembershipSource] = []
+    check = None
+    if destinations is not None:
+        rule = destinations
+
+        def check(spec: WorkerSpec) -> None:
+            refuse_listed(spec.url, rule)
+
     store: MembershipStore
     if config.etcd is not None:
         if config.membership_file:
@@ -80,8 +96,9 @@ def membership_for(config: RouterConfig, fleet: Fleet, metrics: RouterMetrics) -
         sources.append(etcd)
     elif config.membership_file:
         shared = FileMembership(
-            Path(config.membership_file), fleet, on_error=error_counter(metrics, file_source)
-        )
+            Path(config.membership_file), fleet, on_error=error_counter(metrics, file_source),
+            check=check,
+        )  # fmt: skip
         store = shared
         sources.append(shared)
     else:
@@ -90,7 +107,7 @@ def membership_for(config: RouterConfig, fleet: Fleet, metrics: RouterMetrics) -
         manifest = FileMembership(
             Path(config.discovery_file), fleet, name=manifest_source, read=smg_manifest,
             resync_secs=config.discovery_check_interval_secs or MANIFEST_RESYNC_SECS,
-            on_error=error_counter(metrics, manifest_source),
+            on_error=error_counter(metrics, manifest_source), check=check,
         )  # fmt: skip
         sources.append(manifest)
     if config.kubernetes is not None:

@@ -15,7 +15,9 @@ The file:
                   "bootstrap_port": 8998, "model_id": null, "api_key": null,
                   "admin_api_key": null}, ...]}
 Worker ids of a hand-written file may be anything unique; missing ids are derived from the URL.
-Each entry is checked as `POST /workers` checks its body (`worker_json.py`); a bad one is
+Nothing is read from a file another user could write (`private_file.py`): the last good view
+stays and the source is down. Each entry is checked as `POST /workers` checks its body
+(`worker_json.py`); a bad one is
 skipped with a warning naming it (once per change of the file), the others are used. A file
 that cannot be parsed keeps the last good view, and the admin API answers 503 for changes (the
 error log says why) until it is mended.
@@ -35,6 +37,7 @@ from typing import Any
 
 import trio
 
+from trio_pd.membership.private_file import UnsafeFile, check_private
 from trio_pd.membership.source import StoreUnavailable
 from trio_pd.membership.worker_json import spec_from_json
 from trio_pd.spec import Registry, WorkerRecord, WorkerSpec
@@ -59,17 +62,25 @@ def spec_json(worker_id: str, spec: WorkerSpec) -> dict[str, Any]:
     }
 
 
-def parse_workers(data: Any, source: str = SOURCE) -> list[WorkerRecord]:
+CheckSpec = Callable[[WorkerSpec], None]  # a ValueError when a worker may not be listed
+
+
+def parse_workers(
+    data: Any, source: str = SOURCE, check: CheckSpec | None = None
+) -> list[WorkerRecord]:
     """The usable records of a membership document (see `read_workers`)."""
-    return read_workers(data, source)[0]
+    return read_workers(data, source, check)[0]
 
 
-def read_workers(data: Any, source: str = SOURCE) -> tuple[list[WorkerRecord], list[str]]:
+def read_workers(
+    data: Any, source: str = SOURCE, check: CheckSpec | None = None
+) -> tuple[list[WorkerRecord], list[str]]:
     """The records of a membership document, and what was wrong with each entry skipped.
 
     An entry is checked as the admin API checks `POST /workers` (`worker_json.py`): a
     hand-edited entry without a scheme, with a CR/LF in its key or a port 99999 is skipped,
-    not routed to. A document that is not an object with a `workers` list, or whose usable
+    not routed to; so is one `check` refuses (where a worker may point, `upstream/urls.py`
+    `refuse_listed`). A document that is not an object with a `workers` list, or whose usable
     entries share an id, is a ValueError: then nothing of it is used."""
     if not isinstance(data, dict) or not isinstance(data.get("workers"), list):
         raise ValueError("a membership file is an object with a `workers` list")
@@ -82,6 +93,8 @@ def read_workers(data: Any, source: str = SOURCE) -> tuple[list[WorkerRecord], l
             if worker_id is not None and (not isinstance(worker_id, str) or not worker_id):
                 raise ValueError("id must be a non-empty string or absent")
             spec = spec_from_json(item)
+            if check is not None:
+                check(spec)
         except ValueError as exc:
             named = f" (id {item['id']!r})" if isinstance(item, dict) and item.get("id") else ""
             skipped.append(f"entry {n}{named} skipped: {exc}")
@@ -154,11 +167,14 @@ class FileMembership:
         on_error: Callable[[str], None] | None = None,
         name: str = SOURCE,
         read: Callable[[Any], Any] | None = None,
+        check: CheckSpec | None = None,
     ) -> None:
         """`name`: the source its workers carry; `read`: turns the file's JSON into a
-        membership document first (`manifest.smg_manifest`: SMG's discovery manifest)."""
+        membership document first (`manifest.smg_manifest`: SMG's discovery manifest);
+        `check`: refuses an entry no worker may be (its destination), as the admin API would."""
         self.name = name
         self.read = read
+        self.check = check
         self.path = Path(path)
         self.on_error = on_error
         self.lock_path = self.path.with_name(self.path.name + ".lock")
@@ -168,6 +184,7 @@ class FileMembership:
         self._records: dict[str, WorkerRecord] = {}
         self._seen: tuple[int, int, int] | None = None  # (inode, mtime_ns, size) last read
         self._skipped: list[str] = []  # the bad entries last reported
+        self._unsafe: str | None = None  # why the file is not read (others may write it)
 
     # -- source -----------------------------------------------------------------------------
 
@@ -191,12 +208,21 @@ class FileMembership:
         try:
             stat = self.path.stat()
             seen = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
-            if seen == self._seen and not force:
+            if seen == self._seen and not force and self._unsafe is None:
                 return
+            check_private(self.path)
+        except UnsafeFile as exc:
+            self._refuse_unsafe(str(exc))
+            return
+        except OSError:
+            pass  # the read below fails and says so
+        else:
+            self._unsafe = None
+        try:
             data = json.loads(self.path.read_bytes())
             if self.read is not None:
                 data = self.read(data)
-            records, skipped = read_workers(data, self.name)
+            records, skipped = read_workers(data, self.name, self.check)
         except (OSError, ValueError) as exc:
             self._count("read")
             self.registry.source_status(self.name, False, f"{self.path}: {exc}")
@@ -205,6 +231,15 @@ class FileMembership:
         self._report_skipped(skipped)
         self._apply(records)
         self.registry.source_status(self.name, True)
+
+    def _refuse_unsafe(self, problem: str) -> None:
+        """Another user could have written the file: nothing of it is read (the last good set
+        stays), the source is down, the error logged once per problem and counted."""
+        self._count("unsafe")
+        self.registry.source_status(self.name, False, problem)
+        if problem != self._unsafe:
+            log.error("%s; it is not read until that is fixed", problem)
+        self._unsafe = problem
 
     def _report_skipped(self, skipped: list[str]) -> None:
         """A warning for each bad entry, once: again only after the set of them changed."""
@@ -288,12 +323,13 @@ class FileMembership:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 try:
+                    check_private(self.path)
                     data = json.loads(self.path.read_bytes())
                     parse_workers(data)
                 except ValueError as exc:  # not a "conflict": the file must be mended first
                     raise Unreadable(f"cannot be parsed ({exc})") from exc
                 result = change(data)
                 write_atomically(self.path, data)
-                return result, parse_workers(data, self.name)
+                return result, parse_workers(data, self.name, self.check)
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)

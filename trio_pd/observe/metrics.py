@@ -143,6 +143,13 @@ class RouterMetrics:
             ["role"],
             registry=r,
         )
+        self.load_reports_rejected = Counter(
+            "trio_pd_load_reports_rejected",
+            "Engine load reports refused as impossible (a worker fault: negative, absurd or "
+            "contradictory figures); the worker's load is unknown until a believable one.",
+            ["worker", "role", "reason"],
+            registry=r,
+        )
         self.overload_decisions = Counter(
             "trio_pd_overload_decisions",
             "Selections the overload veto changed (docs/overload.md), by role and outcome: "

@@ -419,13 +419,14 @@ def resolve_model(ctx: DispatchContext, requested: str | None) -> str | None:
     """The model a request routes to, or None when the router serves one model (zero
     configuration: the `model` field routes nothing, exactly as with one model before).
 
-    Several models: the request's `model` (an alias of `--model-alias` names its model), else
-    `--default-model`; an unknown one is a 404 listing the models served, none at all a 400."""
+    Several models: the request's `model` (an alias of `--model-alias` names its model, unless
+    a worker serves a model of that very name: the served model wins), else `--default-model`;
+    an unknown one is a 404 listing the models served, none at all a 400."""
     models = ctx.fleet.models()
     if len(models) <= 1:
         return None
     model = requested or ctx.config.default_model
-    if model is not None:  # `--model-alias`: another name of a served model
+    if model is not None and model not in models:  # `--model-alias`: another name of one
         model = dict(ctx.config.model_aliases).get(model, model)
     if model is None:
         raise bad_request(

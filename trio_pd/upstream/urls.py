@@ -68,6 +68,24 @@ async def check_destination(
         )
 
 
+def refuse_listed(url: str, destinations: Destinations) -> None:
+    """A ValueError when `url` names a host no worker may have: a refused name, or an address
+    literal the rule refuses (`destinations.py`). No lookup: a membership file is read on the
+    event loop, and a name is resolved and checked at every connect anyway."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    refused = destinations.refuse_name(host)
+    if refused is None:
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            return
+        refused = destinations.refusal(address, port)
+    if refused is not None:
+        raise ValueError(f"url {url!r} points at {refused}; it cannot be a worker")
+
+
 async def resolve(host: str, port: int) -> list[Address]:
     try:
         return [ipaddress.ip_address(host)]

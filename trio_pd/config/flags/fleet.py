@@ -173,10 +173,13 @@ FLEET: tuple[Flag, ...] = (
     ),
     Flag(
         "--max-tree-size",
-        "cache_aware: prefix tree size it is trimmed to",
+        "cache_aware: bytes of memory a worker's prefix tree is trimmed to (its nodes and "
+        "their text; twice this trims it at once)",
         "policy.max_tree_size",
         default=67_108_864,
         type=int,
+        differs="SGLang's counts characters, which bounds no memory: prompts `A...AB` add ~1 KB "
+        "of nodes for one character; here each node's memory counts (issue 26 N5)",
     ),
     Flag(
         "--max-idle-secs",

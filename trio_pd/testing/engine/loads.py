@@ -55,7 +55,7 @@ def v1_loads(engine: EngineState, query: bytes) -> tuple[int, Any]:
         except ValueError:
             return 400, _validation_error("dp_rank", rank_text)
         ranks = [rank] if 0 <= rank < engine.config.num_dp_ranks else []
-    snapshots = [snapshot(engine, rank) for rank in ranks]
+    snapshots = [{**snapshot(engine, rank), **engine.load_lie} for rank in ranks]
     try:
         loads = [select(s, set(include) if include else None) for s in snapshots]
     except InvalidSection:

@@ -106,6 +106,9 @@ class EngineState:
         self.extra_queued = config.extra_queued  # requests queued for compute (waiting queue)
         self.extra_running = 0
         self.extra_used_tokens = 0  # KV held: token_usage rises with it
+        # A hostile engine: these top-level figures replace its own in every rank's /v1/loads
+        # (a test sets `{"num_waiting_uncached_tokens": -10**12}`: a worker that lies).
+        self.load_lie: dict[str, Any] = {}
 
     def saturate(self, queued: int = 0, running: int = 0, used_tokens: int = 0) -> None:
         """Report this much more load on every DP rank from now on (0, 0, 0: none)."""
