@@ -167,13 +167,18 @@ class DecodeGate(_Counted):
         return per_rank * max(1, worker.dp_size) if per_rank else None
 
     def used(self, worker: Worker) -> int:
-        """The router's claims, or the engine's running requests while fresh, the larger."""
+        """The router's claims, or the engine's running requests while fresh and taken after
+        this router's last release on the decode, the larger. A figure from before that release
+        still counts the request released: read, it would keep the freed place closed until the
+        next poll (or the whole wait)."""
         claimed = self.held.get(worker, 0)
         load, at = worker.engine_load, worker.reported_at
+        released = self.released_at.get(worker)
         if (
             load is not None
             and at is not None
             and trio.current_time() - at < worker.load_fresh_secs
+            and (released is None or at >= released)
         ):
             return max(claimed, sum(rank.running for rank in load.ranks))
         return claimed

@@ -89,6 +89,9 @@ class Output:
         self.defer_headers = False  # a planned status fault holds a stream's headers back
         self.on_decided: Callable[[], None] | None = None
         self.held: list[Any] = []  # stream events held while headers are deferred
+        # A request's `"sim_tag": true`: its generated text starts with its rid, so answers
+        # that are otherwise alike (a router's `n > 1` samples) show which request wrote them.
+        self.tag = False
 
     @property
     def complete(self) -> bool:
@@ -101,6 +104,15 @@ class Output:
 
     def bind(self, items: Sequence[Item]) -> None:
         self.items = items
+
+    def _text(self, item: Item, count: int) -> str:
+        """The text of `item`'s first `count` tokens (tagged: its rid first)."""
+        text = output_text(count)
+        return f"{item.rid} {text}" if self.tag and count else text
+
+    def _piece(self, item: Item, k: int) -> str:
+        """The text of `item`'s k-th token in a stream (tagged: the first one after its rid)."""
+        return f"{item.rid} {piece(k)}" if self.tag and k == 1 else piece(k)
 
     # ---- item callbacks -------------------------------------------------------------------
     async def token(self, item: Item, k: int, finish: dict[str, Any] | None = None) -> None:
@@ -118,11 +130,14 @@ class Output:
                 self.chat_opened.add(item.index)
                 await self._send(self._chat_chunk(item.rid, item.index, _role_delta()))
             lp = self._chat_logprobs(k, k) if self.w.logprobs else None
-            await self._send(self._chat_chunk(item.rid, item.index, _delta(piece(k)), lp))
+            await self._send(
+                self._chat_chunk(item.rid, item.index, _delta(self._piece(item, k)), lp)
+            )
         else:
             lp = self._completion_logprobs(k, k) if self.w.logprobs else None
             reason = finish["type"] if finish else None
-            await self._send(self._completion_chunk(item.rid, item.index, piece(k), lp, reason))
+            text = self._piece(item, k)
+            await self._send(self._completion_chunk(item.rid, item.index, text, lp, reason))
 
     async def finish(self, item: Item, finish: dict[str, Any]) -> None:
         """Item ended without a further token (e.g. aborted before its first)."""
@@ -231,7 +246,7 @@ class Output:
 
     def _generate_event(self, item: Item, k: int, finish: dict[str, Any] | None) -> dict[str, Any]:
         event: dict[str, Any] = {
-            "text": output_text(k),
+            "text": self._text(item, k),
             "output_ids": [output_id(i) for i in range(1, k + 1)],
             "meta_info": self.meta_info(item, k, finish),
         }
@@ -246,7 +261,7 @@ class Output:
         if self.w.api == "generate":
             outs = [
                 {
-                    "text": output_text(i.generated),
+                    "text": self._text(i, i.generated),
                     "output_ids": [output_id(k) for k in range(1, i.generated + 1)],
                     "meta_info": self.meta_info(i, i.generated, self.finished.get(i.index)),
                 }
@@ -260,12 +275,12 @@ class Output:
             if self.w.api == "chat":
                 choice["message"] = {
                     "role": "assistant",
-                    "content": output_text(done),
+                    "content": self._text(item, done),
                     "reasoning_content": None,
                 }
                 lp = self._chat_logprobs(1, done) if self.w.logprobs else None
             else:
-                choice["text"] = output_text(done)
+                choice["text"] = self._text(item, done)
                 lp = self._completion_logprobs(1, done) if self.w.logprobs else None
             choice.update(
                 {"logprobs": lp, "finish_reason": finish.get("type"), "matched_stop": None}
