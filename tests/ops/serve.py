@@ -110,12 +110,12 @@ async def start_serve(
     port: int | None = None,
     prometheus_host: str | None = "127.0.0.1",
     host: str = "127.0.0.1",
-    nofile: int | None = None,
+    nofile: int | tuple[int, int] | None = None,
 ) -> ServeProcess:
     """`python -m trio_pd serve` in front of running engines; its output goes to `log_path`.
     Its metrics listener gets a free port on `prometheus_host` (None: the router's default
     address), and its admin listener one on 127.0.0.1, unless `extra` names them. `nofile`:
-    its RLIMIT_NOFILE, soft and hard (the process cannot raise it)."""
+    its RLIMIT_NOFILE, soft and hard alike (it cannot raise it), or (soft, hard)."""
     port = port or free_port()
     command = [sys.executable, "-m", "trio_pd", "serve", "--host", host, "--port", str(port)]
     for engine in prefills:
@@ -132,14 +132,15 @@ async def start_serve(
     return ServeProcess(process, port, log_path, metrics_port, admin_port)
 
 
-def fd_limit(nofile: int | None) -> Callable[[], None] | None:
-    """A preexec function giving the child process `nofile` descriptors at most."""
+def fd_limit(nofile: int | tuple[int, int] | None) -> Callable[[], None] | None:
+    """A preexec function setting the child process's RLIMIT_NOFILE (`nofile`: both limits,
+    or (soft, hard))."""
     if nofile is None:
         return None
-    limit = nofile
+    limits = nofile if isinstance(nofile, tuple) else (nofile, nofile)
 
     def apply() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+        resource.setrlimit(resource.RLIMIT_NOFILE, limits)
 
     return apply
 

@@ -177,3 +177,34 @@ async def test_an_explicit_cap_refuses_the_next_connection(
         for stream in held:
             await stream.aclose()
         await router.stop()
+
+
+def soft_fd_limit(pid: int) -> int:
+    with open(f"/proc/{pid}/limits") as f:
+        line = next(line for line in f if line.startswith("Max open files"))
+    return int(line.split()[3])
+
+
+async def test_the_soft_fd_limit_is_raised_to_the_hard_one_and_the_cap_follows(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """Started at 300 under a hard limit of 600, the router runs at 600, so its derived cap is
+    (600 - 256) / 3 = 114 connections, not (300 - 256) / 3 = 14."""
+    prefill = await start_engine(nursery, "prefill")
+    decode = await start_engine(nursery, "decode")
+    router = await start_serve([prefill], [decode], str(tmp_path / "router.log"), nofile=(300, 600))
+    held: list[trio.SocketStream] = []
+    try:
+        await router.wait_ready()
+        assert soft_fd_limit(router.process.pid) == 600
+        cap = (600 - RESERVED_FDS) // FDS_PER_CLIENT
+        held = [await trio.open_tcp_stream("127.0.0.1", router.port) for _ in range(cap + 5)]
+        with trio.fail_after(LOOSE * 3):  # the router took them all from its queue
+            while accept_queue(router.port):
+                await trio.sleep(0.05)
+        # The cap is 114, not 14 (one more if wait_ready's closed connection still counted).
+        assert 5 <= await refused_counted(router.metrics_url) <= 6
+    finally:
+        for stream in held:
+            await stream.aclose()
+        await router.stop()
