@@ -15,7 +15,9 @@ Two rules hold both ways:
   carry no client header at all). The headers a worker may get from a client are only these:
   `FORWARDED_HEADERS`, `x-request-id-*`, and `Authorization` when the worker has no key of its
   own (`worker_authorization`). A header is dropped whole, never edited: a trace header with
-  a hole cut in it would mislead whoever reads it. The search is a substring search (C speed,
+  a hole cut in it would mislead whoever reads it. Only `Basic` is decoded: a client that
+  percent- or otherwise encodes a key it holds gives it away on purpose, and could as well
+  send it to the worker itself. The search is a substring search (C speed,
   not constant time): its outcome is never told to the client, and a constant-time search
   over every window of a 16 KiB head would cost milliseconds per request.
 """
