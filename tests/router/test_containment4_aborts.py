@@ -196,3 +196,21 @@ async def test_failed_aborts_are_a_line_every_few_seconds_with_the_count(
     assert len(lines) <= took / WARN_EVERY_SECS + 2, lines
     reported = sum(int(line.split(": ")[1].split()[0]) for line in lines)
     assert reported == pool.sent  # every failure is in a line's count
+
+
+async def test_one_workers_full_queue_leaves_room_for_the_others(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The bounds: `max_pending_per_worker` for one worker, `max_pending` for all; a worker
+    past its own bound drops the rest of its job (counted), another worker's job still fits."""
+    metrics = RouterMetrics(multiprocess_dir="")
+    service = AbortService(metrics, max_pending=25, max_pending_per_worker=10)
+    await nursery.start(service.run, FailingPool())
+    later = 60.0  # not due during the test: everything stays queued
+    service.request(AbortJob("prefill", "http://a", tuple(f"a{i}" for i in range(15)), delay=later))
+    assert metrics.aborts.labels("prefill", "dropped")._value.get() == 5
+    service.request(AbortJob("decode", "http://b", tuple(f"b{i}" for i in range(10)), delay=later))
+    assert metrics.aborts.labels("decode", "dropped")._value.get() == 0  # its own room
+    service.request(AbortJob("decode", "http://c", tuple(f"c{i}" for i in range(10)), delay=later))
+    assert metrics.aborts.labels("decode", "dropped")._value.get() == 5  # the total's bound
+    assert service.pending == 25
