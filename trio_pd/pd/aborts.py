@@ -337,24 +337,28 @@ class AbortService:
                 log.exception("abort of %s on %s raised", rid, rnd.job.url)
             finally:
                 lane.in_flight -= 1
-                self._after(lane, rnd, rid)
-                lane.wake()
+                if self._after(lane, rnd, rid) or lane.idle:
+                    lane.wake()  # a new round to wait for, or nothing left: the others see
 
-    def _after(self, lane: _Lane, rnd: _Round, rid: str) -> None:
+    def _after(self, lane: _Lane, rnd: _Round, rid: str) -> bool:
         """Put a first POST's rid in its job's open repeat round, or retire it after its
-        repeat. Every repeat goes at least `repeat_secs` after its first POST ended."""
+        repeat. Every repeat goes at least `repeat_secs` after its first POST ended. Whether a
+        new round was queued (the lane's waiting senders must see its due time)."""
         if rnd.repeat or self._flushing:
             lane.pending.discard(rid)
-            return
+            return False
         now = trio.current_time()
         entry = lane.open_repeats.get(rnd.serial)
-        if entry is None or now >= entry[1]:
+        opened = entry is None or now >= entry[1]
+        if opened:
             repeat = _Round(rnd.job, [], repeat=True, serial=rnd.serial)
             closes = now + REPEAT_BUCKET_SECS
             lane.push(closes + self.repeat_secs, next(self._order), repeat)
             entry = lane.open_repeats[rnd.serial] = (repeat, closes)
+        assert entry is not None
         entry[0].rids.append(rid)
         lane.waiting += 1
+        return opened
 
     async def _post(self, job: AbortJob, rid: str) -> None:
         assert self._pool is not None
