@@ -223,6 +223,7 @@ CASES: dict[str, Case] = {
         ["1.5"], "edges.upstream_pool_idle_timeout_secs", 1.5
     ),
     "--health-check-port": case(["31999"], "edges.health_check_port", 31999),
+    "--max-client-connections": case(["500"], "edges.max_client_connections", 500),
     "--remove-unhealthy-workers": case([], "health.remove_unhealthy_workers", True),
     "--no-remove-unhealthy-workers": case([], "health.remove_unhealthy_workers", False),
     "--model-alias": case(["gpt=alpha"], "model_aliases", (("gpt", "alpha"),)),

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import resource
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import httpx2
@@ -109,10 +110,12 @@ async def start_serve(
     port: int | None = None,
     prometheus_host: str | None = "127.0.0.1",
     host: str = "127.0.0.1",
+    nofile: int | tuple[int, int] | None = None,
 ) -> ServeProcess:
     """`python -m trio_pd serve` in front of running engines; its output goes to `log_path`.
     Its metrics listener gets a free port on `prometheus_host` (None: the router's default
-    address), and its admin listener one on 127.0.0.1, unless `extra` names them."""
+    address), and its admin listener one on 127.0.0.1, unless `extra` names them. `nofile`:
+    its RLIMIT_NOFILE, soft and hard alike (it cannot raise it), or (soft, hard)."""
     port = port or free_port()
     command = [sys.executable, "-m", "trio_pd", "serve", "--host", host, "--port", str(port)]
     for engine in prefills:
@@ -123,8 +126,23 @@ async def start_serve(
     admin, admin_port = admin_flags(extra)
     command += ["--log-level", "info", *metrics, *admin, *extra]
     with open(log_path, "wb") as log:  # noqa: ASYNC230 - a local file, opened once
-        process = await trio.lowlevel.open_process(command, stdout=log, stderr=subprocess.STDOUT)
+        process = await trio.lowlevel.open_process(
+            command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=fd_limit(nofile)
+        )
     return ServeProcess(process, port, log_path, metrics_port, admin_port)
+
+
+def fd_limit(nofile: int | tuple[int, int] | None) -> Callable[[], None] | None:
+    """A preexec function setting the child process's RLIMIT_NOFILE (`nofile`: both limits,
+    or (soft, hard))."""
+    if nofile is None:
+        return None
+    limits = nofile if isinstance(nofile, tuple) else (nofile, nofile)
+
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+
+    return apply
 
 
 async def clients_per_process(

@@ -85,11 +85,13 @@ async def run_proxy(
 
 
 def refused_here(response: httpx2.Response, admin_url: str) -> None:
-    """The data plane's answer to a keyless change: a 403 envelope saying where to go."""
+    """The data plane's answer to a keyless change: a 403 envelope naming the flags, never the
+    admin listener's address (issue 26, N14: anyone may reach the data port)."""
     assert response.status_code == 403, response.text
     error = response.json()["error"]
     assert error["type"] == "permission_error" and error["code"] == 403
-    assert admin_url in error["message"] and "--control-plane-api-keys" in error["message"]
+    assert "--admin-port" in error["message"] and "--control-plane-api-keys" in error["message"]
+    assert admin_url not in response.text and admin_url.rsplit(":", 1)[1] not in response.text
 
 
 async def worker_ids(client: httpx2.AsyncClient) -> list[str]:
@@ -380,7 +382,7 @@ async def test_an_ipv6_router_takes_local_ipv4_changes_on_its_admin_door(
     v4 = cluster.url.replace("[::]", "127.0.0.1")
     async with httpx2.AsyncClient(base_url=v4, timeout=LOOSE) as client:
         assert (await client.get("/health")).status_code == 200  # ::ffff:127.0.0.1 reaches it
-        refused_here(await client.post("/flush_cache"), cluster.router.access.admin_url or "")
+        refused_here(await client.post("/flush_cache"), str(cluster.router.access.admin_url))
     assert (await cluster.admin.post("/flush_cache")).status_code == 200
     await cluster.client.aclose()
     await cluster.admin.aclose()

@@ -16,7 +16,7 @@ import trio
 import trio.testing
 
 from trio_pd.observe.metrics import RouterMetrics
-from trio_pd.pd.aborts import REPEAT_SECS, SENDERS, AbortJob, AbortService
+from trio_pd.pd.aborts import REPEAT_SECS, SENDERS_PER_WORKER, AbortJob, AbortService
 
 
 class Answer:
@@ -56,10 +56,10 @@ async def started(nursery: trio.Nursery, **options: Any) -> tuple[AbortService, 
 async def test_the_repeat_does_not_hold_a_sender(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
-    """Ten times more abandoned legs than senders: every first POST goes out at once, not in
-    waves of SENDERS every REPEAT_SECS (the old service held its slot through the repeat)."""
+    """Ten times more abandoned legs than a worker's senders: every first POST goes out at once,
+    not in waves every REPEAT_SECS (the old service held its slot through the repeat)."""
     service, pool = await started(nursery)
-    legs = SENDERS * 10
+    legs = SENDERS_PER_WORKER * 10
     for i in range(legs):
         service.request(AbortJob("decode", "http://d", (f"rid-{i}",)))
     await trio.sleep(REPEAT_SECS / 2)

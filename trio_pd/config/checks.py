@@ -105,6 +105,11 @@ def check_edges(config: RouterConfig, fail: Fail) -> None:
         value = getattr(edges, field)
         if not value >= 0:
             fail(f"edges.{field}", f"must be 0 (off) or more, not {value}")
+    if edges.max_client_connections < 0:
+        fail(
+            "edges.max_client_connections",
+            f"must be 0 (derived) or more, not {edges.max_client_connections}",
+        )
     port = edges.health_check_port
     if port is None:
         return

@@ -193,6 +193,9 @@ class EdgeConfig:
     idle_connection_timeout_secs: float = 90.0  # a client keep-alive connection idle; 0: none
     upstream_pool_idle_timeout_secs: float = 3.0  # an idle worker connection reused; 0: forever
     health_check_port: int | None = None  # the probe listener (`serve/probe_listener.py`)
+    # Client connections a process holds open at once; 0: derived from its fd limit
+    # (`serve/fd_budget.py`)
+    max_client_connections: int = 0
 
 
 @attrs.frozen

@@ -19,11 +19,11 @@ Routes by class:
   `--api-key` when set, else open (on both doors, as in SMG);
 - control write (`POST /workers`, `DELETE /workers/{id}`, `POST /flush_cache`): an `admin` key;
   without control-plane keys, the `--api-key` (as SMG); without either, the admin listener
-  only: the data-plane port refuses them (403, saying where to go), whoever the TCP peer is. A
-  local proxy or service-mesh sidecar in front of the data plane (nginx on the host, Istio's
-  127.0.0.6) therefore cannot pass a remote client's change through (a deliberate difference
-  from SMG, whose control plane is then open: anyone who reaches the port could add a worker
-  and receive users' prompts).
+  only: the data-plane port refuses them (403 naming the flags, never the listener's address),
+  whoever the TCP peer is. A local proxy or service-mesh sidecar in front of the data plane
+  (nginx on the host, Istio's 127.0.0.6) therefore cannot pass a remote client's change
+  through (a deliberate difference from SMG, whose control plane is then open: anyone who
+  reaches the port could add a worker and receive users' prompts).
 Keys, once configured, are required on both doors: the admin listener is no way around them.
 The admin listener answers no browser: a request carrying `Origin` is refused (a web page the
 operator opens could otherwise POST to a loopback port), and it sends no CORS headers.
@@ -90,7 +90,7 @@ class Access:
     data_keys: tuple[str, ...] = attrs.field(default=(), repr=False)
     audit: bool = False
     router_key: str | None = attrs.field(default=None, repr=False)  # --api-key
-    # Where the admin listener answers, for the data plane's 403 (None: this router has none).
+    # Where the admin listener answers, for the start-up log (None: this router has none).
     admin_url: str | None = None
 
     @property
@@ -135,17 +135,13 @@ class Access:
         raise unauthorized()
 
     def no_keyless_writes(self) -> str:
-        """The data plane's 403 for a change without keys: where it is served instead."""
-        keys = "or configure --control-plane-api-keys (or --api-key) to make it here with a key"
-        if self.admin_url is None:
-            return (
-                "changes without keys are served on the admin listener only, and this router "
-                f"runs without one: start it with --admin-port, {keys}"
-            )
+        """The data plane's 403 for a change without keys. It names the flags, never the admin
+        listener's address nor whether there is one: anyone may reach the data port, and the
+        operator who needs the address has it in the start-up log (issue 26, N14)."""
         return (
-            "changes without keys are served on the admin listener only, not on this port: "
-            f"send it to {self.admin_url} (--admin-host, --admin-port) from the router's host, "
-            + keys
+            "changes without keys are served on the admin listener only (--admin-host, "
+            "--admin-port), never on this port; or configure --control-plane-api-keys "
+            "(or --api-key) to make them here with a key"
         )
 
     def record(self, caller: Caller | None, method: str, path: str, status: int, what: str) -> None:

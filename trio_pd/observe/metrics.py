@@ -96,6 +96,12 @@ class RouterMetrics:
             registry=r,
             buckets=self.buckets_for("trio_pd_stream_chunk_gap_seconds", TOKEN_BUCKETS),
         )
+        self.connections_refused = Counter(
+            "trio_pd_client_connections_refused",
+            "Client connections the data port refused at once: --max-client-connections were "
+            "open (issue 26, N6).",
+            registry=r,
+        )
         self.events_relayed = Counter(
             "trio_pd_events_relayed", "SSE events relayed from decode to clients.", registry=r
         )

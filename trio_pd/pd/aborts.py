@@ -10,29 +10,49 @@ the router asks the engine to abort it.
 This is work that outlives the request on purpose: the client's answer never waits for it. The
 request hands the job to this long-lived service and goes on. How the service is built, and why:
 
-- **One POST per rid.** The engine takes one string rid per call, and its tokenizer manager
-  drops an abort for a rid it does not hold, so a batch's common prefix cannot stand for its
-  items: an abandoned batch leg costs one POST per item (bounded by `--max-batch-size`).
+- **One POST per rid.** The engine takes one string rid per call (`AbortReq.rid`; its only
+  other form, `abort_all`, aborts every request of every client), and its tokenizer manager
+  drops an abort for a rid it does not hold (`tokenizer_manager.abort_request`), so a batch's
+  common prefix cannot stand for its items: an abandoned batch leg costs one POST per item
+  (bounded by `--max-batch-size`). SGLang 0.5.23's source, `srt/entrypoints/http_server.py`
+  and `srt/managers/io_struct.py`, read for issue 26.
 - **Each POST twice**, the second `REPEAT_SECS` after the first: an abort that reaches the
   engine before it registered the rid is dropped yet answered 200 (AIBrix's finding).
-- **A delay queue, not a sleeping sender.** Every POST not yet due (a repeat; a first POST held
-  back by `AbortJob.delay`, see below) waits in a heap keyed by its due time; `SENDERS` tasks
-  send the due ones. Nothing holds a sender while it waits, so the service sends at the rate
-  failures happen (a sender holding its slot through the repeat's sleep capped it at ~32 POSTs
-  a second per role).
+- **A lane per worker** (issue 26, N11). Each worker has its own delay queue and
+  `SENDERS_PER_WORKER` senders, and all lanes together have at most `SENDERS` POSTs in flight:
+  a worker whose `/abort_request` hangs holds its own senders (each POST bounded by
+  `TIMEOUT_SECS`), never another worker's. With one queue and 32 senders for everyone, one
+  hanging worker and one abandoned 1,024-batch to it held every sender, and another worker's
+  abort went out 64.6 s late (control 2.0 s). It takes `SENDERS / SENDERS_PER_WORKER` hanging
+  workers at once to fill the total.
+- **A delay queue, not a sleeping sender.** Within a lane, every round not yet due (a repeat; a
+  first POST held back by `AbortJob.delay`, see below) waits in a heap keyed by its due time;
+  the lane's senders send the due ones. Nothing holds a sender while it waits, so the service
+  sends at the rate failures happen (a sender holding its slot through the repeat's sleep
+  capped it at ~32 POSTs a second per role).
 - **The hot path's HTTP/1.1 client**, not the control plane's httpx2 client: a POST costs tens of
   microseconds of router CPU instead of about a millisecond, which is what lets a storm of
   failing requests be aborted as fast as it fails. Each POST is bounded by `TIMEOUT_SECS`.
-- **Its own connections** (a pool with the hot path pool's settings, at most `SENDERS` per
-  worker in use): on the shared pool a decode leg took the idle connection an abort had just
-  left, sent its request on it and closed it when cancelled, so in a storm most aborts paid a
-  fresh connect, and most doomed decodes reached the engine only to need an abort
+- **Its own connections** (a pool with the hot path pool's settings, at most
+  `SENDERS_PER_WORKER` per worker in use): on the shared pool a decode leg took the idle
+  connection an abort had just left, sent its request on it and closed it when cancelled, so
+  in a storm most aborts paid a fresh connect, and most doomed decodes reached the engine
+  only to need an abort
   (bench/abort_rate.py at 250 failing requests a second: the router's CPU per failed request,
   aborts on over aborts off, went from 1.16 to 1.01, and the doomed decodes that reached the
   engine from 1,492 to 103 of 2,500; docs/benchmarks.md).
-- **Coalesced and bounded.** A (worker, rid) already pending is not queued twice; at most
-  `MAX_PENDING` POSTs wait, beyond which a job is dropped and counted
+- **Coalesced and bounded** (issue 26, F5). A job's rids wait as one round (the job's tuple
+  of rids and an index: a few bytes a rid, where a queued object per POST cost ~300), and its
+  repeats as one round per job and tenth of a second. A (worker, rid) already pending is not
+  queued twice; at most `MAX_PENDING_PER_WORKER` rids wait for one worker and `MAX_PENDING` in
+  all, beyond which the rest of a job is dropped and counted
   (`trio_pd_aborts_total{role,result="dropped"}`), never blocking the request that gave it.
+  Forty abandoned 1,024-batches (81,920 rids, both legs) once overflowed the single 65,536 queue
+  and dropped 16,375 aborts; they now fit (40,960 a worker).
+- **Warnings aggregated.** A drop or a failed POST is one warning line per worker and kind at
+  most every `WARN_EVERY_SECS`, with the count since the last line (and a last line when the
+  worker's lane empties or the process flushes): 40 abandoned batches to a failing worker once
+  logged 16,375 lines, one per rid.
 - **Flushed at shutdown.** `flush()` sends every first POST still pending before the process
   exits (repeats are dropped), bounded by `FLUSH_SECS`, so the requests the end of a drain cut
   are freed in their engines too.
@@ -51,6 +71,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 
 import attrs
 import orjson
@@ -60,11 +81,15 @@ from trio_pd.observe.metrics import RouterMetrics
 from trio_pd.upstream.pool import UpstreamError, UpstreamPool
 
 log = logging.getLogger(__name__)
-SENDERS = 32  # POSTs in flight at once, at most
-MAX_PENDING = 65_536  # POSTs waiting (due or not), at most
+SENDERS = 128  # POSTs in flight at once, all workers together, at most
+SENDERS_PER_WORKER = 8  # POSTs in flight to one worker at once, at most
+MAX_PENDING = 262_144  # rids waiting (due or not), all workers together, at most
+MAX_PENDING_PER_WORKER = 65_536  # rids waiting for one worker, at most
 TIMEOUT_SECS = 2.0
 REPEAT_SECS = 2.0
+REPEAT_BUCKET_SECS = 0.1  # first POSTs done within this long share one repeat round
 FLUSH_SECS = 5.0
+WARN_EVERY_SECS = 10.0
 ABORT_PATH = "/abort_request"
 JSON = (b"content-type", b"application/json")
 
@@ -80,11 +105,79 @@ class AbortJob:
     delay: float = 0.0  # hold the first POST back this long (the latch hazard)
 
 
-@attrs.frozen
-class _Post:
+@attrs.define(eq=False)
+class _Round:
+    """Rids of one job sent in one go: their first POSTs, or their repeats."""
+
     job: AbortJob
-    rid: str
-    repeat: bool  # the second POST of this rid
+    rids: list[str]
+    repeat: bool
+    serial: int  # a first round's own number (its repeats are grouped by it)
+    taken: int = 0  # rids[:taken] were handed to a sender
+
+
+@attrs.define(eq=False)
+class _Lane:
+    """One worker's aborts: its delay queue, its pending rids, its senders' count."""
+
+    url: str
+    heap: list[tuple[float, int, _Round]] = attrs.Factory(list)
+    pending: set[str] = attrs.Factory(set)  # rids queued, being sent or awaiting the repeat
+    waiting: int = 0  # rids in the heap not yet handed to a sender
+    in_flight: int = 0
+    changed: trio.Event = attrs.Factory(trio.Event)
+    # A first round's serial -> (its open repeat round, until when it takes more rids)
+    open_repeats: dict[int, tuple[_Round, float]] = attrs.Factory(dict)
+    running: bool = False  # its senders run
+
+    def wake(self) -> None:
+        changed, self.changed = self.changed, trio.Event()
+        changed.set()
+
+    def push(self, due: float, order: int, rnd: _Round) -> None:
+        heapq.heappush(self.heap, (due, order, rnd))
+
+    def take(self, now: float, flushing: bool) -> tuple[_Round, str] | None:
+        """The next due rid, or None. Flushing: every first round is due, repeats dropped."""
+        while self.heap:
+            due, _, rnd = self.heap[0]
+            if rnd.repeat and flushing:
+                heapq.heappop(self.heap)
+                self._retired(rnd)
+                left = rnd.rids[rnd.taken :]
+                self.pending.difference_update(left)
+                self.waiting -= len(left)
+                continue
+            if due > now and not flushing:
+                return None
+            rid = rnd.rids[rnd.taken]
+            rnd.taken += 1
+            self.waiting -= 1
+            if rnd.taken == len(rnd.rids):
+                heapq.heappop(self.heap)
+                self._retired(rnd)
+            return rnd, rid
+        return None
+
+    def _retired(self, rnd: _Round) -> None:
+        if rnd.repeat:
+            entry = self.open_repeats.get(rnd.serial)
+            if entry is not None and entry[0] is rnd:
+                del self.open_repeats[rnd.serial]
+
+    @property
+    def idle(self) -> bool:
+        return not self.heap and self.in_flight == 0
+
+
+@attrs.define
+class _Note:
+    """Warnings of one kind for one worker not yet logged."""
+
+    count: int = 0
+    role: str = ""
+    why: str = ""
+    logged_at: float = -math.inf
 
 
 def own_pool(shared: UpstreamPool) -> UpstreamPool:
@@ -107,42 +200,57 @@ class AbortService:
         repeat_secs: float = REPEAT_SECS,
         *,
         max_pending: int = MAX_PENDING,
+        max_pending_per_worker: int = MAX_PENDING_PER_WORKER,
+        senders_per_worker: int = SENDERS_PER_WORKER,
     ) -> None:
         self.metrics = metrics
         self.repeat_secs = repeat_secs
         self.max_pending = max_pending
-        self._heap: list[tuple[float, int, _Post]] = []
+        self.max_pending_per_worker = max_pending_per_worker
+        self.senders_per_worker = senders_per_worker
+        self._lanes: dict[str, _Lane] = {}
         self._order = itertools.count()
-        self._pending: set[tuple[str, str]] = set()  # (url, rid) queued or being sent
-        self._changed = trio.Event()
+        self._limiter = trio.CapacityLimiter(SENDERS)
+        self._nursery: trio.Nursery | None = None
         self._pool: UpstreamPool | None = None
         self._flushing = False
-        self._in_flight = 0
+        self._notes: dict[tuple[str, str], _Note] = {}
 
     @property
     def pending(self) -> int:
         """POSTs waiting or being sent (the `trio_pd_aborts_pending` gauge)."""
-        return len(self._heap) + self._in_flight
+        return sum(lane.waiting + lane.in_flight for lane in self._lanes.values())
 
     def request(self, job: AbortJob) -> None:
         """Queue the job's POSTs; never blocks and never raises (callable from a cancelled
         task's cleanup)."""
-        due = trio.current_time() + job.delay
-        queued = 0
+        lane = self._lanes.get(job.url)
+        if lane is None:
+            lane = self._lanes[job.url] = _Lane(job.url)
+        fresh: list[str] = []
         for rid in job.rids:
-            key = (job.url, rid)
-            if key in self._pending:
+            if rid in lane.pending:
                 self.metrics.aborts.labels(job.role, "coalesced").inc()
-                continue
-            if len(self._heap) >= self.max_pending:
-                self.metrics.aborts.labels(job.role, "dropped").inc()
-                log.warning("abort queue full: not aborting %s on %s", rid, job.url)
-                continue
-            self._pending.add(key)
-            heapq.heappush(self._heap, (due, next(self._order), _Post(job, rid, repeat=False)))
-            queued += 1
-        if queued:
-            self._wake()
+            else:
+                lane.pending.add(rid)
+                fresh.append(rid)
+        waiting = sum(each.waiting for each in self._lanes.values())
+        room = max(0, min(self.max_pending - waiting, self.max_pending_per_worker - lane.waiting))
+        if len(fresh) > room:
+            dropped = fresh[room:]
+            del fresh[room:]
+            lane.pending.difference_update(dropped)
+            self.metrics.aborts.labels(job.role, "dropped").inc(len(dropped))
+            self._note(job, "dropped", len(dropped), "abort queue full")
+        if fresh:
+            due = trio.current_time() + job.delay
+            serial = next(self._order)
+            lane.push(due, serial, _Round(job, fresh, repeat=False, serial=serial))
+            lane.waiting += len(fresh)
+            lane.wake()
+            self._start(lane)
+        elif lane.idle and not lane.running:
+            del self._lanes[job.url]
 
     def connections(self) -> list[tuple[str, str]]:
         """(worker URL, "idle" | "active") of the service's own connections."""
@@ -151,38 +259,45 @@ class AbortService:
     async def run(
         self, pool: UpstreamPool, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """The dispatcher and its senders; runs until cancelled (the lifespan's end, after
-        `flush`). `pool` is the hot path's: the service sends on a pool of its own with the same
+        """The lanes' senders; runs until cancelled (the lifespan's end, after `flush`).
+        `pool` is the hot path's: the service sends on a pool of its own with the same
         settings (a pool of another kind, a test's recorder, is used as it is)."""
         own = own_pool(pool) if isinstance(pool, UpstreamPool) else pool
         self._pool = own
         try:
-            await self._dispatch(task_status)
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                for lane in self._lanes.values():
+                    lane.running = False  # a restart: the old senders are gone
+                    lane.in_flight = 0
+                    self._start(lane)
+                task_status.started()
+                await trio.sleep_forever()
         finally:
+            self._nursery = None
             if own is not pool:
                 with trio.CancelScope(shield=True):
                     await own.aclose()
 
-    async def _dispatch(self, task_status: trio.TaskStatus[None]) -> None:
-        send, receive = trio.open_memory_channel[_Post](SENDERS)
-        async with trio.open_nursery() as nursery, send:
-            for _ in range(SENDERS):
-                nursery.start_soon(self._sender, receive.clone())
-            receive.close()
-            task_status.started()
+    def _start(self, lane: _Lane) -> None:
+        if self._nursery is not None and not lane.running:
+            lane.running = True
+            self._nursery.start_soon(self._run_lane, lane)
+
+    async def _run_lane(self, lane: _Lane) -> None:
+        """The lane's senders, until it has nothing left; then the lane is forgotten."""
+        try:
             while True:
-                now = trio.current_time()
-                while self._heap and (self._heap[0][0] <= now or self._flushing):
-                    _, _, post = heapq.heappop(self._heap)
-                    if self._flushing and post.repeat:
-                        self._pending.discard((post.job.url, post.rid))
-                        continue
-                    self._in_flight += 1
-                    await send.send(post)
-                changed = self._changed
-                wake_at = self._heap[0][0] if self._heap else trio.current_time() + 3600
-                with trio.move_on_at(wake_at):
-                    await changed.wait()
+                async with trio.open_nursery() as senders:
+                    for _ in range(self.senders_per_worker):
+                        senders.start_soon(self._sender, lane)
+                if lane.idle:  # no checkpoint since: nothing was queued in between
+                    if self._lanes.get(lane.url) is lane:
+                        del self._lanes[lane.url]
+                    self._tell(lane.url, force=True)
+                    return
+        finally:
+            lane.running = False
 
     async def flush(self, limit_secs: float = FLUSH_SECS) -> None:
         """Send every first POST still pending now (repeats dropped), within `limit_secs`.
@@ -190,43 +305,64 @@ class AbortService:
         Called by the lifespan at shutdown, after the drain cut what still ran, while `run` is
         still running: it returns once `run` has sent everything (or the limit passed)."""
         self._flushing = True
-        self._wake()
+        for lane in self._lanes.values():
+            lane.wake()
         with trio.move_on_after(limit_secs):
-            while self._heap or self._in_flight:  # noqa: ASYNC110 - shutdown only, bounded
+            while self.pending:  # noqa: ASYNC110 - shutdown only, bounded
                 await trio.sleep(0.01)
-        left = len(self._heap) + self._in_flight
+        left = self.pending
         if left:
             log.warning("shutdown: %d aborts not sent within %gs", left, limit_secs)
+        for url, _ in list(self._notes):
+            self._tell(url, force=True)
 
-    def _wake(self) -> None:
-        changed, self._changed = self._changed, trio.Event()
-        changed.set()
+    async def _sender(self, lane: _Lane) -> None:
+        while True:
+            taken = lane.take(trio.current_time(), self._flushing)
+            if taken is None:
+                if lane.idle:
+                    lane.wake()  # the lane's other senders end too
+                    return
+                changed = lane.changed
+                wake_at = lane.heap[0][0] if lane.heap and not self._flushing else math.inf
+                with trio.move_on_at(wake_at):
+                    await changed.wait()
+                continue
+            rnd, rid = taken
+            lane.in_flight += 1
+            try:
+                async with self._limiter:
+                    await self._post(rnd.job, rid)
+            except Exception:  # a bug here must not end the service
+                log.exception("abort of %s on %s raised", rid, rnd.job.url)
+            finally:
+                lane.in_flight -= 1
+                if self._after(lane, rnd, rid) or lane.idle:
+                    lane.wake()  # a new round to wait for, or nothing left: the others see
 
-    async def _sender(self, receive: trio.MemoryReceiveChannel[_Post]) -> None:
-        async with receive:
-            async for post in receive:
-                try:
-                    await self._post(post)
-                except Exception:  # a bug here must not end the service
-                    log.exception("abort of %s on %s raised", post.rid, post.job.url)
-                finally:
-                    self._in_flight -= 1
-                    self._after(post)
+    def _after(self, lane: _Lane, rnd: _Round, rid: str) -> bool:
+        """Put a first POST's rid in its job's open repeat round, or retire it after its
+        repeat. Every repeat goes at least `repeat_secs` after its first POST ended. Whether a
+        new round was queued (the lane's waiting senders must see its due time)."""
+        if rnd.repeat or self._flushing:
+            lane.pending.discard(rid)
+            return False
+        now = trio.current_time()
+        entry = lane.open_repeats.get(rnd.serial)
+        opened = entry is None or now >= entry[1]
+        if opened:
+            repeat = _Round(rnd.job, [], repeat=True, serial=rnd.serial)
+            closes = now + REPEAT_BUCKET_SECS
+            lane.push(closes + self.repeat_secs, next(self._order), repeat)
+            entry = lane.open_repeats[rnd.serial] = (repeat, closes)
+        assert entry is not None
+        entry[0].rids.append(rid)
+        lane.waiting += 1
+        return opened
 
-    def _after(self, post: _Post) -> None:
-        """Schedule the repeat of a first POST, or retire the rid after its repeat."""
-        key = (post.job.url, post.rid)
-        if post.repeat or self._flushing:
-            self._pending.discard(key)
-            return
-        due = trio.current_time() + self.repeat_secs
-        heapq.heappush(self._heap, (due, next(self._order), _Post(post.job, post.rid, True)))
-        self._wake()
-
-    async def _post(self, post: _Post) -> None:
+    async def _post(self, job: AbortJob, rid: str) -> None:
         assert self._pool is not None
-        job = post.job
-        body = orjson.dumps({"rid": post.rid})
+        body = orjson.dumps({"rid": rid})
         headers = [JSON, *job.headers]
         with trio.move_on_after(TIMEOUT_SECS):
             try:
@@ -234,15 +370,37 @@ class AbortService:
                     await response.read(limit=4096)
                     status = response.status
             except UpstreamError as exc:
-                self._failed(job, post.rid, f"{exc.kind}: {exc}")
+                self._failed(job, rid, f"{exc.kind}: {exc}")
                 return
             if 200 <= status < 300:
                 self.metrics.aborts.labels(job.role, "sent").inc()
             else:
-                self._failed(job, post.rid, f"status {status}")
+                self._failed(job, rid, f"status {status}")
             return
-        self._failed(job, post.rid, f"timed out after {TIMEOUT_SECS:g}s")
+        self._failed(job, rid, f"timed out after {TIMEOUT_SECS:g}s")
 
     def _failed(self, job: AbortJob, rid: str, why: str) -> None:
         self.metrics.aborts.labels(job.role, "failed").inc()
-        log.warning("abort of %s on %s (%s) failed: %s", rid, job.url, job.role, why)
+        self._note(job, "failed", 1, f"last: {rid}, {why}")
+
+    def _note(self, job: AbortJob, kind: str, count: int, why: str) -> None:
+        """Count a warning; log it now unless one was logged for this worker and kind within
+        `WARN_EVERY_SECS` (then it goes in the next line, with the count)."""
+        note = self._notes.setdefault((job.url, kind), _Note())
+        note.count += count
+        note.role, note.why = job.role, why
+        self._tell(job.url, kind)
+
+    def _tell(self, url: str, kind: str | None = None, *, force: bool = False) -> None:
+        now = trio.current_time()
+        for each in ("dropped", "failed") if kind is None else (kind,):
+            note = self._notes.get((url, each))
+            if note is None or not note.count:
+                continue
+            if not force and now - note.logged_at < WARN_EVERY_SECS:
+                continue
+            what = "not queued (full)" if each == "dropped" else "failed"
+            log.warning("aborts on %s (%s): %d %s (%s)", url, note.role, note.count, what, note.why)
+            note.count, note.logged_at = 0, now
+            if force:
+                del self._notes[(url, each)]

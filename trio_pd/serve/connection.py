@@ -8,6 +8,8 @@ hypercorn (h11 underneath) is lenient where a router in front of other servers m
 - a request target with bytes above 0x7F crashes the connection without an answer;
 - its own error answers (a malformed head, headers too large) are empty, not the JSON envelope
   every other error of the router is;
+- h11's bound on a head (`h11_max_incomplete_size`, 16 KiB) holds only while the head is
+  incomplete: a 61 KB head that arrives in one segment is taken whole (issue 26, N13);
 - it speaks HTTP/2 when asked: `Upgrade: h2c`, the prior-knowledge preface, and ALPN `h2` over
   TLS. The router is built and tested over HTTP/1.1, and hypercorn's only bound on rapid resets
   is its requests-per-connection cap, so HTTP/2 is off unless `--enable-http2`;
@@ -18,9 +20,10 @@ hypercorn (h11 underneath) is lenient where a router in front of other servers m
   connection leaves it in CLOSE_WAIT until the timer runs out (the timer's task holds the
   connection's task group open).
 
-`StrictHead` checks each request head as h11 cuts it out of the receive buffer, and raises h11's
-own protocol error: h11 then refuses the request (400) and hypercorn closes the connection, as it
-does for any head it cannot parse. `StrictH11` installs it, answers those errors with the
+`StrictHead` checks each request head as h11 cuts it out of the receive buffer (its size first:
+the same bound however the head arrived, 431), and raises h11's own protocol error: h11 then
+refuses the request (400) and hypercorn closes the connection, as it does for any head it
+cannot parse. `StrictH11` installs it, answers those errors with the
 envelope and `Connection: close`, and ignores `Upgrade: h2c` without HTTP/2. `Connection` is
 hypercorn's TCPServer with that protocol, the handshake bound, and SMG 1.13's two client
 timeouts in place of hypercorn's one (`ClientTimeouts`): `--header-read-timeout-secs` from the
@@ -72,6 +75,9 @@ class StrictHead(ReceiveBuffer):
     def maybe_extract_lines(self) -> list[bytearray] | None:
         match = blank_line_regex.search(self._data, self._multiple_lines_search)
         if match is not None:
+            limit = self.connection._max_incomplete_event_size
+            if match.end() > limit:  # h11 bounds only a head still incomplete: whole, the same
+                raise LocalProtocolError(f"head past {limit} bytes", error_status_hint=431)
             check_head(
                 bytes(self._data[: match.end()]),
                 request=self.connection.their_state is h11.IDLE,

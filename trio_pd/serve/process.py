@@ -22,8 +22,9 @@ from hypercorn.config import Sockets
 from trio_pd.config import RouterConfig
 from trio_pd.edge.router import Router
 from trio_pd.observe.logs import configure as configure_logging
-from trio_pd.serve.accept import serve_app, wrap_asgi
+from trio_pd.serve.accept import ConnectionCap, serve_app, wrap_asgi
 from trio_pd.serve.admin_listener import admin_url, bind_admin, serve_admin
+from trio_pd.serve.fd_budget import client_connection_cap, raise_soft_limit
 from trio_pd.serve.listeners import (
     client_timeouts,
     close_sockets,
@@ -94,10 +95,14 @@ async def serve(
             await nursery.start(serve_metrics, render, metrics_sockets, trio.sleep_forever)
         wrapped = wrap_asgi(app, hc)
 
+        # The probe, admin and metrics listeners keep the descriptors the cap leaves over.
+        limit = client_connection_cap(config.edges.max_client_connections)
+        cap = ConnectionCap(limit, app.metrics.connections_refused.inc)
+
         async def data_plane(task_status: trio.TaskStatus[list[str]]) -> None:
             await serve_app(
                 wrapped, hc, sockets, stop.wait, http2=config.enable_http2,
-                timeouts=client_timeouts(config), task_status=task_status,
+                timeouts=client_timeouts(config), cap=cap, task_status=task_status,
             )  # fmt: skip
             nursery.cancel_scope.cancel(reason="served")  # the side listeners end with it
 
@@ -136,6 +141,7 @@ async def _serve_main(
     probe_sockets: Sockets | None = None,
 ) -> int:
     """Serve one router process until it drained; its exit status (1: it gave up on itself)."""
+    raise_soft_limit()  # before the cap is derived from it (`fd_budget.py`)
     router = Router(config)
     async with trio.open_nursery() as nursery:
         urls = await nursery.start(

@@ -9,14 +9,22 @@ Two rules hold both ways:
   and every header a `Connection` (or `Proxy-Connection`) header names, from the client to a
   worker and from a worker to the client;
 - the router's own keys (`--control-plane-api-keys`, `--data-plane-api-keys`, `--api-key` as
-  a client key) never reach a worker: a client header whose value is one of them, bare or as
-  `<scheme> <key>`, is not forwarded, on generation legs and fan-out alike (probes, load polls
-  and aborts carry no client header at all). Compared in constant time.
+  a client key) never reach a worker: a client header whose value holds one of them anywhere
+  (bare, as `<scheme> <key>`, inside a list or a `k=<key>` member, inside `Basic` credentials)
+  is not forwarded at all, on generation legs and fan-out alike (probes, load polls and aborts
+  carry no client header at all). The headers a worker may get from a client are only these:
+  `FORWARDED_HEADERS`, `x-request-id-*`, and `Authorization` when the worker has no key of its
+  own (`worker_authorization`). A header is dropped whole, never edited: a trace header with
+  a hole cut in it would mislead whoever reads it. Only `Basic` is decoded: a client that
+  percent- or otherwise encodes a key it holds gives it away on purpose, and could as well
+  send it to the worker itself. The search is a substring search (C speed,
+  not constant time): its outcome is never told to the client, and a constant-time search
+  over every window of a 16 KiB head would cost milliseconds per request.
 """
 
 from __future__ import annotations
 
-import hmac
+import base64
 from collections.abc import Iterable
 
 import attrs
@@ -81,15 +89,28 @@ class RouterKeys:
         return cls(tuple(dict.fromkeys(k.encode() for k in found if k)))
 
     def carried_by(self, value: bytes) -> bool:
-        """Whether `value` is one of the keys, bare or after a scheme (`Bearer <key>`)."""
+        """Whether `value` holds one of the keys anywhere in it: bare, after a scheme
+        (`Bearer <key>`), inside a list or a member (`Bearer <key>,x`, `tracestate: k=<key>`),
+        or inside `Basic` credentials (base64 of `user:<key>`)."""
         if not self.keys:
             return False
-        whole = value.strip()
-        token = whole.partition(b" ")[2].strip()
+        candidates = (value, basic_credentials(value))
         found = False
-        for key in self.keys:  # no early exit: the time taken does not say which key was close
-            found |= hmac.compare_digest(whole, key) | hmac.compare_digest(token, key)
+        for key in self.keys:  # no early exit: the time taken does not say which key matched
+            for candidate in candidates:
+                found |= key in candidate
         return found
+
+
+def basic_credentials(value: bytes) -> bytes:
+    """The decoded credentials of `Basic <base64>` (b"" for anything else)."""
+    scheme, _, token = value.strip().partition(b" ")
+    if scheme.lower() != b"basic":
+        return b""
+    try:
+        return base64.b64decode(token.strip(), validate=False)
+    except ValueError:
+        return b""
 
 
 NO_KEYS = RouterKeys()

@@ -1,6 +1,7 @@
 """The table's rows for the edges of a connection, in SMG 1.13's names, meanings and defaults:
 the SSE keep-alive, the client connections' header and idle timeouts, the upstream pool's idle
-timeout and the dedicated probe listener (one row a flag: `flag.py` says what a row holds)."""
+timeout and the dedicated probe listener; and trio_pd's own cap on client connections (one row
+a flag: `flag.py` says what a row holds)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,18 @@ EDGES: tuple[Flag, ...] = (
         "/readiness, /ready, served apart from the data plane's connections so probes are not "
         "starved by requests (the probes stay on the main port too); unset: none",
         "edges.health_check_port",
+        type=int,
+    ),
+    Flag(
+        "--max-client-connections",
+        "client connections each router process keeps open at once on the data port; one "
+        "more is answered 503 and closed at once (counted in "
+        "trio_pd_client_connections_refused_total), so idle connections cannot take the file "
+        "descriptors the probe and admin listeners and the workers' connections need. 0: "
+        "derived from the process's file-descriptor limit (raised to its hard limit at start): "
+        "(limit - 256) / 3",
+        "edges.max_client_connections",
+        default=0,
         type=int,
     ),
 )

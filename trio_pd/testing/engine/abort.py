@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
+import trio
 
 from trio_pd.testing.engine.asgi import BodyTooLarge, Responder, read_body
 from trio_pd.testing.engine.failures import method_not_allowed, validation_error
@@ -49,6 +50,9 @@ async def handle_abort(engine: EngineState, scope: dict[str, Any], receive: Any,
         engine.events.emit("abort_refused", error=str(exc), dp_rank=None)
         await validation_error(resp, str(exc))
         return
+    if engine.abort_hangs:  # a fault of the simulator's (state.py), not SGLang's behaviour
+        engine.events.emit("abort_hung", sglang_rid=rid or None, dp_rank=None)
+        await trio.sleep_forever()
     abort_request(engine, rid, abort_all, source="http")
     await resp.empty()
 

@@ -101,6 +101,9 @@ class EngineState:
         self.prefill_busy_us = 0
         self.health_status = 200  # what GET /health answers (a test sets 503: "still loading")
         self.stopping = False  # shutting down: /health and /ready answer 503
+        # A wedged engine (a test sets it): POST /abort_request is read, logged as
+        # `abort_hung`, and never answered (abort.py).
+        self.abort_hangs = False
         # Load another router's requests put on this engine, per DP rank, which /v1/loads
         # reports beside the engine's own (`saturate`): a test drives a worker's load up.
         self.extra_queued = config.extra_queued  # requests queued for compute (waiting queue)
