@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import resource
 
-log = logging.getLogger("trio_pd.server")
+log = logging.getLogger(__name__)
 RESERVED_FDS = 256
 FDS_PER_CLIENT = 3  # its own, and its request's two legs
 UNLIMITED_TARGET = 1 << 20  # a hard limit of "unlimited": ask for this much (Linux's nr_open)
