@@ -118,7 +118,7 @@ async def test_forty_abandoned_batches_drop_no_abort_and_log_a_few_lines(
     cluster = await cluster_of(nursery, [prefill], [decode])  # type: ignore[list-item]
     aborts = cluster.router.aborts
     assert aborts is not None
-    caplog.set_level(logging.WARNING, logger="trio_pd.aborts")
+    caplog.set_level(logging.WARNING, logger="trio_pd.pd.aborts")
 
     def legs(worker: HostileWorker) -> int:
         return sum(p.path == "/generate" for p in worker.posts)
@@ -139,7 +139,7 @@ async def test_forty_abandoned_batches_drop_no_abort_and_log_a_few_lines(
     assert aborts.pending >= 40 * BATCH * 2 - len(hung)  # every rid of both legs is to go
     for role in ROLES:
         assert counted.labels(role, "dropped")._value.get() == 0
-    lines = [r.getMessage() for r in caplog.records if r.name == "trio_pd.aborts"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "trio_pd.pd.aborts"]
     assert not [line for line in lines if "not queued" in line]
     # A line per worker per WARN_EVERY_SECS at most (the timeouts of the hanging POSTs).
     assert len(lines) <= 2 * (took / WARN_EVERY_SECS + 1), lines
@@ -180,7 +180,7 @@ async def test_failed_aborts_are_a_line_every_few_seconds_with_the_count(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """F5's other half: 10,240 failing POSTs (and their repeats) are not 20,480 lines."""
-    caplog.set_level(logging.WARNING, logger="trio_pd.aborts")
+    caplog.set_level(logging.WARNING, logger="trio_pd.pd.aborts")
     service = AbortService(RouterMetrics(multiprocess_dir=""))
     pool = FailingPool()
     await nursery.start(service.run, pool)
@@ -191,7 +191,7 @@ async def test_failed_aborts_are_a_line_every_few_seconds_with_the_count(
         await trio.sleep(0.5)
     assert pool.sent == 2 * 10 * BATCH  # provoked: every POST went out and failed
     assert service.metrics.aborts.labels("decode", "failed")._value.get() == pool.sent
-    lines = [r.getMessage() for r in caplog.records if r.name == "trio_pd.aborts"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "trio_pd.pd.aborts"]
     took = trio.current_time() - started + TIMEOUT_SECS
     assert len(lines) <= took / WARN_EVERY_SECS + 2, lines
     reported = sum(int(line.split(": ")[1].split()[0]) for line in lines)
