@@ -89,7 +89,7 @@ async def test_success_is_recorded_for_both(nursery: trio.Nursery, stream: bool)
 
 async def test_decode_failure_mid_stream_is_recorded_against_decode(nursery: trio.Nursery) -> None:
     cluster = await start_cluster(nursery, decode={"inter_token_ms": 20.0})
-    body = generate_body(stream=True, max_new_tokens=100, sim_fault="decode:close@300")
+    body = generate_body(stream=True, max_new_tokens=100, sim_fault="decode:close@3tok")
     async with cluster.client.stream("POST", "/generate", json=body) as response:
         events = await read_sse(response)
     assert events[-2]["error"]["type"] == "upstream_error"  # the stream had started

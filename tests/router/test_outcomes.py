@@ -234,13 +234,14 @@ async def test_deadline_mid_stream_ends_with_error_event(nursery: trio.Nursery) 
 
 async def test_decode_failure_mid_stream_ends_with_error_event(nursery: trio.Nursery) -> None:
     cluster = await start_cluster(nursery, decode={"inter_token_ms": 20.0})
-    body = generate_body(stream=True, max_new_tokens=100, sim_fault="decode:close@300")
+    body = generate_body(stream=True, max_new_tokens=100, sim_fault="decode:close@3tok")
     async with cluster.client.stream("POST", "/generate", json=body) as response:
         assert response.status_code == 200
         events = await read_sse(response)
     assert events[-1] == "[DONE]"
     assert events[-2]["error"]["type"] == "upstream_error"
-    assert len(events) > 3  # tokens flowed before decode's connection dropped
+    # The three tokens the decode sent before its connection dropped reached the client.
+    assert [e["meta_info"]["completion_tokens"] for e in events[:-2]] == [1, 2, 3]
     await cluster.client.aclose()
 
 

@@ -88,16 +88,31 @@ class Room:
 
 async def run_decode(call: Call) -> None:
     fault = call.plan.terminal
-    if fault is not None and fault.delay == 0:
+    if fault is not None and fault.delay == 0 and fault.after_tokens is None:
         await fire(call, fault)
         return
     if fault is None:
         await _decode(call)
         return
-    with trio.move_on_after(fault.delay) as timer:
-        await _decode(call)
-    if timer.cancelled_caught and not call.resp.completed:
+    if fault.after_tokens is not None:
+        with trio.CancelScope() as trigger:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_cancel_once_sent, call, fault.after_tokens, trigger)
+                await _decode(call)
+                nursery.cancel_scope.cancel()
+        fired = trigger.cancelled_caught
+    else:
+        with trio.move_on_after(fault.delay) as timer:
+            await _decode(call)
+        fired = timer.cancelled_caught
+    if fired and not call.resp.completed:
         await fire(call, fault)
+
+
+async def _cancel_once_sent(call: Call, tokens: int, scope: trio.CancelScope) -> None:
+    """The `@Ntok` trigger: the decode's work stops right after its N-th token went out."""
+    await call.output.tokens_sent(tokens)
+    scope.cancel()
 
 
 async def _decode(call: Call) -> None:

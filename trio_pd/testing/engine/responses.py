@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import trio
+
 from trio_pd.testing.engine.asgi import Responder
 from trio_pd.testing.engine.asgi import error_body as error_body  # (router tests import it here)
 from trio_pd.testing.engine.failures import abort_failure_body, stream_error
@@ -89,6 +91,8 @@ class Output:
         self.defer_headers = False  # a planned status fault holds a stream's headers back
         self.on_decided: Callable[[], None] | None = None
         self.held: list[Any] = []  # stream events held while headers are deferred
+        self.sent = 0  # tokens rendered so far, all items together (a stream's: sent)
+        self._sent_waiters: list[tuple[int, trio.Event]] = []
 
     @property
     def out_tokens(self) -> int:
@@ -112,6 +116,20 @@ class Output:
         item.generated = k
         if finish is not None:
             self.finished[item.index] = finish
+        await self._render_token(item, k, finish)
+        self.sent += 1
+        for count, event in self._sent_waiters:
+            if self.sent >= count:
+                event.set()
+
+    async def tokens_sent(self, count: int) -> None:
+        """Wait until `count` tokens were rendered (a `@Ntok` fault's trigger)."""
+        if self.sent < count:
+            event = trio.Event()
+            self._sent_waiters.append((count, event))
+            await event.wait()
+
+    async def _render_token(self, item: Item, k: int, finish: dict[str, Any] | None) -> None:
         if not self.w.stream or self.stopped:
             return
         self.last_id = item.rid
