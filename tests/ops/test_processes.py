@@ -73,7 +73,7 @@ async def test_two_processes_are_one_router(nursery: trio.Nursery, tmp_path: Pat
         os.kill(pid_a, signal.SIGKILL)
         await a.aclose()
         del clients[pid_a]
-        with trio.fail_after(LOOSE * 3):
+        with trio.fail_after(PROCESSES_SECS):
             while True:
                 more = await clients_per_process(router, 2)
                 pids = set(more)

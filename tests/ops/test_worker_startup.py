@@ -28,7 +28,7 @@ def health_probes(engine: EngineHandle) -> int:
 
 
 async def wait_alive(router: ServeProcess, client: httpx2.AsyncClient) -> None:
-    with trio.fail_after(LOOSE * 3):
+    with trio.fail_after(PROCESSES_SECS):
         while True:
             assert router.process.returncode is None, router.log()
             try:

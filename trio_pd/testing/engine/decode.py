@@ -232,6 +232,8 @@ async def _item(call: Call, item: Item, room: Room, shadowed: bool) -> None:
         item.stage = "waiting"  # the scheduler's waiting queue: KV here, not yet running
         with item.new_scope():
             await trio.sleep(call.plan.slow)
+            if call.plan.hold:
+                await call.engine.released.wait()
         if item.interrupted is not None:  # scheduler.py: popped from the waiting queue
             reason = item.abort_reason or "error"
             await call.output.finish(item, WAITING_QUEUE_ABORT)

@@ -2,7 +2,8 @@
 
 KIND is an HTTP status (`500`, `429`, ...), `sse_error[:CODE]` (an error object inside a 200
 answer, code 500 unless given), `abort[:CODE]` (finish_reason abort, with `status_code` CODE when
-given), `close`, `hang`, `slow:MS`, or
+given), `close`, `hang`, `slow:MS`, `hold` (decode: waits where `slow` does, until the test calls
+`EngineState.release_held()`: a slot held for exactly as long as a test needs, no clock), or
 (engine level only) `refuse`. `@MS` delays the firing by MS milliseconds; `@Ntok` (decode only)
 fires it once the decode's answer has sent N tokens, so "mid-stream" is what happened, not a
 guess about the clock. `+kv` (prefill only) fires the fault after the KV cache was sent, so
@@ -17,7 +18,7 @@ import attrs
 
 from trio_pd.testing.engine.config import ROLES
 
-KINDS = ("status", "sse_error", "abort", "close", "hang", "slow", "refuse")
+KINDS = ("status", "sse_error", "abort", "close", "hang", "slow", "hold", "refuse")
 
 
 class FaultError(ValueError):
@@ -120,6 +121,7 @@ class FaultPlan:
 
     terminal: Fault | None = None
     slow_ms: float = 0.0
+    hold: bool = False  # wait for EngineState.release_held() where `slow` waits
 
     @property
     def slow(self) -> float:
@@ -129,11 +131,14 @@ class FaultPlan:
 def plan_for(role: str, faults: Iterable[Fault]) -> FaultPlan:
     terminal = None
     slow_ms = 0.0
+    hold = False
     for fault in faults:
         if fault.role not in (None, role) or fault.kind == "refuse":
             continue
         if fault.kind == "slow":
             slow_ms += fault.arg_ms + fault.delay_ms
+        elif fault.kind == "hold":
+            hold = True
         elif terminal is None:
             terminal = fault
-    return FaultPlan(terminal, slow_ms)
+    return FaultPlan(terminal, slow_ms, hold)

@@ -106,6 +106,11 @@ class EngineState:
         self.extra_queued = config.extra_queued  # requests queued for compute (waiting queue)
         self.extra_running = 0
         self.extra_used_tokens = 0  # KV held: token_usage rises with it
+        self.released = trio.Event()  # a `hold` fault's requests wait for it (release_held)
+
+    def release_held(self) -> None:
+        """Let every request a `hold` fault holds go on (and any later one pass)."""
+        self.released.set()
 
     def saturate(self, queued: int = 0, running: int = 0, used_tokens: int = 0) -> None:
         """Report this much more load on every DP rank from now on (0, 0, 0: none)."""
