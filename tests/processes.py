@@ -51,7 +51,7 @@ def install() -> None:
 
 
 def groups() -> dict[int, list[int]]:
-    """Every process group on the machine and its pids (read from /proc: no signal sent)."""
+    """Every process group on the machine and its live pids (read from /proc: no signal sent)."""
     found: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -61,6 +61,8 @@ def groups() -> dict[int, list[int]]:
         except OSError:
             continue
         fields = stat[stat.rindex(b")") + 2 :].split()  # state, ppid, pgrp, ...
+        if fields[0] in (b"Z", b"X"):
+            continue  # dead, waiting for its parent (or init) to collect it
         found.setdefault(int(fields[2]), []).append(int(entry.name))
     return found
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -75,8 +78,11 @@ class ServeProcess:
             return await self.process.wait()
 
     async def stop(self) -> None:
+        """SIGKILL the whole process group (the router and the workers it spawned: every
+        child the suite starts leads its own group, tests/processes.py)."""
         if self.process.returncode is None:
-            self.process.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
             await self.process.wait()
 
 

@@ -32,7 +32,7 @@ import trio
 import trustme
 
 from tests.conftest import start_cluster, start_engine
-from tests.ops.serve import clients_per_process, free_port, start_serve
+from tests.ops.serve import PROCESSES_SECS, clients_per_process, free_port, start_serve
 from tests.ops.sockets import listeners
 from tests.router.helpers import generate_body, read_sse
 from trio_pd.cli.main import build_parser, router_config

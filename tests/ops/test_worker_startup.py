@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from tests.conftest import start_engine
-from tests.ops.serve import ServeProcess, free_port, start_serve
+from tests.ops.serve import PROCESSES_SECS, ServeProcess, free_port, start_serve
 from tests.router.fleet_tools import start_stoppable
 from tests.router.helpers import eventually, generate_body
 from trio_pd.cli.main import build_parser, router_config
