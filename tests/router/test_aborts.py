@@ -12,7 +12,7 @@ import trio
 
 from tests.conftest import Cluster, start_cluster
 from tests.router.fleet_tools import LOOSE
-from tests.router.helpers import CANCELLED, generate_body, read_sse, settle
+from tests.router.helpers import CANCELLED, generate_body, leave_when, read_sse, settle
 from trio_pd.config import RetryConfig
 
 RID = re.compile(r"trio-pd-[0-9a-f]{32}")
@@ -79,12 +79,19 @@ async def test_the_abort_is_sent_again_two_seconds_later(nursery: trio.Nursery) 
 
 async def test_a_client_that_leaves_has_both_legs_aborted(nursery: trio.Nursery) -> None:
     cluster = await abort_cluster(nursery, engine={"inter_token_ms": 50.0})
-    with trio.move_on_after(1.0) as left:
-        body = generate_body(stream=True, max_new_tokens=1000, sim_fault="prefill:hang+kv")
+    body = generate_body(stream=True, max_new_tokens=1000, sim_fault="prefill:hang+kv")
+
+    async def stream() -> None:
         async with cluster.client.stream(
             "POST", "/generate", json=body, headers={"x-request-id": "gone"}
         ) as response:
             await read_sse(response)
+
+    # Gone once the decode's first token was out (both legs then run: decode streams, the
+    # prefill hangs after sending the KV).
+    left = await leave_when(
+        stream, lambda: cluster.decode.events.wait_for("first_token", timeout=LOOSE, rid="gone")
+    )
     assert left.cancelled_caught
     freed = await cluster.decode.events.wait_for("slot_freed", timeout=LOOSE, rid="gone")
     assert freed["reason"] in CANCELLED  # a stream: the engine's own abort on the disconnect

@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from tests.conftest import Cluster, start_cluster
-from tests.router.helpers import CANCELLED, generate_body, read_sse, settle
+from tests.router.helpers import CANCELLED, generate_body, leave_when, read_sse, settle
 
 LOOSE = 5.0  # seconds: "at once" for a test on a shared, noisy 2-core machine
 
@@ -188,8 +188,10 @@ async def test_both_succeed_stream(cluster: Cluster) -> None:
 async def test_client_disconnect_during_prefill_cancels_both(cluster: Cluster) -> None:
     rid = "client-gone-during-prefill"
     body = generate_body(sim_fault="prefill:hang")
-    with trio.move_on_after(1.0):
-        await cluster.client.post("/generate", json=body, headers={"x-request-id": rid})
+    await leave_when(  # gone while the prefill works (it hangs): once it started
+        lambda: cluster.client.post("/generate", json=body, headers={"x-request-id": rid}),
+        lambda: cluster.prefill.events.wait_for("request_start", timeout=LOOSE, rid=rid),
+    )
     await cluster.prefill.events.wait_for("connection_closed", timeout=LOOSE, rid=rid)
     await assert_decode_cancelled(cluster, rid)
     await settle(lambda: "active" not in cluster.upstream_connections(cluster.prefill))
