@@ -7,6 +7,7 @@ from functools import partial
 import httpx2
 import pytest
 import trio
+import trio.testing
 
 from trio_pd.testing.engine.faults import FaultError, parse_fault, plan_for
 
@@ -225,6 +226,37 @@ async def test_a_decode_fault_after_n_tokens_fires_once_they_went_out(pair, clie
         assert decode.events.find("fault", room=room)
         if fault.startswith("decode:sse_error"):
             assert "error" in events[-1]
+
+
+async def test_a_held_stream_pauses_after_n_tokens_until_released(pair, client):
+    """`hold@Ntok`: N tokens out, then the stream waits (its slot held) until the test calls
+    `release_held()`; then the rest."""
+    prefill, decode = pair
+    room = new_room()
+    body = pd_body(
+        prefill, room, text="a", sampling_params={"max_new_tokens": 5}, sim_fault="decode:hold@2tok"
+    )
+    async with trio.open_nursery() as both:
+        both.start_soon(partial(client.post, prefill.url + "/generate", json={**body}))
+        async with client.stream(
+            "POST", decode.url + "/generate", json={**body, "stream": True}
+        ) as d:
+            lines = d.aiter_lines()
+            seen = 0
+            while seen < 2:
+                if (await lines.__anext__()).startswith("data:"):
+                    seen += 1
+            await decode.events.wait_for("kv_ready", room=room)
+            # Every task on the loop (the engine's generation too) has run as far as it can:
+            # scheduling steps, not a clock, decide that it stopped.
+            await trio.testing.wait_all_tasks_blocked()
+            assert [e["event"] for e in decode.events.find(room=room)].count("first_token") == 1
+            assert not decode.events.find("request_end", room=room)  # paused, not done
+            assert decode.running == 1
+            decode.state.release_held()
+            rest = [line async for line in lines if line.startswith("data:")]
+    assert len(rest) == 3 + 1  # tokens 3-5, then [DONE]
+    await decode.events.wait_for("request_end", room=room)
 
 
 async def test_delayed_prefill_fault(quick_pair, client):

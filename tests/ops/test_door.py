@@ -291,7 +291,9 @@ async def test_the_admin_listener_with_two_processes_https_and_a_drain(
             )
             assert "trio_pd_requests_total" in (await admin_a.get("/metrics")).text
 
-            body = generate_body(stream=True, max_new_tokens=80)  # about 3 s of tokens
+            # A stream that is surely running through the drain: paused after its first token
+            # until the test lets it go (`hold@1tok`), whatever the machine's speed.
+            body = generate_body(stream=True, max_new_tokens=80, sim_fault="decode:hold@1tok")
             async with data.stream("POST", "/generate", json=body) as stream:
                 assert stream.status_code == 200
                 router.signal(signal.SIGTERM)
@@ -303,6 +305,7 @@ async def test_the_admin_listener_with_two_processes_https_and_a_drain(
                 removed = await admin_a.delete(f"/workers/{new_id}")
                 assert removed.status_code == 202, removed.text
                 assert not decode.events.find("request_end")  # the stream is still running
+                decode.state.release_held()
                 events = await read_sse(stream)
             assert events[-1] == "[DONE]"
         assert await router.wait_exit() == 0

@@ -232,7 +232,7 @@ async def _item(call: Call, item: Item, room: Room, shadowed: bool) -> None:
         item.stage = "waiting"  # the scheduler's waiting queue: KV here, not yet running
         with item.new_scope():
             await trio.sleep(call.plan.slow)
-            if call.plan.hold:
+            if call.plan.hold and call.plan.hold_after_tokens is None:
                 await call.engine.released.wait()
         if item.interrupted is not None:  # scheduler.py: popped from the waiting queue
             reason = item.abort_reason or "error"
@@ -356,4 +356,6 @@ async def _generate(call: Call, item: Item) -> None:
         await output.token(item, k, finish)
         if finish is not None:
             return
+        if k == call.plan.hold_after_tokens:  # `hold@Ntok`: paused mid-stream until released
+            await call.engine.released.wait()
         await trio.lowlevel.checkpoint()

@@ -3,7 +3,8 @@
 KIND is an HTTP status (`500`, `429`, ...), `sse_error[:CODE]` (an error object inside a 200
 answer, code 500 unless given), `abort[:CODE]` (finish_reason abort, with `status_code` CODE when
 given), `close`, `hang`, `slow:MS`, `hold` (decode: waits where `slow` does, until the test calls
-`EngineState.release_held()`: a slot held for exactly as long as a test needs, no clock), or
+`EngineState.release_held()`: a slot held for exactly as long as a test needs, no clock;
+`hold@Ntok`: the stream pauses there after its N-th token instead), or
 (engine level only) `refuse`. `@MS` delays the firing by MS milliseconds; `@Ntok` (decode only)
 fires it once the decode's answer has sent N tokens, so "mid-stream" is what happened, not a
 guess about the clock. `+kv` (prefill only) fires the fault after the KV cache was sent, so
@@ -122,6 +123,7 @@ class FaultPlan:
     terminal: Fault | None = None
     slow_ms: float = 0.0
     hold: bool = False  # wait for EngineState.release_held() where `slow` waits
+    hold_after_tokens: int | None = None  # `hold@Ntok`: ...or once N tokens went out
 
     @property
     def slow(self) -> float:
@@ -132,13 +134,14 @@ def plan_for(role: str, faults: Iterable[Fault]) -> FaultPlan:
     terminal = None
     slow_ms = 0.0
     hold = False
+    hold_after = None
     for fault in faults:
         if fault.role not in (None, role) or fault.kind == "refuse":
             continue
         if fault.kind == "slow":
             slow_ms += fault.arg_ms + fault.delay_ms
         elif fault.kind == "hold":
-            hold = True
+            hold, hold_after = True, fault.after_tokens
         elif terminal is None:
             terminal = fault
-    return FaultPlan(terminal, slow_ms, hold)
+    return FaultPlan(terminal, slow_ms, hold, hold_after)
