@@ -56,8 +56,10 @@ async def test_a_non_stream_request_notices_at_its_next_poll(nursery, role):
     if role == "decode":
         assert decode.running == 1
     noticed = await engine.events.wait_for("disconnect_noticed", room=room, timeout=3)
-    assert 0.5 < noticed["t"] - closed["t"] < 1.5
-    assert 0.9 < noticed["t"] - dispatched["t"] < 1.3  # the first poll after its dispatch
+    # The first poll after its dispatch (1 s), not the second (2 s): the gap between the two
+    # polls is the margin, not a guess at the machine's speed.
+    assert 0.5 < noticed["t"] - closed["t"] < 1.9
+    assert 0.9 < noticed["t"] - dispatched["t"] < 1.9
     abort = engine.events.find("engine_abort", room=room, source="disconnect")[0]
     assert abort["matched"] is True
     end = await engine.events.wait_for("request_end", room=room)

@@ -14,7 +14,7 @@ async def test_waiting_timeout_frees_slot(nursery, client):
     room = new_room()
     start = trio.current_time()
     d = await client.post(decode.url + "/generate", json=pd_body(prefill, room, text="a"))
-    assert 0.4 < trio.current_time() - start < 3.0
+    assert trio.current_time() - start > 0.4  # the waiting timeout ended it
     assert d.status_code == 500
     message = d.json()["message"]
     assert message.startswith("Decode transfer failed for request rank=0")

