@@ -11,13 +11,16 @@ never an assertion about speed:
 - a synchronous test gets SIGALRM at the deadline (safe outside trio's loop), which fails it the
   same way;
 - whatever the test started (`tests/processes.py`: every child in its own process group) is
-  SIGKILLed by group after its teardown; what had to be reaped is listed in the summary;
-- a test still running `GRACE_SECS` after its deadline (a step that blocks the thread, a
-  shielded wait) is beyond saving in-process: its node id and every thread's stack are written,
-  every process the session started is reaped, and the process exits (under pytest-xdist the
-  controller reports the crashed test and starts a new worker; the run goes on).
+  SIGKILLed by group after its teardown, except what a module- or session-scoped fixture
+  started (reaped when the session ends); what had to be reaped is listed in the summary;
+- a test whose call is still running `GRACE_SECS` after its deadline (a step that blocks the
+  thread, a shielded wait) is beyond saving in-process: its node id and every thread's stack
+  are written, every process the session started is reaped, and the process exits (under
+  pytest-xdist the controller reports the crashed test and starts a new worker; the run goes
+  on).
 
-pytest-timeout stays configured far above both (pyproject.toml) as the last resort.
+Fixture set-up and teardown have their own hang guards (a fixture's waits) and pytest-timeout,
+configured far above all this (pyproject.toml), as the last resort.
 """
 
 from __future__ import annotations
@@ -84,6 +87,9 @@ def is_hypothesis(item: pytest.Item) -> bool:
 def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     """Before pytest-trio wraps the test (its hookwrapper runs after this one's first half)."""
     secs = deadline_of(item)
+    hard = threading.Timer(secs + GRACE_SECS, hard_exit, (item.nodeid, secs))
+    hard.daemon = True
+    hard.start()
     alarm = False
     if item.get_closest_marker("trio") is not None:
         if not is_hypothesis(item):  # pytest-trio wraps the inner test itself; the hard path
@@ -99,6 +105,7 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     try:
         yield
     finally:
+        hard.cancel()
         if alarm:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, signal.SIG_DFL)
@@ -125,20 +132,31 @@ def hard_exit(nodeid: str, secs: float) -> None:
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    secs = deadline_of(item)
-    hard = threading.Timer(secs + GRACE_SECS, hard_exit, (item.nodeid, secs))
-    hard.daemon = True
-    first = len(processes.STARTED)
+    """What the test started (its call and its function-scoped fixtures) is reaped after its
+    teardown; what a module- or session-scoped fixture started lives on (the real-engine tier's
+    SGLang pairs) until the session ends."""
     processes.owner = item.nodeid
-    hard.start()
     try:
         yield
     finally:
-        hard.cancel()
         processes.owner = "(outside any test)"
-        mine = processes.STARTED[first:]
-        del processes.STARTED[first:]
+        mine = [each for each in processes.STARTED if each.owner == item.nodeid]
+        processes.STARTED[:] = [each for each in processes.STARTED if each.owner != item.nodeid]
         REAPED.extend(processes.reap(mine))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef: Any, request: Any) -> Iterator[None]:
+    """A process a wider-scoped fixture starts belongs to the session, not to this test."""
+    if fixturedef.scope == "function":
+        yield
+        return
+    previous = processes.owner
+    processes.owner = f"({fixturedef.scope} fixture {fixturedef.argname})"
+    try:
+        yield
+    finally:
+        processes.owner = previous
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
