@@ -16,8 +16,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The whole suite on TEST_WORKERS pytest-xdist workers (2: the 2-core machine CI runs on; 0 runs it
+# in this process). A worker takes the next test when it is free (worksteal). TEST_ARGS: more
+# pytest options.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(TEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

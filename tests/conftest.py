@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 import trio
 
+from tests import deadline
 from trio_pd.testing.cluster import (  # noqa: F401 - the suite's own names for them
     ENGINE_DEFAULTS,
     ROUTER_DEFAULTS,
@@ -22,6 +23,11 @@ from trio_pd.testing.cluster import (  # noqa: F401 - the suite's own names for 
 # The real-engine tier (tests/sglang, docs/sglang-tier.md) needs .venv-sglang and real SGLang
 # engines; only `make test-sglang` (which sets TRIO_PD_SGLANG_TIER) collects it.
 collect_ignore = [] if os.environ.get("TRIO_PD_SGLANG_TIER") else ["sglang"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The per-test deadline and the process reaping (tests/deadline.py, tests/processes.py)."""
+    config.pluginmanager.register(deadline, "trio-pd-deadline")
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ def engine(role: str, *options: str) -> Iterator[int]:
     argv = [sys.executable, "-m", "bench.instant_engine", "--role", role, "--port", str(port)]
     proc = subprocess.Popen([*argv, *options], cwd=ROOT, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 120  # a hang guard: the wait ends at /health
         while call(port, "GET", "/health")[0] != 200:
             assert proc.poll() is None and time.monotonic() < deadline, "engine did not start"
             time.sleep(0.05)

@@ -546,7 +546,9 @@ async def test_connect_timeout_on_a_full_backlog():
             for filler in fillers:
                 filler.close()
     assert caught.value.kind == "timeout"
-    assert 0.29 <= elapsed < 2.0
+    # The 0.3 s timeout ended it: not earlier, and long before the kernel's own SYN retries
+    # would have (about 2 minutes); the upper bound is that gap, not a guess at the speed.
+    assert 0.29 <= elapsed < 30.0
 
 
 async def test_tcp_nodelay_is_on(nursery):
@@ -573,7 +575,7 @@ async def test_server_closes_idle_connection_becomes_stale(nursery):
     assert await (await post(connection)).read() == b"one"
     assert connection.is_reusable() and not connection.is_stale()
     await closed.wait()
-    with trio.fail_after(2):
+    with trio.fail_after(10):
         while not connection.is_stale():
             await trio.sleep(0.005)
     assert len(server.requests) == 1  # found out without sending anything
@@ -596,7 +598,7 @@ async def test_bytes_while_idle_make_stale(nursery):
     await (await post(connection)).read()
     assert not connection.is_stale()
     await sent.wait()
-    with trio.fail_after(2):
+    with trio.fail_after(10):
         while not connection.is_stale():
             await trio.sleep(0.005)
 
@@ -642,7 +644,7 @@ async def test_close_now_wakes_a_blocked_reader(nursery):
         except TransportError as exc:
             caught.append(exc)
 
-    with trio.fail_after(2):
+    with trio.fail_after(10):
         async with trio.open_nursery() as inner:
             inner.start_soon(reader)
             await trio.testing.wait_all_tasks_blocked()
@@ -651,7 +653,7 @@ async def test_close_now_wakes_a_blocked_reader(nursery):
     assert len(caught) == 1 and caught[0].kind == "transport"  # type: ignore[attr-defined]
     assert "closed" in str(caught[0])
     assert not connection.is_reusable() and connection.is_stale()
-    with trio.fail_after(2):
+    with trio.fail_after(10):
         while server.closed < 1:  # the server saw the connection go
             await trio.sleep(0.005)
 
@@ -668,7 +670,7 @@ async def test_close_now_wakes_a_blocked_tls_reader(nursery, ca, server_tls):
         await trio.testing.wait_all_tasks_blocked()
         connection.close_now()
 
-    with trio.fail_after(2):
+    with trio.fail_after(10):
         async with trio.open_nursery() as inner:
             inner.start_soon(close_soon)
             with pytest.raises(TransportError, match="closed"):
@@ -683,7 +685,7 @@ async def test_close_now_while_waiting_for_the_head(nursery):
         await trio.testing.wait_all_tasks_blocked()
         connection.close_now()
 
-    with trio.fail_after(2):
+    with trio.fail_after(10):
         async with trio.open_nursery() as inner:
             inner.start_soon(close_soon)
             with pytest.raises(TransportError, match="closed"):
@@ -704,7 +706,7 @@ async def test_cancel_mid_body_leaves_connection_unusable(nursery):
     assert scope.cancelled_caught and got == [b"data: 1\n\n"]
     assert not response.complete and not connection.is_reusable()
     # Not resumable: the interrupted read poisoned the connection.
-    with trio.fail_after(2), pytest.raises(TransportError, match="interrupted"):
+    with trio.fail_after(10), pytest.raises(TransportError, match="interrupted"):
         await response.read()
     await connection.aclose()
 
@@ -822,7 +824,7 @@ async def test_tls_server_close_makes_stale(nursery, ca, server_tls):
     ca.configure_trust(client_tls)
     connection = await open_to(server, ssl_context=client_tls)  # verifies the IP address
     assert await (await post(connection)).read() == b"one"
-    with trio.fail_after(2):
+    with trio.fail_after(10):
         while not connection.is_stale():
             await trio.sleep(0.005)
 

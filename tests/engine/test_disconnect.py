@@ -9,11 +9,13 @@ import trio
 
 from .helpers import new_room, pd_body, raw_request, start_engine
 
+POLL_SECS = 10.0  # the decode's disconnect poll: what "at once" must beat
+
 
 @pytest.mark.parametrize("role", ["decode", "prefill"])
 async def test_a_stream_is_aborted_at_once(nursery, role):
     prefill = await start_engine(nursery, "prefill")
-    decode = await start_engine(nursery, "decode", disconnect_poll_secs=4.0)
+    decode = await start_engine(nursery, "decode", disconnect_poll_secs=POLL_SECS)
     engine = decode if role == "decode" else prefill
     room = new_room()
     stream = await raw_request(engine, "/generate", pd_body(prefill, room, text="a", stream=True))
@@ -23,12 +25,15 @@ async def test_a_stream_is_aborted_at_once(nursery, role):
     await stream.aclose()
     closed = await engine.events.wait_for("connection_closed", room=room)
     abort = await engine.events.wait_for("engine_abort", room=room, source="disconnect")
-    assert abort["matched"] is True and abort["t"] - closed["t"] < 0.1
+    # "At once": well before the disconnect poll would have found it (a bound relative to the
+    # mechanism it rules out, not to a guess about how fast a loaded machine is).
+    assert abort["matched"] is True and abort["t"] - closed["t"] < POLL_SECS / 2
     end = await engine.events.wait_for("request_end", room=room)
-    assert end["ended"] == "aborted_disconnect" and end["t"] - closed["t"] < 0.5
+    assert end["ended"] == "aborted_disconnect" and end["t"] - closed["t"] < POLL_SECS / 2
     if role == "decode":
         freed = await decode.events.wait_for("slot_freed", room=room)
-        assert freed["reason"] == "aborted_disconnect" and freed["t"] - closed["t"] < 0.5
+        assert freed["reason"] == "aborted_disconnect"
+        assert freed["t"] - closed["t"] < POLL_SECS / 2
         assert decode.running == 0
     else:
         assert room not in prefill.rooms
@@ -51,8 +56,10 @@ async def test_a_non_stream_request_notices_at_its_next_poll(nursery, role):
     if role == "decode":
         assert decode.running == 1
     noticed = await engine.events.wait_for("disconnect_noticed", room=room, timeout=3)
-    assert 0.5 < noticed["t"] - closed["t"] < 1.5
-    assert 0.9 < noticed["t"] - dispatched["t"] < 1.3  # the first poll after its dispatch
+    # The first poll after its dispatch (1 s), not the second (2 s): the gap between the two
+    # polls is the margin, not a guess at the machine's speed.
+    assert 0.5 < noticed["t"] - closed["t"] < 1.9
+    assert 0.9 < noticed["t"] - dispatched["t"] < 1.9
     abort = engine.events.find("engine_abort", room=room, source="disconnect")[0]
     assert abort["matched"] is True
     end = await engine.events.wait_for("request_end", room=room)

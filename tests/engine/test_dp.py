@@ -145,12 +145,13 @@ async def test_pin_off_the_room_fails_the_prefill_at_once(nursery, client):
     decode registered room % N and waits for a KV nobody sends."""
     prefill, decode = await dp_pair(nursery, waiting_timeout=0.5)
     room = room_on(0)
-    start = trio.current_time()
     body = pd_body(prefill, room, text="a", routed_dp_rank=1)
     p, d = await pd_post(client, prefill, decode, "/generate", body)
     assert p.status_code == 500 and "follow_bootstrap_room conflict" in p.json()["message"]
     conflict = prefill.events.find("rank_conflict", room=room)[0]
-    assert conflict["t"] - start < 0.3 and conflict["dp_rank"] == 1 and conflict["implied"] == 0
+    assert conflict["dp_rank"] == 1 and conflict["implied"] == 0
+    # At once: the conflict ended the room, not the prefill's bootstrap timeout (1 s).
+    assert not prefill.events.find("bootstrap_timeout", room=room)
     assert not prefill.events.find("room_registered", room=room)
     assert d.status_code == 500 and "timed out" in d.json()["message"]
     assert decode.events.find("kv_wait_timeout", room=room)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import httpx2
 import pytest
 import trio
+import trio.testing
 
 from trio_pd.testing.engine.faults import FaultError, parse_fault, plan_for
 
@@ -26,6 +29,11 @@ def test_parse_fault_specs():
     assert (f.role, f.kind, f.arg_ms) == (None, "slow", 150.0)
     assert parse_fault("decode:close").kind == "close"
     for bad in ("prefill:nope", "prefill:700", "slow", "decode:500:1", "", "x@y"):
+        with pytest.raises(FaultError):
+            parse_fault(bad)
+    assert parse_fault("decode:close@3tok").after_tokens == 3
+    assert parse_fault("close@1tok").after_tokens == 1
+    for bad in ("decode:close@0tok", "prefill:close@2tok", "decode:close@xtok"):
         with pytest.raises(FaultError):
             parse_fault(bad)
     plan = plan_for("decode", [parse_fault(s) for s in ("prefill:500", "slow:10", "decode:hang")])
@@ -193,6 +201,62 @@ async def test_delayed_decode_fault_interrupts_the_work(quick_pair, client):
     freed = decode.events.find("slot_freed", room=room)[0]
     assert freed["reason"] == "error"  # registered, held a slot, then failed
     assert decode.events.find("room_registered", room=room)
+
+
+async def test_a_decode_fault_after_n_tokens_fires_once_they_went_out(pair, client):
+    """`@Ntok`: exactly N tokens reach the client, then the fault, whatever the clock says
+    (a slow token pace changes nothing)."""
+    prefill, decode = pair
+    for fault, tokens in (("decode:close@3tok", 3), ("decode:sse_error@5tok", 5)):
+        room = new_room()
+        body = pd_body(prefill, room, text="a", max_new_tokens=50, sim_fault=fault, stream=True)
+        async with trio.open_nursery() as both:
+            both.start_soon(partial(client.post, prefill.url + "/generate", json=body))
+            async with client.stream("POST", decode.url + "/generate", json=body) as d:
+                assert d.status_code == 200
+                text = b""
+                try:
+                    async for chunk in d.aiter_bytes():
+                        text += chunk
+                except httpx2.RemoteProtocolError:  # `close`: the connection dropped
+                    assert fault.startswith("decode:close")
+        events = [e for e in sse_events(text.decode()) if e != "[DONE]"]
+        sent = [e for e in events if "error" not in e]
+        assert [e["meta_info"]["completion_tokens"] for e in sent] == list(range(1, tokens + 1))
+        assert decode.events.find("fault", room=room)
+        if fault.startswith("decode:sse_error"):
+            assert "error" in events[-1]
+
+
+async def test_a_held_stream_pauses_after_n_tokens_until_released(pair, client):
+    """`hold@Ntok`: N tokens out, then the stream waits (its slot held) until the test calls
+    `release_held()`; then the rest."""
+    prefill, decode = pair
+    room = new_room()
+    body = pd_body(
+        prefill, room, text="a", sampling_params={"max_new_tokens": 5}, sim_fault="decode:hold@2tok"
+    )
+    async with trio.open_nursery() as both:
+        both.start_soon(partial(client.post, prefill.url + "/generate", json={**body}))
+        async with client.stream(
+            "POST", decode.url + "/generate", json={**body, "stream": True}
+        ) as d:
+            lines = d.aiter_lines()
+            seen = 0
+            while seen < 2:
+                if (await lines.__anext__()).startswith("data:"):
+                    seen += 1
+            await decode.events.wait_for("kv_ready", room=room)
+            # Every task on the loop (the engine's generation too) has run as far as it can:
+            # scheduling steps, not a clock, decide that it stopped.
+            await trio.testing.wait_all_tasks_blocked()
+            assert [e["event"] for e in decode.events.find(room=room)].count("first_token") == 1
+            assert not decode.events.find("request_end", room=room)  # paused, not done
+            assert decode.running == 1
+            decode.state.release_held()
+            rest = [line async for line in lines if line.startswith("data:")]
+    assert len(rest) == 3 + 1  # tokens 3-5, then [DONE]
+    await decode.events.wait_for("request_end", room=room)
 
 
 async def test_delayed_prefill_fault(quick_pair, client):

@@ -75,5 +75,5 @@ async def test_join_proxy_holds_decode_slot_until_waiting_timeout(nursery, clien
     freed = await decode.events.wait_for("slot_freed")
     assert freed["reason"] == "kv_wait_timeout"
     assert freed["room"] == fault["room"]
-    assert 1.5 < freed["t"] - fault["t"] < 3.0  # the slot was held ~ the whole waiting timeout
-    assert 1.8 < waited < 4.0  # and the proxy's client waited that long for an error
+    assert freed["t"] - fault["t"] > 1.5  # the slot was held ~ the whole waiting timeout
+    assert waited > 1.8  # and the proxy's client waited that long for an error

@@ -67,13 +67,14 @@ async def test_the_heartbeat_fails_a_dead_prefills_rooms(nursery, client):
         doomed.cancel_scope.cancel()  # the prefill process dies
     died = trio.current_time()
     lost = await decode.events.wait_for("prefill_lost", timeout=3)
-    assert lost["rooms"] == [room] and 0.2 < trio.current_time() - died < 1.5
+    # Noticed by the heartbeat (not at once), and long before anything else would end it.
+    assert lost["rooms"] == [room] and 0.2 < trio.current_time() - died < 15.0
     assert len(decode.events.find("heartbeat_failed")) >= 2
     end = await decode.events.wait_for("request_end", room=room)
     assert end["status"] == 500
-    freed = await decode.events.wait_for("slot_freed", room=room, timeout=2)
+    freed = await decode.events.wait_for("slot_freed", room=room, timeout=30)
     assert freed["reason"] == "prefill_lost" and freed["acked"] is False  # nobody to ACK
-    with trio.fail_after(3):
+    with trio.fail_after(30):
         while "d" not in bg.results:
             await trio.sleep(0.05)
     assert "Lost connection with prefill instance" in bg.results["d"].json()["message"]
@@ -86,20 +87,22 @@ async def test_the_fake_bootstrap_host_needs_no_peer(nursery, client):
         engine = await start_engine(nursery, role)
         body = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1}}
         body.update(bootstrap_host="2.2.2.2", bootstrap_room=0)
-        with trio.fail_after(2):
+        with trio.fail_after(30):  # a hang guard: a peer it needed would never answer
             r = await client.post(engine.url + "/generate", json=body)
         assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 1
 
 
 async def test_health_generates_and_ready_is_cheap(nursery, client):
-    decode = await start_engine(nursery, "decode", health_generate_secs=0.3)
+    decode = await start_engine(nursery, "decode", health_generate_secs=1.5)
     start = trio.current_time()
     assert (await client.get(decode.url + "/health")).status_code == 200
     assert (await client.get(decode.url + "/health_generate")).status_code == 200
-    assert trio.current_time() - start >= 0.6  # two 1-token generations
+    assert trio.current_time() - start >= 3.0  # two 1-token generations
     start = trio.current_time()
     r = await client.get(decode.url + "/ready")
-    assert r.status_code == 200 and trio.current_time() - start < 0.2
+    # Cheap: less than the one generation it would cost (a loaded machine's slowness cannot
+    # make a loopback GET take 1.5 s).
+    assert r.status_code == 200 and trio.current_time() - start < 1.5
     decode.state.health_status = 503  # still starting
     for path in ("/health", "/health_generate", "/ready"):
         assert (await client.get(decode.url + path)).status_code == 503
@@ -115,7 +118,7 @@ async def test_an_abort_in_the_waiting_queue_is_graceful_and_at_once(nursery, cl
     prefill = await start_engine(nursery, "prefill")
     decode = await start_engine(nursery, "decode")
     room = new_room()
-    body = pd_body(prefill, room, text="a", rid="w", sim_fault="decode:slow:5000")
+    body = pd_body(prefill, room, text="a", rid="w", sim_fault="decode:slow:60000")
     async with trio.open_nursery() as inner:
         bg = Background(inner, client)
         bg.post("d", decode, body, rid="h")
@@ -123,7 +126,7 @@ async def test_an_abort_in_the_waiting_queue_is_graceful_and_at_once(nursery, cl
         await decode.events.wait_for("kv_ready", room=room)
         (load,) = (await client.get(decode.url + "/v1/loads")).json()["loads"]
         assert load["queues"]["waiting"] == 1 and load["num_waiting_reqs"] == 1
-        with trio.fail_after(1):
+        with trio.fail_after(30):  # the abort ends it, not the 60 s wait
             await client.post(decode.url + "/abort_request", json={"rid": "w"})
             await decode.events.wait_for("request_end", room=room)
     d = bg.results["d"]

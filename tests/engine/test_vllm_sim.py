@@ -11,6 +11,7 @@ import httpx2
 import pytest
 import trio
 
+from tests.router.helpers import leave_when, settle
 from trio_pd.testing.engine.vllm import VllmEngineConfig, VllmEngineHandle, serve_vllm_engine
 
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -107,9 +108,10 @@ async def test_a_closed_connection_before_the_answer_frees_the_blocks_at_once(
     nursery: trio.Nursery, client: httpx2.AsyncClient
 ) -> None:
     p = await engine(nursery, prefill_ms_per_token=50)  # 2 s for the prompt
-    with trio.move_on_after(0.3):
-        await prefill(client, p)
-    await p.events.wait_for("blocks_freed", reason="aborted", timeout=3)
+    await leave_when(  # gone once the blocks were allocated, long before the answer
+        lambda: prefill(client, p), lambda: p.events.wait_for("blocks_allocated", timeout=30)
+    )
+    await p.events.wait_for("blocks_freed", reason="aborted", timeout=30)
     assert p.pool.in_use == 0 and p.pool.leases == {}
 
 
@@ -124,9 +126,11 @@ async def test_a_decode_refusing_or_leaving_notifies_the_prefill(
     assert p.pool.freed["notified"] == 1 and p.held_blocks == 0
     params = (await prefill(client, p))["kv_transfer_params"]
     body = {"prompt": PROMPT, "kv_transfer_params": params, "sim_fault": "decode:hang"}
-    with trio.move_on_after(0.5):
-        await client.post(d.url + "/v1/completions", json=body)
-    await p.events.wait_for("kv_notified", rid=params["remote_request_id"], timeout=3)
+    await leave_when(  # the decode leaves once it has the request (it hangs)
+        lambda: client.post(d.url + "/v1/completions", json=body),
+        lambda: settle(lambda: len(d.events.find("request_start", kv_role="decode")) == 2, 30),
+    )
+    await p.events.wait_for("kv_notified", rid=params["remote_request_id"], timeout=30)
     assert p.pool.freed["notified"] == 2 and p.held_blocks == 0
     assert p.events.find("heartbeat_received")  # it heartbeat while it held the handoff
 

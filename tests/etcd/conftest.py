@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-START_TIMEOUT_SECS = 20.0
+START_TIMEOUT_SECS = 120.0  # a hang guard: the wait ends when etcd answers /health
 STOP_TIMEOUT_SECS = 10.0
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -14,9 +17,13 @@ import trio
 
 from trio_pd.testing.engine import EngineHandle
 
-PROCESSES_SECS = 30.0  # loose: every process of --workers N up and reached
+# Hang guards, not bounds: readiness is waited for as an event (`/readiness` answering 200,
+# every process of --workers N reached), and these only end a wait that will never finish. A
+# cold start takes 2-5 s idle, up to 30 s and more on a loaded 2-core box (spawned workers
+# import everything); tests/deadline.py's per-test deadline (240 s) is far above.
+PROCESSES_SECS = 120.0
 
-READY_SECS = 30.0  # a cold start on a busy 2-core box (spawned workers import everything)
+READY_SECS = 120.0
 
 
 def free_port() -> int:
@@ -72,8 +79,11 @@ class ServeProcess:
             return await self.process.wait()
 
     async def stop(self) -> None:
+        """SIGKILL the whole process group (the router and the workers it spawned: every
+        child the suite starts leads its own group, tests/processes.py)."""
         if self.process.returncode is None:
-            self.process.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
             await self.process.wait()
 
 

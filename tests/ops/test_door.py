@@ -32,7 +32,7 @@ import trio
 import trustme
 
 from tests.conftest import start_cluster, start_engine
-from tests.ops.serve import clients_per_process, free_port, start_serve
+from tests.ops.serve import PROCESSES_SECS, clients_per_process, free_port, start_serve
 from tests.ops.sockets import listeners
 from tests.router.helpers import generate_body, read_sse
 from trio_pd.cli.main import build_parser, router_config
@@ -120,7 +120,7 @@ async def test_a_local_proxy_cannot_pass_a_remote_change_through(
             assert (await remote.post("/generate", json=generate_body())).status_code == 200
             assert await worker_ids(remote) == ["prefill-1", "decode-1"]
             asked: set[int] = set()  # the router processes that refused
-            with trio.fail_after(LOOSE * 3):
+            with trio.fail_after(PROCESSES_SECS):
                 while len(asked) < workers:  # new connections until every process was asked
                     async with httpx2.AsyncClient(base_url=proxy.url, timeout=LOOSE) as each:
                         asked.add((await each.get("/liveness")).json()["pid"])
@@ -293,7 +293,9 @@ async def test_the_admin_listener_with_two_processes_https_and_a_drain(
             )
             assert "trio_pd_requests_total" in (await admin_a.get("/metrics")).text
 
-            body = generate_body(stream=True, max_new_tokens=80)  # about 3 s of tokens
+            # A stream that is surely running through the drain: paused after its first token
+            # until the test lets it go (`hold@1tok`), whatever the machine's speed.
+            body = generate_body(stream=True, max_new_tokens=80, sim_fault="decode:hold@1tok")
             async with data.stream("POST", "/generate", json=body) as stream:
                 assert stream.status_code == 200
                 router.signal(signal.SIGTERM)
@@ -305,6 +307,7 @@ async def test_the_admin_listener_with_two_processes_https_and_a_drain(
                 removed = await admin_a.delete(f"/workers/{new_id}")
                 assert removed.status_code == 202, removed.text
                 assert not decode.events.find("request_end")  # the stream is still running
+                decode.state.release_held()
                 events = await read_sse(stream)
             assert events[-1] == "[DONE]"
         assert await router.wait_exit() == 0

@@ -13,7 +13,7 @@ import orjson
 import trio
 
 from tests.conftest import start_cluster, start_engine
-from tests.ops.serve import clients_per_process, free_port, start_serve
+from tests.ops.serve import PROCESSES_SECS, clients_per_process, free_port, start_serve
 from tests.router.helpers import generate_body
 
 LOOSE = 10.0
@@ -38,20 +38,22 @@ async def test_two_processes_are_one_router(nursery: trio.Nursery, tmp_path: Pat
         admins = await clients_per_process(router, url=router.admin_url)
         assert set(admins) == set(clients)
 
-        # A membership change through one process is seen by the other within a second.
+        # A membership change through one process is seen by the other (pushed, not polled: the
+        # wait is a hang guard; how fast is a figure for bench/, not a bound a busy machine
+        # could break).
         added = await admins[pid_a].post(
             "/workers", json={"url": extra.url, "worker_type": "decode"}
         )
         assert added.status_code == 202
         new_id = added.json()["id"]
-        with trio.fail_after(1.0):
+        with trio.fail_after(LOOSE):
             while new_id not in [w["id"] for w in (await b.get("/workers")).json()["workers"]]:
                 await trio.sleep(0.05)
         ids_a = [w["id"] for w in (await a.get("/workers")).json()["workers"]]
         ids_b = [w["id"] for w in (await b.get("/workers")).json()["workers"]]
         assert ids_a == ids_b == ["prefill-1", "decode-1", new_id]
         assert (await admins[pid_b].delete("/workers/decode-1")).status_code == 202
-        with trio.fail_after(1.0):
+        with trio.fail_after(LOOSE):
             while "decode-1" in [w["id"] for w in (await a.get("/workers")).json()["workers"]]:
                 await trio.sleep(0.05)
 
@@ -73,7 +75,7 @@ async def test_two_processes_are_one_router(nursery: trio.Nursery, tmp_path: Pat
         os.kill(pid_a, signal.SIGKILL)
         await a.aclose()
         del clients[pid_a]
-        with trio.fail_after(LOOSE * 3):
+        with trio.fail_after(PROCESSES_SECS):
             while True:
                 more = await clients_per_process(router, 2)
                 pids = set(more)

@@ -9,7 +9,7 @@ import httpx2
 import trio
 
 from tests.conftest import start_engine
-from tests.ops.serve import start_serve
+from tests.ops.serve import PROCESSES_SECS, start_serve
 from tests.router.fleet_tools import who_started
 from tests.router.helpers import generate_body
 
@@ -27,7 +27,7 @@ async def test_a_key_lands_on_one_pair_through_either_process(
     clients: dict[int, httpx2.AsyncClient] = {}
     try:
         await router.wait_ready()
-        with trio.fail_after(LOOSE * 3):  # one keep-alive client per process, each ready
+        with trio.fail_after(PROCESSES_SECS):  # one keep-alive client per process, each ready
             while len(clients) < 2:
                 client = httpx2.AsyncClient(base_url=router.url, timeout=LOOSE)
                 pid = (await client.get("/liveness")).json()["pid"]

@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from tests.conftest import start_engine
-from tests.ops.serve import ServeProcess, free_port, start_serve
+from tests.ops.serve import PROCESSES_SECS, ServeProcess, free_port, start_serve
 from tests.router.fleet_tools import start_stoppable
 from tests.router.helpers import eventually, generate_body
 from trio_pd.cli.main import build_parser, router_config
@@ -28,7 +28,7 @@ def health_probes(engine: EngineHandle) -> int:
 
 
 async def wait_alive(router: ServeProcess, client: httpx2.AsyncClient) -> None:
-    with trio.fail_after(LOOSE * 3):
+    with trio.fail_after(PROCESSES_SECS):
         while True:
             assert router.process.returncode is None, router.log()
             try:

@@ -45,6 +45,27 @@ async def settle(condition: Callable[[], bool], timeout: float = 5.0) -> None:
             await trio.sleep(0.02)
 
 
+async def leave_when(
+    request: Callable[[], Awaitable[Any]], happened: Callable[[], Awaitable[Any]]
+) -> trio.CancelScope:
+    """A client that leaves once something happened, not after a guessed delay: `request` runs
+    until `await happened()` returns (a 60 s hang guard), then its scope is cancelled, as a
+    client closing its connection. The scope is returned: `cancelled_caught` says the client
+    did leave before its answer ended."""
+    scope = trio.CancelScope()
+
+    async def run() -> None:
+        with scope:
+            await request()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run)
+        with trio.fail_after(60):
+            await happened()
+        scope.cancel()
+    return scope
+
+
 async def eventually(
     check: Callable[[], Awaitable[bool]], timeout: float, what: str, every: float = 0.02
 ) -> float:

@@ -12,7 +12,7 @@ import trio
 
 from tests.conftest import Cluster, start_cluster
 from tests.router.fleet_tools import LOOSE
-from tests.router.helpers import CANCELLED, generate_body, read_sse, settle
+from tests.router.helpers import CANCELLED, generate_body, leave_when, read_sse, settle
 from trio_pd.config import RetryConfig
 
 RID = re.compile(r"trio-pd-[0-9a-f]{32}")
@@ -44,7 +44,7 @@ async def test_a_failed_prefill_frees_the_decode_slot_at_once(
     fault = await cluster.prefill.events.wait_for("fault", timeout=LOOSE, rid=rid)
     assert await cluster.decode.events.wait_for("slot_acquired", timeout=LOOSE, rid=rid)
     freed = await cluster.decode.events.wait_for("slot_freed", timeout=LOOSE, rid=rid)
-    assert freed["t"] - fault["t"] < 2.0  # the disconnect poll would take up to 30 s
+    assert freed["t"] - fault["t"] < 15.0  # the disconnect poll would take up to 30 s
     # A non-stream leg is freed by the router's abort; a stream leg by the engine itself, the
     # moment its connection closed (SGLang aborts a stream on disconnect): the router's abort
     # then finds the rid gone, which is harmless.
@@ -68,23 +68,30 @@ async def test_the_abort_is_sent_again_two_seconds_later(nursery: trio.Nursery) 
     )
     rid = response.headers["x-request-id"]
     sglang_rid = cluster.decode.events.find("request_start", rid=rid)[0]["sglang_rid"]
-    with trio.fail_after(LOOSE):
+    with trio.fail_after(60):  # a hang guard: the second abort comes ~2 s after the first
         while len(cluster.decode.events.find("abort_request", sglang_rid=sglang_rid)) < 2:
             await trio.sleep(0.05)
     first, second = cluster.decode.events.find("abort_request", sglang_rid=sglang_rid)
     assert first["matched"] is True and second["matched"] is False  # gone by then
-    assert 1.5 < second["t"] - first["t"] < 5.0
+    assert second["t"] - first["t"] > 1.5  # it waited its two seconds (a busy box only adds)
     await cluster.client.aclose()
 
 
 async def test_a_client_that_leaves_has_both_legs_aborted(nursery: trio.Nursery) -> None:
     cluster = await abort_cluster(nursery, engine={"inter_token_ms": 50.0})
-    with trio.move_on_after(1.0) as left:
-        body = generate_body(stream=True, max_new_tokens=1000, sim_fault="prefill:hang+kv")
+    body = generate_body(stream=True, max_new_tokens=1000, sim_fault="prefill:hang+kv")
+
+    async def stream() -> None:
         async with cluster.client.stream(
             "POST", "/generate", json=body, headers={"x-request-id": "gone"}
         ) as response:
             await read_sse(response)
+
+    # Gone once the decode's first token was out (both legs then run: decode streams, the
+    # prefill hangs after sending the KV).
+    left = await leave_when(
+        stream, lambda: cluster.decode.events.wait_for("first_token", timeout=LOOSE, rid="gone")
+    )
     assert left.cancelled_caught
     freed = await cluster.decode.events.wait_for("slot_freed", timeout=LOOSE, rid="gone")
     assert freed["reason"] in CANCELLED  # a stream: the engine's own abort on the disconnect

@@ -102,12 +102,16 @@ def assert_rejected(response: httpx2.Response, rid: str) -> None:
 async def test_the_cap_holds_while_requests_run_and_a_rate_limits_beside_it(
     nursery: trio.Nursery,
 ) -> None:
-    # Cap 2, 1 token a second, no line. Two requests hold the cap for 3 s: a third is refused
-    # at once and still refused two seconds later (SMG 0.3.2 would have let two more in by
-    # then); once they are done the burst is spent, so the next is let in only by the refill.
+    # Cap 2, a token every 2 s, no line. Two requests hold the cap (`hold`: until the test lets
+    # them go): a third is refused at once and still refused once the bucket has refilled (SMG
+    # 0.3.2 would have let two more in by then); once they are done the burst is spent, so the
+    # next is let in only by the refill. The waits are on the bucket's own state, and its slow
+    # refill leaves a wide window (2 s) for the request it must refuse, on a loaded machine too.
     cluster = await start_cluster(
-        nursery, max_concurrent_requests=2, rate_limit_tokens_per_second=1, queue_size=0
+        nursery, max_concurrent_requests=2, rate_limit_tokens_per_second=0.5, queue_size=0
     )
+    bucket = cluster.router.admission.bucket
+    assert bucket is not None
     holders = ("holder-0", "holder-1")
     results: dict[str, httpx2.Response] = {}
 
@@ -117,28 +121,30 @@ async def test_the_cap_holds_while_requests_run_and_a_rate_limits_beside_it(
         )
 
     async with trio.open_nursery() as traffic:
-        for rid in holders:  # each holds its slot for 3 s
-            traffic.start_soon(send, rid, generate_body(sim_fault="decode:slow:3000"))
+        for rid in holders:  # each holds its slot until released
+            traffic.start_soon(send, rid, generate_body(sim_fault="decode:hold"))
         for rid in holders:
             await cluster.decode.events.wait_for("request_start", timeout=5, rid=rid)
         await send("beyond", generate_body())
         assert_rejected(results["beyond"], "beyond")
-        await trio.sleep(2.0)  # tokens have refilled by now; the cap has not moved
+        await settle(lambda: bucket.tokens >= 2, timeout=60)  # refilled; the cap holds
         assert not cluster.decode.events.find("request_end", rid="holder-0")
         await send("still-beyond", generate_body())
         assert_rejected(results["still-beyond"], "still-beyond")
         for rid in ("beyond", "still-beyond"):
             for engine in (cluster.prefill, cluster.decode):
                 assert not engine.events.find("request_start", rid=rid)
+        cluster.decode.state.release_held()
     assert [results[rid].status_code for rid in holders] == [200, 200]
     # The cap is free again and the bucket full (2 tokens): two requests take them, the next
     # finds none though nothing runs (the rate limit), and one more is let in a second later.
     for rid in ("after-0", "after-1"):
         await send(rid, generate_body())
         assert results[rid].status_code == 200
+    assert bucket.tokens < 1  # provoked: the burst is spent (a refill takes 2 s)
     await send("too-fast", generate_body())
     assert_rejected(results["too-fast"], "too-fast")
-    await trio.sleep(1.1)
+    await settle(lambda: bucket.tokens >= 1, timeout=60)
     await send("paced", generate_body())
     assert results["paced"].status_code == 200
     await cluster.client.aclose()

@@ -8,7 +8,7 @@ import trio
 
 from tests.conftest import Cluster, start_cluster
 from tests.router.fleet_tools import LOOSE, build_cluster, who_started
-from tests.router.helpers import generate_body, read_sse, settle
+from tests.router.helpers import generate_body, leave_when, read_sse, settle
 from trio_pd.config import BreakerConfig
 
 
@@ -89,7 +89,7 @@ async def test_success_is_recorded_for_both(nursery: trio.Nursery, stream: bool)
 
 async def test_decode_failure_mid_stream_is_recorded_against_decode(nursery: trio.Nursery) -> None:
     cluster = await start_cluster(nursery, decode={"inter_token_ms": 20.0})
-    body = generate_body(stream=True, max_new_tokens=100, sim_fault="decode:close@300")
+    body = generate_body(stream=True, max_new_tokens=100, sim_fault="decode:close@3tok")
     async with cluster.client.stream("POST", "/generate", json=body) as response:
         events = await read_sse(response)
     assert events[-2]["error"]["type"] == "upstream_error"  # the stream had started
@@ -107,12 +107,14 @@ async def test_client_disconnect_records_nothing(nursery: trio.Nursery) -> None:
     cluster = await start_cluster(nursery, decode={"inter_token_ms": 30.0})
     before = counts(cluster)
     # Gone while prefill works.
-    with trio.move_on_after(0.5):
-        await cluster.client.post(
+    await leave_when(
+        lambda: cluster.client.post(
             "/generate",
             json=generate_body(sim_fault="prefill:hang"),
             headers={"x-request-id": "gone-1"},
-        )
+        ),
+        lambda: cluster.prefill.events.wait_for("request_start", timeout=LOOSE, rid="gone-1"),
+    )
     # Gone mid-stream.
     body = generate_body(stream=True, max_new_tokens=200)
     async with cluster.client.stream(

@@ -472,7 +472,7 @@ async def test_a_decode_gone_silent_mid_stream_ends_it_with_a_504_frame(
         timeouts=TimeoutConfig(stream_idle_secs=1.0),
         decode={"inter_token_ms": 20.0},
     )
-    body = generate_body(stream=True, max_new_tokens=100, sim_fault="decode:hang@300")
+    body = generate_body(stream=True, max_new_tokens=100, sim_fault="decode:hang@3tok")
     async with cluster.client.stream("POST", "/generate", json=body) as response:
         assert response.status_code == 200
         events = await read_sse(response)

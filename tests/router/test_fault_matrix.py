@@ -32,8 +32,8 @@ from tests.router.helpers import CANCELLED, generate_body, read_sse, settle
 from trio_pd.config import RetryConfig
 from trio_pd.testing.engine.responses import error_body
 
-LOOSE = 5.0
-SLOW_DECODE = "decode:slow:5000"  # decode got its KV, then waits 5 s before its first token
+LOOSE = 15.0  # a hang guard; what it rules out (a 60 s slow decode, a 60 s wait) is far above
+SLOW_DECODE = "decode:slow:60000"  # decode got its KV, then waits 60 s before its first token
 
 
 def assert_envelope(response: httpx2.Response, status: int, error_type: str) -> dict[str, Any]:

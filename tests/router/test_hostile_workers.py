@@ -85,14 +85,14 @@ async def test_a_first_event_that_never_ends_fails_decode_at_the_bound(
         never_ending_event(24 * MB),
         timeouts=TimeoutConfig(first_token_secs=20.0),
     )
-    started = time.monotonic()
+    cpu_before = time.thread_time()  # the router runs on this thread: its CPU, not the clock's
     async with cluster.client.stream(
         "POST", "/generate", json={"text": "hi", "stream": True}
     ) as response:
         body = await response.aread()
     error = assert_envelope(body, 502, response.status_code)
-    assert "SSE event larger than 16777216" in str(error["message"])
-    assert time.monotonic() - started < 10.0
+    assert "SSE event larger than 16777216" in str(error["message"])  # not the 20 s first token
+    assert time.thread_time() - cpu_before < 10.0  # no re-scan of the whole buffer per read
     await wait_closed(decode)
     await settle(lambda: cluster.router.budget.in_use == 0)
     assert cluster.router.budget.peak <= 16 * MB + 256 * KB  # the partial event, charged
@@ -144,7 +144,7 @@ async def test_a_stream_sent_to_a_request_for_none_is_refused_unread(
     response = await cluster.client.post("/generate", json={"text": "hi", "stream": False})
     error = assert_envelope(response.content, 502, response.status_code)
     assert "stream" in str(error["message"])
-    assert time.monotonic() - started < 5.0
+    assert time.monotonic() - started < 30.0  # at once: long before the worker's 60 s stream ends
     await wait_closed(decode)
 
 

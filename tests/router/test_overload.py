@@ -12,7 +12,7 @@ import trio
 
 from tests.conftest import start_cluster
 from tests.router.fleet_tools import LOOSE, who_started
-from tests.router.helpers import generate_body, settle
+from tests.router.helpers import generate_body, leave_when, settle
 from trio_pd.config import OverloadConfig, PolicyConfig
 from trio_pd.fleet.overload import overload_reason
 
@@ -222,8 +222,10 @@ async def test_a_client_gone_while_queued_frees_its_place(nursery: trio.Nursery)
     async with trio.open_nursery() as load:
         load.start_soon(post, cluster, "holder")
         await cluster.prefill.events.wait_for("request_start", rid="holder")
-        with trio.move_on_after(0.5):  # the client gives up while queued
-            await post(cluster, "impatient")
+        # The client gives up while queued (once it is in the line, not after a guessed delay).
+        await leave_when(
+            lambda: post(cluster, "impatient"), lambda: settle(lambda: gate.waiting == 1)
+        )
         await settle(lambda: gate.waiting == 0)
         # Its place is free: the next one queues (not 429) and is served.
         assert (await post(cluster, "next")).status_code == 200

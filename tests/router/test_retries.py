@@ -100,7 +100,7 @@ async def test_client_errors_are_not_retried(nursery: trio.Nursery, status: int)
 async def test_no_retry_after_the_first_streamed_byte(nursery: trio.Nursery) -> None:
     cluster = await start_cluster(nursery, retry=RETRY, decode={"inter_token_ms": 20.0})
     status, events = await post(
-        cluster, "mid", True, max_new_tokens=100, sim_fault="decode:close@300"
+        cluster, "mid", True, max_new_tokens=100, sim_fault="decode:close@3tok"
     )
     assert status == 200
     assert events[-1] == "[DONE]"

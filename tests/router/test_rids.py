@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import start_cluster
 from tests.router.fleet_tools import FAST_HEALTH, LOOSE
-from tests.router.helpers import CANCELLED, generate_body, read_sse, settle
+from tests.router.helpers import CANCELLED, generate_body, leave_when, read_sse, settle
 from trio_pd.pd.injection import MAX_ROOM, RID_LENGTH, attempt_rids, rooms_for
 
 
@@ -78,13 +78,19 @@ async def test_two_clients_with_one_rid_neither_collide_nor_abort_each_other(
 
         inner.start_soon(run_victim)
         await cluster.decode.events.wait_for("first_token", timeout=LOOSE, rid="victim")
+
         # The attacker: same client rid, then gone mid-stream.
-        with trio.move_on_after(0.3) as gone:
+        async def attack() -> None:
             async with cluster.client.stream(
                 "POST", "/generate", json=victim_body, headers={"x-request-id": "attacker"}
             ) as response:
                 assert response.status_code == 200  # not a duplicate-rid refusal
                 await read_sse(response)
+
+        gone = await leave_when(  # mid-stream: once its first token went out
+            attack,
+            lambda: cluster.decode.events.wait_for("first_token", timeout=LOOSE, rid="attacker"),
+        )
         assert gone.cancelled_caught
         freed = await cluster.decode.events.wait_for("slot_freed", timeout=LOOSE, rid="attacker")
         assert freed["reason"] in CANCELLED  # provoked: the attacker's leg was aborted
@@ -111,11 +117,16 @@ async def test_equal_client_rids_abandoned_together_leave_the_services_alive(
         for name in ("one", "two"):
 
             async def leave(name: str = name) -> None:
-                with trio.move_on_after(0.5):
+                async def stream() -> None:
                     async with cluster.client.stream(
                         "POST", "/generate", json=body, headers={"x-request-id": name}
                     ) as response:
                         await read_sse(response)
+
+                await leave_when(  # mid-stream: once its first token went out
+                    stream,
+                    lambda: cluster.decode.events.wait_for("first_token", timeout=LOOSE, rid=name),
+                )
 
             clients.start_soon(leave)
     for name in ("one", "two"):  # provoked: both legs were abandoned and aborted

@@ -16,7 +16,7 @@ import trio
 from tests.conftest import Cluster, start_cluster
 from tests.otlp_receiver import ExportedSpan, Receiver, otlp_receiver
 from tests.router.fleet_tools import build_cluster, who_started
-from tests.router.helpers import generate_body, read_sse
+from tests.router.helpers import generate_body, leave_when, read_sse
 from trio_pd.cli.main import build_parser, router_config
 from trio_pd.config import RetryConfig
 
@@ -278,12 +278,14 @@ async def test_client_gone_shows_both_legs_cancelled_and_499(nursery: trio.Nurse
     with otlp_receiver() as receiver:
         cluster = await traced_cluster(nursery, receiver)
         rid = "client-gone"
-        with trio.move_on_after(1.0) as gave_up:
-            await cluster.client.post(
+        gave_up = await leave_when(  # once the prefill (which hangs) has the request
+            lambda: cluster.client.post(
                 "/generate",
                 json=generate_body(sim_fault="prefill:hang"),
                 headers={"x-request-id": rid},
-            )
+            ),
+            lambda: cluster.prefill.events.wait_for("request_start", timeout=LOOSE, rid=rid),
+        )
         assert gave_up.cancelled_caught
         await cluster.prefill.events.wait_for("connection_closed", timeout=LOOSE, rid=rid)
         spans = await receiver.wait_for(complete(rid), "the abandoned request's spans")

@@ -88,16 +88,31 @@ class Room:
 
 async def run_decode(call: Call) -> None:
     fault = call.plan.terminal
-    if fault is not None and fault.delay == 0:
+    if fault is not None and fault.delay == 0 and fault.after_tokens is None:
         await fire(call, fault)
         return
     if fault is None:
         await _decode(call)
         return
-    with trio.move_on_after(fault.delay) as timer:
-        await _decode(call)
-    if timer.cancelled_caught and not call.resp.completed:
+    if fault.after_tokens is not None:
+        with trio.CancelScope() as trigger:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_cancel_once_sent, call, fault.after_tokens, trigger)
+                await _decode(call)
+                nursery.cancel_scope.cancel()
+        fired = trigger.cancelled_caught
+    else:
+        with trio.move_on_after(fault.delay) as timer:
+            await _decode(call)
+        fired = timer.cancelled_caught
+    if fired and not call.resp.completed:
         await fire(call, fault)
+
+
+async def _cancel_once_sent(call: Call, tokens: int, scope: trio.CancelScope) -> None:
+    """The `@Ntok` trigger: the decode's work stops right after its N-th token went out."""
+    await call.output.tokens_sent(tokens)
+    scope.cancel()
 
 
 async def _decode(call: Call) -> None:
@@ -217,6 +232,8 @@ async def _item(call: Call, item: Item, room: Room, shadowed: bool) -> None:
         item.stage = "waiting"  # the scheduler's waiting queue: KV here, not yet running
         with item.new_scope():
             await trio.sleep(call.plan.slow)
+            if call.plan.hold and call.plan.hold_after_tokens is None:
+                await call.engine.released.wait()
         if item.interrupted is not None:  # scheduler.py: popped from the waiting queue
             reason = item.abort_reason or "error"
             await call.output.finish(item, WAITING_QUEUE_ABORT)
@@ -339,4 +356,6 @@ async def _generate(call: Call, item: Item) -> None:
         await output.token(item, k, finish)
         if finish is not None:
             return
+        if k == call.plan.hold_after_tokens:  # `hold@Ntok`: paused mid-stream until released
+            await call.engine.released.wait()
         await trio.lowlevel.checkpoint()

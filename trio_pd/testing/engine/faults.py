@@ -1,10 +1,14 @@
-"""Fault specs: `[ROLE:]KIND[:ARG][@MS][+kv]`, from --fault or a request's `sim_fault` field.
+"""Fault specs: `[ROLE:]KIND[:ARG][@MS|@Ntok][+kv]`, from --fault or a request's `sim_fault`.
 
 KIND is an HTTP status (`500`, `429`, ...), `sse_error[:CODE]` (an error object inside a 200
 answer, code 500 unless given), `abort[:CODE]` (finish_reason abort, with `status_code` CODE when
-given), `close`, `hang`, `slow:MS`, or
-(engine level only) `refuse`. `@MS` delays the firing by MS milliseconds. `+kv` (prefill only)
-fires the fault after the KV cache was sent, so decode can answer before prefill fails.
+given), `close`, `hang`, `slow:MS`, `hold` (decode: waits where `slow` does, until the test calls
+`EngineState.release_held()`: a slot held for exactly as long as a test needs, no clock;
+`hold@Ntok`: the stream pauses there after its N-th token instead), or
+(engine level only) `refuse`. `@MS` delays the firing by MS milliseconds; `@Ntok` (decode only)
+fires it once the decode's answer has sent N tokens, so "mid-stream" is what happened, not a
+guess about the clock. `+kv` (prefill only) fires the fault after the KV cache was sent, so
+decode can answer before prefill fails.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import attrs
 
 from trio_pd.testing.engine.config import ROLES
 
-KINDS = ("status", "sse_error", "abort", "close", "hang", "slow", "refuse")
+KINDS = ("status", "sse_error", "abort", "close", "hang", "slow", "hold", "refuse")
 
 
 class FaultError(ValueError):
@@ -30,6 +34,7 @@ class Fault:
     status: int | None = None  # kind == "status"
     arg_ms: float = 0.0  # kind == "slow"
     delay_ms: float = 0.0  # the `@MS` suffix
+    after_tokens: int | None = None  # the `@Ntok` suffix: fires once N tokens went out
     after_kv: bool = False  # the `+kv` suffix
 
     @property
@@ -53,9 +58,20 @@ def parse_fault(spec: str) -> Fault:
 
 def _parse_plain(spec: str, text: str) -> Fault:
     delay_ms = 0.0
+    after_tokens = None
     if "@" in text:
         text, _, delay = text.rpartition("@")
-        delay_ms = _number(delay, spec)
+        if delay.endswith("tok"):
+            after_tokens = int(_number(delay.removesuffix("tok"), spec))
+            if after_tokens < 1 or text.startswith("prefill:"):
+                raise FaultError(f"@Ntok needs N >= 1 and the decode role: {spec!r}")
+        else:
+            delay_ms = _number(delay, spec)
+    fault = _parse_kind(spec, text, delay_ms)
+    return attrs.evolve(fault, after_tokens=after_tokens) if after_tokens else fault
+
+
+def _parse_kind(spec: str, text: str, delay_ms: float) -> Fault:
     parts = text.split(":")
     role = None
     if parts[0] in ROLES:
@@ -106,6 +122,8 @@ class FaultPlan:
 
     terminal: Fault | None = None
     slow_ms: float = 0.0
+    hold: bool = False  # wait for EngineState.release_held() where `slow` waits
+    hold_after_tokens: int | None = None  # `hold@Ntok`: ...or once N tokens went out
 
     @property
     def slow(self) -> float:
@@ -115,11 +133,15 @@ class FaultPlan:
 def plan_for(role: str, faults: Iterable[Fault]) -> FaultPlan:
     terminal = None
     slow_ms = 0.0
+    hold = False
+    hold_after = None
     for fault in faults:
         if fault.role not in (None, role) or fault.kind == "refuse":
             continue
         if fault.kind == "slow":
             slow_ms += fault.arg_ms + fault.delay_ms
+        elif fault.kind == "hold":
+            hold, hold_after = True, fault.after_tokens
         elif terminal is None:
             terminal = fault
-    return FaultPlan(terminal, slow_ms)
+    return FaultPlan(terminal, slow_ms, hold, hold_after)

@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import trio
+
 from trio_pd.testing.engine.asgi import Responder
 from trio_pd.testing.engine.asgi import error_body as error_body  # (router tests import it here)
 from trio_pd.testing.engine.failures import abort_failure_body, stream_error
@@ -92,6 +94,8 @@ class Output:
         # A request's `"sim_tag": true`: its generated text starts with its rid, so answers
         # that are otherwise alike (a router's `n > 1` samples) show which request wrote them.
         self.tag = False
+        self.sent = 0  # tokens rendered so far, all items together (a stream's: sent)
+        self._sent_waiters: list[tuple[int, trio.Event]] = []
 
     @property
     def complete(self) -> bool:
@@ -120,6 +124,20 @@ class Output:
         item.generated = k
         if finish is not None:
             self.finished[item.index] = finish
+        await self._render_token(item, k, finish)
+        self.sent += 1
+        for count, event in self._sent_waiters:
+            if self.sent >= count:
+                event.set()
+
+    async def tokens_sent(self, count: int) -> None:
+        """Wait until `count` tokens were rendered (a `@Ntok` fault's trigger)."""
+        if self.sent < count:
+            event = trio.Event()
+            self._sent_waiters.append((count, event))
+            await event.wait()
+
+    async def _render_token(self, item: Item, k: int, finish: dict[str, Any] | None) -> None:
         if not self.w.stream or self.stopped:
             return
         self.last_id = item.rid

@@ -112,6 +112,11 @@ class EngineState:
         # A hostile engine: these top-level figures replace its own in every rank's /v1/loads
         # (a test sets `{"num_waiting_uncached_tokens": -10**12}`: a worker that lies).
         self.load_lie: dict[str, Any] = {}
+        self.released = trio.Event()  # a `hold` fault's requests wait for it (release_held)
+
+    def release_held(self) -> None:
+        """Let every request a `hold` fault holds go on (and any later one pass)."""
+        self.released.set()
 
     def saturate(self, queued: int = 0, running: int = 0, used_tokens: int = 0) -> None:
         """Report this much more load on every DP rank from now on (0, 0, 0: none)."""
