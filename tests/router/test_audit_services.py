@@ -1,6 +1,6 @@
 """Issue 28's audit survivors in the long-lived services, under trio's MockClock: the
 ServiceGuard's crash window (more than `MAX_CRASHES` crashes *within* `CRASH_WINDOW_SECS`) and
-its backoff reset after a steady run; the abort queue's `MAX_PENDING` cap at its real size."""
+its backoff reset after a steady run; the abort queue's caps (`MAX_PENDING_PER_WORKER`, `MAX_PENDING`) at their real sizes."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from trio_pd.edge.supervision import (
     ServiceGuard,
 )
 from trio_pd.observe.metrics import RouterMetrics
-from trio_pd.pd.aborts import MAX_PENDING, AbortJob, AbortService
+from trio_pd.pd.aborts import MAX_PENDING, MAX_PENDING_PER_WORKER, AbortJob, AbortService
 
 
 class Service:
@@ -102,17 +102,22 @@ async def test_a_steady_run_resets_the_backoff(
 
 
 def test_the_abort_queue_holds_65536_posts_and_drops_the_rest() -> None:
-    """Break: another cap (`MAX_PENDING` changed, or the check gone): exactly 65,536 POSTs wait
-    (every rid of the job queued, none sent: the service is not running) and the rest are
-    dropped and counted."""
-    assert MAX_PENDING == 65_536
+    """Break: another cap (`MAX_PENDING_PER_WORKER` changed, or the check gone): exactly 65,536
+    POSTs wait for one worker (every rid of the job queued, none sent: the service is not
+    running) and the rest are dropped and counted; four more workers' full queues stop at the
+    all-workers cap of 262,144 (`MAX_PENDING`)."""
+    assert (MAX_PENDING_PER_WORKER, MAX_PENDING) == (65_536, 262_144)
     service = AbortService(RouterMetrics(multiprocess_dir=""))
 
-    async def fill() -> None:
-        rids = tuple(f"r{i}" for i in range(MAX_PENDING + 3))
-        service.request(AbortJob("decode", "http://d", rids, delay=5))
+    async def fill(url: str) -> None:
+        rids = tuple(f"{url}-r{i}" for i in range(MAX_PENDING_PER_WORKER + 3))
+        service.request(AbortJob("decode", url, rids, delay=5))
 
-    trio.run(fill)
+    trio.run(fill, "http://d0")
     dropped = service.metrics.aborts.labels("decode", "dropped")._value.get()
-    queued = service.pending
-    assert (queued, dropped) == (65_536, 3)
+    assert (service.pending, dropped) == (65_536, 3)
+    for n in range(1, 5):
+        trio.run(fill, f"http://d{n}")
+    dropped = service.metrics.aborts.labels("decode", "dropped")._value.get()
+    assert service.pending == 262_144
+    assert dropped == 5 * (MAX_PENDING_PER_WORKER + 3) - 262_144
