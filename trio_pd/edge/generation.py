@@ -133,6 +133,7 @@ async def admitted_run(
                 account, body.marks,
             )  # fmt: skip
             del raw  # `inspected.body` holds the bytes the legs start from
+            slot.widen(inspected.samples)  # n samples: n PD requests, n slots (admission.py)
             request = PDRequest(
                 scope["path"],
                 inspected,
