@@ -28,6 +28,7 @@ from trio_pd.pd.cancel import RequestCancel
 from trio_pd.pd.dispatch import DispatchContext, PDRequest, dispatch_request
 from trio_pd.pd.injection import DP_KEYS
 from trio_pd.pd.relay import error_frame
+from trio_pd.pd.vllm_bodies import VllmBodyMaker
 from trio_pd.respond import Responder
 from trio_pd.upstream.headers import NO_KEYS, RouterKeys, client_authorization, leg_headers
 
@@ -148,6 +149,8 @@ async def admitted_run(
                 trace,
                 account,
                 gen.routing_keys.affinity(scope["headers"]) if gen.routing_keys else None,
+                VllmBodyMaker(scope["path"], inspected.body, body.marks, gen.parsers),
+                gen.parsers,
             )
             nursery.start_soon(watch_disconnect, receive, rsp, cancel)
             interval = config.edges.sse_keepalive_secs
