@@ -43,6 +43,7 @@ from trio_pd.pd.answers import (
 from trio_pd.pd.budget import Account, OverBudget
 from trio_pd.pd.offload import AnswerWork
 from trio_pd.pd.outcome import LegFailure, LegResult, LegSuccess
+from trio_pd.pd.payload import OFFLOAD_BYTES
 from trio_pd.pd.relay import event_data
 from trio_pd.pd.sse import EventReader, EventTooLarge
 from trio_pd.respond import Reply, Responder
@@ -306,6 +307,8 @@ class Attempt:
     async def _read_prefill_events(self, events: list[bytes]) -> bool:
         """Prefill's events: False once one failed the leg."""
         for event in events:
+            if len(event) >= OFFLOAD_BYTES:  # each pass over a large event a step of its own
+                await trio.lowlevel.checkpoint()
             data = event_data(event)
             if data is None or data == b"[DONE]":
                 continue
