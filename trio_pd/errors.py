@@ -27,6 +27,18 @@ class RouterError(Exception):
         return error_body(self.message, self.error_type, self.code)
 
 
+def without_frames(error: RouterError) -> RouterError:
+    """`error` holding none of the frames it was raised through, nor the exceptions it was
+    raised while handling (`__context__`, `__cause__`). A handler that keeps an error past its
+    `except` block (for a trace, say) otherwise keeps every local of those frames, a request's
+    body among them, in a cycle with its own frame that only a full collection frees
+    (`serve/process.py` `tune_gc`: practically never)."""
+    error.__traceback__ = None
+    error.__context__ = None
+    error.__cause__ = None
+    return error
+
+
 def error_body(message: str, error_type: str, code: str | int) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": error_type, "code": code}})
 

@@ -1,6 +1,7 @@
 """Issue 28's audit survivors in the long-lived services, under trio's MockClock: the
 ServiceGuard's crash window (more than `MAX_CRASHES` crashes *within* `CRASH_WINDOW_SECS`) and
-its backoff reset after a steady run; the abort queue's caps (`MAX_PENDING_PER_WORKER`, `MAX_PENDING`) at their real sizes."""
+its backoff reset after a steady run; the abort queue's caps (`MAX_PENDING_PER_WORKER`,
+`MAX_PENDING`) at their real sizes."""
 
 from __future__ import annotations
 

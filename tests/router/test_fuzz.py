@@ -201,7 +201,7 @@ VALID_FIELDS = {
             **common_valid,
             "max_tokens": st.one_of(small_counts, st.none()),
             "logprobs": st.one_of(st.booleans(), st.none(), small_counts),
-            "n": json_values,  # read by neither the router nor the engine on this route
+            "n": json_values,  # anything but an integer is refused (payload.sample_count)
             "stream_options": json_values,
         },
     ),
@@ -421,6 +421,24 @@ def samples_of(path: str, body: dict[str, Any]) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
 
 
+def n_refused(path: str, body: dict[str, Any]) -> bool:
+    """An `n` the router refuses (pd/payload.sample_count): present and not a JSON integer, or
+    in a list of per-prompt sampling_params and not 1."""
+
+    def integer(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if path != GENERATE:
+        return "n" in body and not integer(body["n"])
+    params = body.get("sampling_params")
+    if isinstance(params, list):
+        return any(
+            isinstance(p, dict) and "n" in p and not (integer(p["n"]) and p["n"] == 1)
+            for p in params
+        )
+    return isinstance(params, dict) and "n" in params and not integer(params["n"])
+
+
 def without_n(path: str, body: dict[str, Any]) -> dict[str, Any]:
     if path == GENERATE:
         params = {k: v for k, v in body["sampling_params"].items() if k != "n"}
@@ -508,6 +526,11 @@ class Checker:
             self.stats["refused: stream not a boolean"] += 1
             self.assert_refused(response, starts, what)
             assert "`stream`" in response.json()["error"]["message"], what
+            return
+        if n_refused(case.path, client):
+            self.stats["refused: n not counted"] += 1
+            self.assert_refused(response, starts, what)
+            assert "`n`" in response.json()["error"]["message"], what
             return
         if samples > MAX_BATCH:
             self.stats["refused: n over the limit"] += 1

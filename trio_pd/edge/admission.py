@@ -27,6 +27,12 @@ Both come with the JSON envelope and `Retry-After: 1` (SMG sends an empty body),
 worker is touched. The line is bounded and fair (SMG's queue is a channel its processor drains
 at once into one waiting task per request, so neither its size nor the order holds). A client
 that leaves while in line simply leaves it: its wait is cancelled with the rest of its request.
+
+The cap counts PD requests, not client requests: a request asking `n > 1` samples runs n PD
+requests (`pd/samples.py`), so once its body is read it takes n - 1 slots more, at once or not
+at all (`Slot.widen`): a 429 when they are not free now, a 400 when n exceeds the cap itself.
+It never waits for them while holding its first slot (two such requests would each hold part
+of what the other waits for). The rate limit counts client requests.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import trio
 from prometheus_client import Histogram
 
 from trio_pd.edge.token_bucket import TokenBucket
-from trio_pd.errors import RouterError
+from trio_pd.errors import RouterError, bad_request
 
 RETRY_AFTER_SECS = b"1"
 
@@ -126,11 +132,12 @@ class Admission:
 class Slot:
     """One admission (a class, not a generator: it is on every request's path)."""
 
-    __slots__ = ("_admission", "_held")
+    __slots__ = ("_admission", "_extra", "_held")
 
     def __init__(self, admission: Admission) -> None:
         self._admission = admission
         self._held = False
+        self._extra: list[object] = []  # the borrowers of the slots `widen` took
 
     def enter_now(self) -> bool:
         """Take the slot if that needs no wait (no cap, or room and nobody in line)."""
@@ -150,11 +157,46 @@ class Slot:
         await self._admission._wait_in_line(limiter)
         self._held = True
 
+    def widen(self, count: int) -> None:
+        """Hold `count` slots in all (a request of `count` PD requests, `n` samples): the ones
+        beyond this one taken now, never waited for; else a 429 (none taken), or a 400 when
+        `count` exceeds the cap itself."""
+        limiter = self._admission.limiter
+        if limiter is None or count <= 1 or not self._held:
+            return
+        cap = int(limiter.total_tokens)
+        if count > cap:
+            raise bad_request(
+                f"n is {count}, more than this router's --max-concurrent-requests {cap}: each "
+                "sample is a PD request holding a slot"
+            )
+        taken: list[object] = []
+        try:
+            for _ in range(count - 1):
+                borrower = object()
+                limiter.acquire_on_behalf_of_nowait(borrower)
+                taken.append(borrower)
+        except trio.WouldBlock:
+            for borrower in taken:
+                limiter.release_on_behalf_of(borrower)
+            self._admission._observe("rejected", 0.0)
+            raise overloaded(
+                f"too many requests: n = {count} samples need {count} request slots, "
+                f"{len(taken) + 1} are free now (--max-concurrent-requests {cap})"
+            ) from None
+        self._extra.extend(taken)
+
     def release(self) -> None:
+        limiter = self._admission.limiter
+        if self._extra:
+            assert limiter is not None
+            extra, self._extra = self._extra, []
+            for borrower in extra:
+                limiter.release_on_behalf_of(borrower)
         if self._held:
             self._held = False
-            assert self._admission.limiter is not None
-            self._admission.limiter.release()  # a token, once spent, stays spent
+            assert limiter is not None
+            limiter.release()  # a token, once spent, stays spent
 
     async def __aenter__(self) -> None:
         # Nobody in line and room: take it. Otherwise queue behind the waiters.

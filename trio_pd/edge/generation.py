@@ -21,13 +21,14 @@ from trio_pd.edge.drain import Drain, cut_by_shutdown, shutting_down
 from trio_pd.edge.intake import BODY_COPIES, ClientBody, inspect
 from trio_pd.edge.keepalive import keep_alive
 from trio_pd.edge.routing_key import RoutingKeys
-from trio_pd.errors import RouterError
+from trio_pd.errors import RouterError, without_frames
 from trio_pd.pd import payload
 from trio_pd.pd.budget import MemoryBudget
 from trio_pd.pd.cancel import RequestCancel
 from trio_pd.pd.dispatch import DispatchContext, PDRequest, dispatch_request
 from trio_pd.pd.injection import DP_KEYS
 from trio_pd.pd.relay import error_frame
+from trio_pd.pd.vllm_bodies import VllmBodyMaker
 from trio_pd.respond import Responder
 from trio_pd.upstream.headers import NO_KEYS, RouterKeys, client_authorization, leg_headers
 
@@ -68,8 +69,10 @@ async def handle_generation(
     # Tracing off costs the two None checks; one function, not a wrapper, for the same reason.
     trace = gen.tracing.begin(scope, rsp.request_id) if gen.tracing is not None else None
     cancel = RequestCancel()
-    answered: RouterError | None = None  # the error the client got, for the trace
-    gone: ClientGone | None = None
+    # The error the client got, for the trace: kept without its frames (`without_frames`), so
+    # a refused body is freed when its answer is sent, not by a collection that never runs.
+    answered: RouterError | None = None
+    gone = False
     try:
         config = gen.config
         if gen.drain.draining:
@@ -81,16 +84,16 @@ async def handle_generation(
                     body.check_declared(gen.budget.limit)
                     await admitted_run(gen, scope, receive, rsp, cancel, body, trace, nursery)
                 except RouterError as error:  # 4xx of the body, 429 of admission or the budget
-                    answered = error
+                    answered = without_frames(error)
                     if not rsp.started:
                         if not body.complete:  # refused unread: see intake.DISCARD_SECS
                             await body.discard_rest()
                         await rsp.error(error)
-                except ClientGone as error:  # raised below, outside the nursery's group
-                    gone = error
+                except ClientGone:  # raised below, outside the nursery's group
+                    gone = True  # not the exception: its frames hold the body read so far
                 nursery.cancel_scope.cancel()
-        if gone is not None:
-            raise gone
+        if gone:
+            raise ClientGone
         if cancel.scope.cancelled_caught:
             log.info("request cancelled (%s); every leg of it was closed", cancel.cause)
             if cancel.cause == "shutdown":
@@ -131,6 +134,7 @@ async def admitted_run(
                 account, body.marks,
             )  # fmt: skip
             del raw  # `inspected.body` holds the bytes the legs start from
+            slot.widen(inspected.samples)  # n samples: n PD requests, n slots (admission.py)
             request = PDRequest(
                 scope["path"],
                 inspected,
@@ -145,6 +149,8 @@ async def admitted_run(
                 trace,
                 account,
                 gen.routing_keys.affinity(scope["headers"]) if gen.routing_keys else None,
+                VllmBodyMaker(scope["path"], inspected.body, body.marks, gen.parsers),
+                gen.parsers,
             )
             nursery.start_soon(watch_disconnect, receive, rsp, cancel)
             interval = config.edges.sse_keepalive_secs

@@ -31,7 +31,14 @@ import trio_parallel
 
 from trio_pd.asgi import ClientGone, Receive, Scope
 from trio_pd.errors import RouterError, payload_too_large
-from trio_pd.pd.budget import Account, OverBudget, json_marks, parse_cost
+from trio_pd.pd.budget import (
+    WORKER_COPIES,
+    Account,
+    OverBudget,
+    json_marks,
+    over_budget,
+    parse_cost,
+)
 from trio_pd.pd.payload import OFFLOAD_BYTES, Inspected, Refused, inspect_body
 
 PREREAD_BYTES = 64 * 1024  # what a request waiting in line may have read of its body
@@ -41,30 +48,10 @@ PREREAD_BYTES = 64 * 1024  # what a request waiting in line may have read of its
 # with unread data resets it), as nginx's lingering close does. Nothing of it is kept.
 DISCARD_SECS = 2.0
 BODY_COPIES = 2  # the client's bytes and the legs' copy, held for the whole request
-WORKER_COPIES = 3  # a parse off the loop: the pickled arguments, and the worker's two copies
-RETRY_AFTER_SECS = b"1"
 
 
 def body_timeout(secs: float) -> RouterError:
     return RouterError(408, f"the request body did not arrive within {secs:g}s", "timeout_error")
-
-
-def over_budget(error: OverBudget, what: str) -> RouterError:
-    """429 while the budget is full, 413 when this request alone exceeds it."""
-    if error.never:
-        return RouterError(
-            413,
-            f"{what} needs ~{error.wanted} bytes of router memory, more than "
-            f"--max-buffered-bytes {error.limit}",
-            "payload_too_large",
-        )
-    return RouterError(
-        429,
-        f"the router's memory for request bodies is in use (--max-buffered-bytes "
-        f"{error.limit}): try again",
-        "rate_limit_error",
-        headers=((b"retry-after", RETRY_AFTER_SECS),),
-    )
 
 
 def declared_length(scope: Scope) -> int | None:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
+import attrs
 
 from trio_pd.pd.budget import Account, OverBudget, json_marks, parse_cost
 from trio_pd.pd.outcome import LegFailure
-from trio_pd.pd.relay import InbandError, data_failure, merge_logprobs, parse_json
+from trio_pd.pd.relay import InbandError, data_failure, parse_json
 from trio_pd.pd.sse import EventTooLarge
 from trio_pd.upstream.pool import UpstreamError, UpstreamResponse
 
@@ -20,9 +20,30 @@ MAX_ERROR_BODY = 1 << 20  # an upstream error body we relay is read up to this s
 MAX_ANSWER_BODY = 256 << 20  # a non-streamed answer larger than this fails the leg
 
 
-async def read_answer(response: UpstreamResponse, account: Account | None = None) -> bytes:
+@attrs.define
+class AnswerScan:
+    """What a pass over an answer's chunks found as they arrived (so a large answer is never
+    scanned whole on the event loop): its JSON structure count, to price its parse, and
+    whether it carries a failure marker (`error`, `abort`), so must be parsed to know."""
+
+    marks: int = 0
+    suspect: bool = False
+    _tail: bytes = b""  # the last bytes of the previous chunk: a marker may straddle two
+
+    def feed(self, chunk: bytes) -> None:
+        self.marks += json_marks(chunk)
+        if not self.suspect:
+            edge = self._tail + chunk[:4]
+            self.suspect = any(m in chunk or m in edge for m in (b"error", b"abort"))
+            self._tail = (self._tail + chunk)[-4:] if len(chunk) < 4 else chunk[-4:]
+
+
+async def read_answer(
+    response: UpstreamResponse, account: Account | None = None, scan: AnswerScan | None = None
+) -> bytes:
     """A whole non-streamed answer, charged to `account` as it arrives (OverBudget when the
-    budget cannot hold it); one past `MAX_ANSWER_BODY` fails the leg, never truncated."""
+    budget cannot hold it), each chunk fed to `scan`; one past `MAX_ANSWER_BODY` fails the
+    leg, never truncated."""
     parts = []
     size = 0
     async for chunk in response.chunks():
@@ -31,6 +52,8 @@ async def read_answer(response: UpstreamResponse, account: Account | None = None
             raise UpstreamError("transport", f"answer larger than {MAX_ANSWER_BODY} bytes")
         if account is not None:
             account.charge(len(chunk))
+        if scan is not None:
+            scan.feed(chunk)
         parts.append(chunk)
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
@@ -66,15 +89,6 @@ def buffer_failure(exc: EventTooLarge | OverBudget) -> LegFailure:
     if exc.never:
         return LegFailure("transport", f"answer needs {exc.wanted} bytes, more than {flag}")
     return LegFailure("overload", f"the router's buffers are full ({flag}): try again")
-
-
-def merged_event(
-    prefill_answer: Any, decode_data: bytes, account: Account | None = None
-) -> bytes | None:
-    decode_answer = read_json(decode_data, account)
-    if not merge_logprobs(prefill_answer, decode_answer):
-        return None
-    return b"data: " + orjson.dumps(decode_answer) + b"\n\n"
 
 
 def is_sse(response: UpstreamResponse) -> bool:

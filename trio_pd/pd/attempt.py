@@ -33,21 +33,18 @@ from trio_pd.config import TimeoutConfig
 from trio_pd.fleet.worker import Worker
 from trio_pd.observe.metrics import RouterMetrics
 from trio_pd.pd.answers import (
+    AnswerScan,
     buffer_failure,
     event_failure,
     is_sse,
-    merged_event,
     read_answer,
-    read_json,
     status_failure,
 )
 from trio_pd.pd.budget import Account, OverBudget
+from trio_pd.pd.offload import AnswerWork
 from trio_pd.pd.outcome import LegFailure, LegResult, LegSuccess
-from trio_pd.pd.relay import (
-    answer_failure,
-    event_data,
-    merge_logprobs,
-)
+from trio_pd.pd.payload import OFFLOAD_BYTES
+from trio_pd.pd.relay import event_data
 from trio_pd.pd.sse import EventReader, EventTooLarge
 from trio_pd.respond import Reply, Responder
 from trio_pd.spec import Role
@@ -150,12 +147,19 @@ class Attempt:
     request_started: float  # the client request's start: time to first token counts from it
     account: Account | None = None  # the request's share of --max-buffered-bytes
     event_limit: int = DEFAULT_EVENT_LIMIT  # --max-sse-event-bytes
-    prefill_answer: Any = None  # prefill's first answer, parsed only when logprobs are merged
+    # Prefill's first answer (an event's data), kept only when logprobs are merged: its bytes,
+    # parsed only by the merge, off the event loop when large (`offload.py`).
+    prefill_answer: bytes | None = None
     prefill_answer_known: trio.Event = attrs.field(factory=trio.Event)
     stalled: bool = False  # the client stopped reading: nothing more can be sent to it
     # What a relayed stream chunk becomes on its way to the client (None: sent as it came; a
     # vLLM pair's attempt strips the handoff from it, `vllm_attempt.py`).
     transform: Callable[[bytes], bytes] | None = None
+    parsers: Any = None  # trio_parallel.WorkerContext of the lifespan (None: JSON work inline)
+    decode_scan: AnswerScan | None = None  # what reading decode's whole answer found
+    work: AnswerWork = attrs.field(
+        default=attrs.Factory(lambda self: AnswerWork(self.parsers, self.account), takes_self=True)
+    )
 
     async def run(self) -> None:
         """Run both legs to completion; on return the legs' results say what happened."""
@@ -187,7 +191,7 @@ class Attempt:
             elif self.decode.result is None:
                 self.decode.result = timeout
         if self.logprobs and self.prefill_answer is not None and not self.responder.started:
-            self._merge_answer()
+            await self._merge_answer()
 
     def reply(self) -> Reply | None:
         """The client's answer once the attempt ran, or None when it was streamed already."""
@@ -201,17 +205,21 @@ class Attempt:
         assert isinstance(decode, LegSuccess), "both legs finished without a failure"
         return Reply(decode.status, decode.headers, decode.body)
 
-    def _merge_answer(self) -> None:
+    async def _merge_answer(self) -> None:
         """Both legs answered whole and logprobs were asked for: prefill's input logprobs go in
-        front of decode's. An answer the router cannot hold or re-encode (nested past orjson's
-        255 levels) is the decode worker's fault, never a 500."""
+        front of decode's (off the event loop when large, `offload.py`). An answer the router
+        cannot hold or re-encode (nested past orjson's 255 levels) is the decode worker's
+        fault, never a 500."""
         decode = self.decode.result
+        prefill_answer = self.prefill_answer
         if not (isinstance(decode, LegSuccess) and isinstance(self.prefill.result, LegSuccess)):
             return
+        assert prefill_answer is not None
         try:
-            merged = read_json(decode.body, self.account)
-            if merge_logprobs(self.prefill_answer, merged):
-                body = orjson.dumps(merged)
+            scan = self.decode_scan
+            marks = None if scan is None else scan.marks
+            body = await self.work.merged(prefill_answer, decode.body, marks=marks)
+            if body is not None:
                 self.decode.result = LegSuccess(decode.status, decode.headers, body)
         except OverBudget as exc:
             self.decode.result = buffer_failure(exc)
@@ -270,15 +278,18 @@ class Attempt:
         if is_sse(response):
             await self._read_prefill_stream(response)
             return
-        body = await read_answer(response, self.account)
-        # Parsed only when something is to be read in it: a failure marker, or logprobs.
-        suspect = b"error" in body or b"abort" in body
-        answer = read_json(body, self.account) if suspect or self.logprobs else None
-        found = answer_failure(answer) if suspect else None
+        scan = AnswerScan()
+        body = await read_answer(response, self.account, scan)
+        # Parsed only when something is to be read in it: a failure marker, or logprobs (by the
+        # merge). Either parse is priced once, off the event loop when large (`offload.py`).
+        found = await self.work.failure(body, marks=scan.marks) if scan.suspect else None
         if found is not None:
             self._fail_prefill(LegFailure("inband", found.message, found.code))
             return
-        self.prefill_answer = answer
+        if self.logprobs:
+            if not scan.suspect:
+                await self.work.price(body, scan.marks)
+            self.prefill_answer = body
         self.prefill_answer_known.set()
         self.prefill.result = LegSuccess(response.status, [], b"")
 
@@ -287,25 +298,29 @@ class Attempt:
         reader = EventReader(self.event_limit, self.account)
         try:
             async for chunk in response.chunks():
-                if not self._read_prefill_events(reader.feed(chunk)):
+                if not await self._read_prefill_events(reader.feed(chunk)):
                     return
         finally:
             reader.close()
         self.prefill.result = LegSuccess(response.status, [], b"")
 
-    def _read_prefill_events(self, events: list[bytes]) -> bool:
+    async def _read_prefill_events(self, events: list[bytes]) -> bool:
         """Prefill's events: False once one failed the leg."""
         for event in events:
+            if len(event) >= OFFLOAD_BYTES:  # each pass over a large event a step of its own
+                await trio.lowlevel.checkpoint()
             data = event_data(event)
             if data is None or data == b"[DONE]":
                 continue
-            found = event_failure(data, self.account)
-            if found is not None:
-                self._fail_prefill(LegFailure("inband", found.message, found.code))
-                return False
+            if await self.work.suspect(data):  # else no failure: no parse
+                found = await self.work.failure(data, hold=False)
+                if found is not None:
+                    self._fail_prefill(LegFailure("inband", found.message, found.code))
+                    return False
             if not self.prefill_answer_known.is_set():
                 if self.logprobs:
-                    self.prefill_answer = read_json(data, self.account)
+                    await self.work.price(data)  # the merge's parse of it
+                    self.prefill_answer = data
                 self.prefill_answer_known.set()
         return True
 
@@ -359,9 +374,9 @@ class Attempt:
                 return
             await self._relay_decode_stream(response, headers, first_scope)
             return
-        body = await read_answer(response, self.account)
-        suspect = b"error" in body or b"abort" in body
-        found = answer_failure(read_json(body, self.account)) if suspect else None
+        scan = self.decode_scan = AnswerScan()
+        body = await read_answer(response, self.account, scan)
+        found = await self.work.failure(body, marks=scan.marks) if scan.suspect else None
         if found is not None:
             self._fail_decode(LegFailure("inband", found.message, found.code))
             return
@@ -405,7 +420,7 @@ class Attempt:
             await self.prefill_answer_known.wait()
             if data is not None and self.prefill_answer is not None:
                 try:
-                    event = merged_event(self.prefill_answer, data, self.account) or event
+                    event = await self.work.merged(self.prefill_answer, data, event=True) or event
                 except orjson.JSONEncodeError as exc:
                     message = f"first event the router cannot merge: {exc}"
                     self._fail_decode(LegFailure("transport", message))

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import attrs
 
+from trio_pd.errors import RouterError
+
 # What parsing JSON costs in Python objects, bounded from the text alone (measured with orjson
 # 3 on CPython 3.11, `bench/memory.py`): at most 4 bytes per byte of text (a string holding one
 # character beyond the BMP is stored at 4 bytes a character) plus up to ~100 bytes per structural
@@ -25,6 +27,8 @@ import attrs
 # estimate takes 4 and 128: an upper bound with room for the allocator's slack.
 PARSE_BYTES_PER_BYTE = 4
 PARSE_BYTES_PER_MARK = 128
+WORKER_COPIES = 3  # a parse off the loop: the pickled arguments, and the worker's two copies
+RETRY_AFTER_SECS = b"1"
 _NOT_MARKS = bytes(b for b in range(256) if b not in b",:[{")
 
 
@@ -48,6 +52,25 @@ class OverBudget(Exception):
         self.wanted = wanted
         self.limit = limit
         self.never = never
+
+
+def over_budget(error: OverBudget, what: str) -> RouterError:
+    """The client's answer to a charge of its request the budget refused: 429 while the budget
+    is full, 413 when this request alone exceeds it."""
+    if error.never:
+        return RouterError(
+            413,
+            f"{what} needs ~{error.wanted} bytes of router memory, more than "
+            f"--max-buffered-bytes {error.limit}",
+            "payload_too_large",
+        )
+    return RouterError(
+        429,
+        f"the router's memory for request bodies is in use (--max-buffered-bytes "
+        f"{error.limit}): try again",
+        "rate_limit_error",
+        headers=((b"retry-after", RETRY_AFTER_SECS),),
+    )
 
 
 @attrs.define(eq=False)

@@ -19,7 +19,6 @@ from typing import Any
 import attrs
 import trio
 
-from trio_pd import jsonbody
 from trio_pd.config import RouterConfig
 from trio_pd.errors import RouterError, bad_request, no_worker
 from trio_pd.fleet.gates import Gates, Slot
@@ -46,7 +45,8 @@ from trio_pd.pd.outcome import FailureHistory, LegFailure, record_outcome
 from trio_pd.pd.payload import GENERATE, Inspected
 from trio_pd.pd.samples import dispatch_samples
 from trio_pd.pd.trace import RequestTrace
-from trio_pd.pd.vllm_attempt import VllmAttempt, prefill_body
+from trio_pd.pd.vllm_attempt import VllmAttempt, VllmBodies
+from trio_pd.pd.vllm_bodies import VllmBodyMaker
 from trio_pd.respond import Responder
 from trio_pd.upstream.headers import admin_key, generation_key, worker_authorization
 from trio_pd.upstream.pool import UpstreamPool
@@ -69,6 +69,8 @@ class PDRequest:
     trace: RequestTrace | None = None  # its span (`--enable-trace`), else None
     account: Account | None = None  # its share of --max-buffered-bytes (budget.py)
     affinity: str | None = None  # consistent_hashing's key without a routing key (RouteHints)
+    vllm: VllmBodyMaker | None = None  # its legs' bodies on vLLM pairs, made once (None: inline)
+    parsers: Any = None  # trio_parallel.WorkerContext: large answers' JSON work (`offload.py`)
 
 
 @attrs.frozen
@@ -137,9 +139,10 @@ async def dispatch(
             return
         ranks = with_slots(choose_ranks(ctx, prefill, decode), *slots)
         try:
+            bodies = await vllm_bodies(request) if prefill.spec.engine == "vllm" else None
             attempt = new_attempt(
                 ctx, request, responder, cancel, (prefill, decode), (started, deadline), number,
-                ranks,
+                ranks, bodies,
             )  # fmt: skip
         except BaseException:
             ranks.release()
@@ -246,12 +249,14 @@ def new_attempt(
     times: tuple[float, float],
     number: int = 1,
     ranks: Ranks | None = None,
+    bodies: VllmBodies | None = None,
 ) -> Attempt:
     """An attempt on this pair, its body carrying fresh bootstrap fields; `times` are the
-    request's start and deadline."""
+    request's start and deadline; `bodies`: the request's on a vLLM pair (`vllm_bodies`)."""
     prefill, decode = pair
     if prefill.spec.engine == "vllm":
-        return new_vllm_attempt(ctx, request, responder, cancel, pair, times)
+        assert bodies is not None
+        return new_vllm_attempt(ctx, request, responder, cancel, pair, times, bodies)
     started, deadline = times
     inspected = request.inspected
     ranks = ranks or Ranks()
@@ -304,7 +309,27 @@ def new_attempt(
         request_started=started,
         account=request.account,
         event_limit=ctx.config.max_sse_event_bytes,
+        parsers=request.parsers,
     )
+
+
+async def vllm_bodies(request: PDRequest) -> VllmBodies:
+    """The request's legs' bodies on a vLLM pair: made once per request (its retries and
+    samples share them), off the event loop when large (`vllm_bodies.py`), or a 400 for what a
+    vLLM pair cannot take."""
+    if request.path == GENERATE:
+        raise bad_request(
+            "vLLM workers serve /v1/completions and /v1/chat/completions, not /generate"
+        )
+    if request.inspected.batch is not None:
+        raise bad_request(
+            "a vLLM pair takes one prompt per request (the prefill's answer carries one KV "
+            "handoff): send the prompts as separate requests"
+        )
+    maker = request.vllm
+    if maker is None:
+        maker = VllmBodyMaker(request.path, request.inspected.body)
+    return await maker.bodies(request.account)
 
 
 def new_vllm_attempt(
@@ -314,23 +339,14 @@ def new_vllm_attempt(
     cancel: RequestCancel,
     pair: tuple[Worker, Worker],
     times: tuple[float, float],
+    bodies: VllmBodies,
 ) -> VllmAttempt:
     """An attempt on a vLLM pair (docs/vllm.md): the prefill's body now, the decode's once the
     prefill answered. vLLM has no abort endpoint: closing a leg's connection is its abort."""
     prefill, decode = pair
     started, deadline = times
     inspected = request.inspected
-    if request.path == GENERATE:
-        raise bad_request(
-            "vLLM workers serve /v1/completions and /v1/chat/completions, not /generate"
-        )
-    if inspected.batch is not None:
-        raise bad_request(
-            "a vLLM pair takes one prompt per request (the prefill's answer carries one KV "
-            "handoff): send the prompts as separate requests"
-        )
-    client = jsonbody.parse_object(inspected.body)
-    body = prefill_body(client)
+    body = bodies.prefill
     if len(body) > ctx.config.max_payload_size:
         raise RouterError(
             413,
@@ -362,8 +378,7 @@ def new_vllm_attempt(
         request_started=started,
         account=request.account,
         event_limit=ctx.config.max_sse_event_bytes,
-        client_body=client,
-        client_raw=inspected.body,
+        bodies=bodies,
         missing_params=ctx.config.vllm_missing_kv_params,
     )
 

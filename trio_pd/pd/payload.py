@@ -161,22 +161,49 @@ def _batch_size(path: str, payload: dict[str, Any]) -> int | None:
 
 def sample_count(path: str, payload: dict[str, Any], limit: int) -> int:
     """How many samples the client asks of each prompt: `n` on the OpenAI routes,
-    `sampling_params.n` on `/generate` (SGLang's `parallel_sample_num`). 1 unless it is an
-    integer above 1; over `limit` (`--max-batch-size`) it is refused with 400.
+    `sampling_params.n` on `/generate` (SGLang's `parallel_sample_num`). 1 when absent or at
+    most 1; over `limit` (`--max-batch-size`) it is refused with 400.
 
     PD engines cannot sample n > 1 themselves (one room, one rid: the prefill answers n
     choices and the decode waits forever, docs/protocol.md §2), so the router runs each sample
-    as its own PD request (`pd/samples.py`)."""
+    as its own PD request (`pd/samples.py`). That needs the router and the engine to count the
+    same `n`, so `n` must be a JSON integer: SGLang 0.5.23's OpenAI models read `n: int` with
+    pydantic's lax mode (`entrypoints/openai/protocol.py`: `8.0` and `"8"` are 8), which a
+    router counting only integers would send as one PD request the engine samples 8 times
+    (the extra samples wait for KV that never comes). Anything else, `null` and booleans
+    included, is a 400 here. A list of per-prompt `sampling_params` is a batch: the engine
+    takes its first item's `n` for all (`managers/io_struct.py` `_handle_parallel_sampling`),
+    so an `n` in one of them other than 1 is refused like `n` with any batch."""
     if path == GENERATE:
         params = payload.get("sampling_params")
-        n = params.get("n") if isinstance(params, dict) else None
+        if isinstance(params, list):
+            for item in params:
+                if isinstance(item, dict) and "n" in item and _count(item["n"]) != 1:
+                    raise bad_request(
+                        "`n` in a list of sampling_params (a batch) is not supported on PD "
+                        "engines: send one prompt per request with `sampling_params.n`"
+                    )
+            return 1
+        if not isinstance(params, dict) or "n" not in params:
+            return 1
+        n = _count(params["n"])
     else:
-        n = payload.get("n")
-    if not isinstance(n, int) or isinstance(n, bool) or n <= 1:
+        if "n" not in payload:
+            return 1
+        n = _count(payload["n"])
+    if n <= 1:
         return 1
     if n > limit:
         raise bad_request(f"n is {n}, more than this router's --max-batch-size {limit}")
     return n
+
+
+def _count(n: Any) -> int:
+    """`n` as the router counts it: a JSON integer, else a 400 (see `sample_count`)."""
+    if isinstance(n, int) and not isinstance(n, bool):
+        return n
+    what = "a boolean" if isinstance(n, bool) else JSON_TYPES.get(type(n), "null")
+    raise bad_request(f"`n` must be an integer, not {what}")
 
 
 def without_n(path: str, payload: dict[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,13 @@ LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_l
 
 def event_data(event: bytes) -> bytes | None:
     """The joined `data:` payload of one SSE event, or None when it has no data line."""
+    # What engines send, one data line and its blank line, is taken with one copy: a prefill's
+    # answer with logprobs can be tens of MB, and each pass over it holds the event loop.
+    ending = 2 if event.endswith(b"\n\n") else 4 if event.endswith(b"\r\n\r\n") else 0
+    if ending and event.startswith(b"data:"):
+        end = len(event) - ending
+        if event.find(b"\n", 0, end) < 0 and event.find(b"\r", 0, end) < 0:
+            return event[6 if event.startswith(b"data: ") else 5 : end]
     lines = [
         line[5:].removeprefix(b" ") for line in event.splitlines() if line.startswith(b"data:")
     ]

@@ -73,7 +73,8 @@ class EventReader:
                 break
             if cut - begin > limit:
                 raise EventTooLarge(limit)
-            events.append(bytes(data[begin:cut]))
+            with memoryview(data) as view:  # one copy of the event, not two
+                events.append(bytes(view[begin:cut]))
             begin = start = cut
             if first_only:
                 break

@@ -95,28 +95,64 @@ def decode_body(
     raw: bytes, client: dict[str, Any], params: dict[str, Any] | None, echo: bool = False
 ) -> bytes:
     """The decode leg's body: the client's own bytes plus the prefill's params (none: the
-    decode computes the prompt itself). Re-serialized only when a key must go: the client's
-    own `kv_transfer_params`, and `prompt_logprobs` (and `echo` with logprobs): prefill
-    computed them; asked of the decode they make vLLM recompute the prompt instead of reading
-    the blocks."""
+    decode computes the prompt itself)."""
+    return with_params(decode_base(raw, client, echo), params)
+
+
+def decode_base(raw: bytes, client: dict[str, Any], echo: bool = False) -> bytes:
+    """The decode leg's body before the prefill's params: the client's own bytes (`raw`
+    itself), re-serialized only when a key must go: the client's own `kv_transfer_params`, and
+    `prompt_logprobs` (and `echo` with logprobs): prefill computed them; asked of the decode
+    they make vLLM recompute the prompt instead of reading the blocks."""
     keys = (KV_KEY, "prompt_logprobs", "echo") if echo else (KV_KEY, "prompt_logprobs")
     drop = [key for key in keys if key in client]
     if drop:
         raw = jsonbody.dump({k: v for k, v in client.items() if k not in drop})
+    return raw
+
+
+def with_params(raw: bytes, params: dict[str, Any] | None) -> bytes:
+    """`decode_base`'s bytes with the prefill's `kv_transfer_params` spliced in (None: none)."""
     if params is None:
         return raw
     end = raw.rindex(b"}")
     members = b'"kv_transfer_params":' + orjson.dumps(params)
-    empty = raw[:end].strip() == b"{"
-    return b"".join((raw[:end], b"" if empty else b",", members, b"}"))
+    empty = raw.find(b":", 0, end) < 0  # an object with a member has a colon; `{}` has none
+    # One copy of a body that may be megabytes: the join reads the client's bytes in place.
+    return b"".join((memoryview(raw)[:end], b"" if empty else b",", members, b"}"))
+
+
+@attrs.frozen
+class VllmBodies:
+    """What a vLLM attempt needs of the client's body, made from it once per request (off the
+    event loop when large: `pd/vllm_bodies.py`), so no attempt parses it again."""
+
+    prefill: bytes  # the prefill leg's body (`prefill_body`)
+    decode: bytes  # `decode_base` of the client's body (b"" off the loop: the client's own)
+    decode_echo: bytes  # ... less `echo` too (only when `echo`)
+    wants_prompt_logprobs: bool
+    echo: bool  # `echoes_logprobs`
+
+
+def vllm_bodies(path: str, raw: bytes) -> VllmBodies:
+    """`VllmBodies` of an inspected client body (valid JSON: `payload.inspect_body` said so);
+    RouterError when it cannot be re-serialized (`jsonbody.dump`)."""
+    client = jsonbody.parse_object(raw)
+    echo = echoes_logprobs(path, client)
+    return VllmBodies(
+        prefill=prefill_body(client),
+        decode=decode_base(raw, client),
+        decode_echo=decode_base(raw, client, echo=True) if echo else b"",
+        wants_prompt_logprobs=client.get("prompt_logprobs") is not None,
+        echo=echo,
+    )
 
 
 @attrs.define(eq=False)
 class VllmAttempt(Attempt):
     """`Attempt` with vLLM's sequential phases (see the module docstring)."""
 
-    client_body: dict[str, Any] = attrs.Factory(dict)  # the client's object (for the legs)
-    client_raw: bytes = b""  # ... and its bytes (the decode's, untouched where possible)
+    bodies: VllmBodies = VllmBodies(b"{}", b"{}", b"", False, False)  # the client's, made once
     missing_params: str = "decode-local"  # --vllm-missing-kv-params
     params_forwarded: bool = False  # the decode was given the prefill's handoff
     prefill_usage: Any = None  # the prefill's `usage` (its cached_tokens are the real ones)
@@ -128,8 +164,8 @@ class VllmAttempt(Attempt):
     _events: EventReader | None = None
 
     def __attrs_post_init__(self) -> None:
-        self.wants_prompt_logprobs = self.client_body.get("prompt_logprobs") is not None
-        self.echo = echoes_logprobs(self.path, self.client_body)
+        self.wants_prompt_logprobs = self.bodies.wants_prompt_logprobs
+        self.echo = self.bodies.echo
         self.transform = self._rewrite_chunk
 
     async def run(self) -> None:
@@ -209,7 +245,8 @@ class VllmAttempt(Attempt):
             choices = answer.get("choices")
             first = choices[0] if isinstance(choices, list) and choices else None
             self.prefill_echo = first if isinstance(first, dict) else None
-        self.decode.body = decode_body(self.client_raw, self.client_body, params, echo)
+        bodies = self.bodies
+        self.decode.body = with_params(bodies.decode_echo if echo else bodies.decode, params)
         self.prefill.result = LegSuccess(response.status, [], b"")
 
     # -- the client's answer ------------------------------------------------------------------

@@ -123,8 +123,11 @@ def tune_gc() -> None:
 
     Each request leaves short cycles behind (trio's cancellation exceptions and their
     tracebacks), so the collector ran every few requests; measured on the router-bound bench
-    (c=32/c=256, four alternating runs each) CPU per request fell by about a fifth. Memory
-    stays bounded: a young collection still runs every 20,000 net allocations."""
+    (c=32/c=256, four alternating runs each) CPU per request fell by about a fifth. A cycle
+    that survives a young collection is then rarely freed, so nothing a request holds may wait
+    for one: a refused body is freed by reference counting when its answer goes out (the
+    answered error keeps no frames, `errors.without_frames`), which
+    tests/router/test_containment4_memory.py checks with the collector off."""
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
 

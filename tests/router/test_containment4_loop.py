@@ -1,0 +1,309 @@
+"""Large parses stay off the event loop and inside the budget on every path (issue 26, N7, N8).
+
+N7: on 486b667 the client's body, already inspected off the loop, was parsed again on the event
+loop for every attempt on a vLLM pair, uncharged (`pd/dispatch.py`): 4 x 15 MB bodies stalled
+the loop 2.1 s (12 ms on an SGLang pair) and took 1.6 GB. Now a request's vLLM bodies are made
+once, in the parsers' worker process, charged to the budget (`pd/vllm_bodies.py`).
+
+N8: `return_logprob` + `top_logprobs_num` on a long prompt: the prefill's answer of tens of MB was
+parsed, merged into the decode's and re-encoded on the event loop (787 ms against 4 ms).
+
+Measured with test_loop_stall's meter (the longest gap between the wakeups of a task sleeping
+1 ms), always **relative to a control** run in the same process on the same machine a moment
+before: the same bodies on an SGLang pair (N7); as many bytes moved through the router, a body
+the size of the prefill's answer, with nothing parsed on the loop (N8). Memory: tracemalloc's
+peak over the window, against the control's. The engines run in processes of their own (an
+in-process simulator parsing the same bodies would be measured too).
+
+Figures of one run on the shared 2-core box (load ~10), 2026-12-04: N7 on 486b667 vLLM 3,165 ms
+against SGLang 93 ms, traced peak of one request 737 MB against 38 MB; here 63-131 ms against
+71-232 ms, 106 MB against 38 MB. N8 on 486b667 4,387 ms (whole) and 3,574 ms (stream) against
+148 and 74 ms; here 84 and 166 ms against 150 and 44 ms.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import tracemalloc
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx2
+import orjson
+import trio
+
+from tests.conftest import ROUTER_DEFAULTS, start_router, wait_until_ready
+from tests.router.test_loop_stall import (
+    CALIBRATION_SLEEP,
+    ExternalEngine,
+    Window,
+    external_engine,
+    free_port,
+    measured,
+)
+from trio_pd.config import RouterConfig
+from trio_pd.edge.router import Router
+from trio_pd.spec import WorkerSpec
+
+MB = 1 << 20
+# The loop stall a fix must keep to: within a few times the control's, plus a margin for a
+# busy shared machine (the failures it catches are seconds against tens of milliseconds; with
+# the fix 0.5 to 3.8 times the control's, at a load average of ~10 on 2 cores).
+STALL_FACTOR = 4.0
+STALL_MARGIN = 0.1
+
+
+def within_control(attack: Window, control: Window) -> bool:
+    return attack.stall <= STALL_FACTOR * control.stall + STALL_MARGIN
+
+
+@asynccontextmanager
+async def external_vllm(tmp: Path, role: str) -> AsyncIterator[ExternalEngine]:
+    """The simulator's vLLM mode as a process of its own (`trio_pd.testing.engine.vllm`)."""
+    port = free_port()
+    events = tmp / f"vllm-{role}-events.jsonl"
+    command = [
+        sys.executable, "-m", "trio_pd.testing.engine.vllm", "--role", role,
+        "--host", "127.0.0.1", "--port", str(port), "--events", str(events),
+    ]  # fmt: skip
+    process = await trio.lowlevel.open_process(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        async with httpx2.AsyncClient(base_url=url) as probe:
+            with trio.fail_after(30):
+                while True:
+                    try:
+                        if (await probe.get("/health")).status_code == 200:
+                            break
+                    except httpx2.TransportError:
+                        pass
+                    await trio.sleep(0.1)
+        yield ExternalEngine(url, None, events)
+    finally:
+        process.kill()
+        with trio.CancelScope(shield=True):
+            await process.wait()
+
+
+async def routed(
+    nursery: trio.Nursery,
+    prefill: ExternalEngine,
+    decode: ExternalEngine,
+    engine: str,
+    **options: Any,
+) -> tuple[Router, httpx2.AsyncClient]:
+    vllm = engine == "vllm"
+    config = RouterConfig(
+        prefill=(WorkerSpec(prefill.url, "prefill", prefill.bootstrap_port, engine=engine),),
+        decode=(WorkerSpec(decode.url, "decode", engine=engine),),
+        vllm_pd_disaggregation=vllm,
+        **{**ROUTER_DEFAULTS, "request_timeout_secs": 120.0, **options},
+    )
+    router, url = await start_router(nursery, config)
+    client = httpx2.AsyncClient(base_url=url, timeout=httpx2.Timeout(120.0))
+    await wait_until_ready(client)
+    return router, client
+
+
+async def peak_traced(work: Callable[[], Awaitable[None]]) -> int:
+    """The most this process had allocated at once during `work`, over what it had before."""
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        await work()
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
+async def calibrated() -> Window:
+    """The meter can fail: a half-second block of the loop is seen as one."""
+
+    async def block_the_loop() -> None:
+        await trio.sleep(0.05)
+        time.sleep(CALIBRATION_SLEEP)  # noqa: ASYNC251 - the stall under test
+        await trio.sleep(0.05)
+
+    calibration = await measured(block_the_loop)
+    assert calibration.stall >= CALIBRATION_SLEEP * 0.9, calibration
+    return calibration
+
+
+# -- N7: vLLM pairs ----------------------------------------------------------------------------
+
+BODIES = 4
+BODY = 15 * MB
+
+
+def many_strings(size: int) -> bytes:
+    """A completion of about `size` bytes, nearly all of it a list of short strings in a key no
+    engine reads: ~1.2 million JSON values to parse."""
+    head = b'{"model":"sim-model","prompt":"the quick brown fox","max_tokens":2,"extra":['
+    item = b'"abcdefghij",'
+    return head + item * ((size - len(head)) // len(item)) + b'"x"]}'
+
+
+@attrs.define
+class Pair:
+    name: str
+    router: Router
+    client: httpx2.AsyncClient
+    decode: ExternalEngine
+
+
+async def send_all(pair: Pair, body: bytes, tag: str) -> list[int]:
+    statuses: list[int] = []
+
+    async def one(i: int) -> None:
+        response = await pair.client.post(
+            "/v1/completions", content=body, headers={"x-request-id": f"{tag}-{pair.name}-{i}"}
+        )
+        statuses.append(response.status_code)
+
+    async with trio.open_nursery() as requests:
+        for i in range(BODIES):
+            requests.start_soon(one, i)
+    return statuses
+
+
+async def test_a_vllm_pair_parses_the_body_once_off_the_loop_within_the_budget(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    body = many_strings(BODY)
+    async with (
+        external_engine(tmp_path, "prefill") as s_prefill,
+        external_engine(tmp_path, "decode") as s_decode,
+        external_vllm(tmp_path, "prefill") as v_prefill,
+        external_vllm(tmp_path, "decode") as v_decode,
+    ):
+        router, client = await routed(nursery, s_prefill, s_decode, "sglang")
+        sglang = Pair("sglang", router, client, s_decode)
+        router, client = await routed(nursery, v_prefill, v_decode, "vllm")
+        vllm = Pair("vllm", router, client, v_decode)
+        calibration = await calibrated()
+
+        windows: dict[str, Window] = {}
+        peaks: dict[str, int] = {}
+        for pair in (sglang, vllm):  # the control first
+            statuses: list[int] = []
+
+            async def stall_work(pair: Pair = pair, statuses: list[int] = statuses) -> None:
+                statuses.extend(await send_all(pair, body, "stall"))
+
+            windows[pair.name] = await measured(stall_work)
+            assert statuses == [200] * BODIES, (pair.name, statuses)
+            assert pair.decode.started(f"stall-{pair.name}-0") == 1  # provoked: the pair ran it
+
+            async def memory_work(pair: Pair = pair) -> None:
+                for i in range(2):  # one after the other: the peak of one request
+                    response = await pair.client.post(
+                        "/v1/completions",
+                        content=body,
+                        headers={"x-request-id": f"memory-{pair.name}-{i}"},
+                    )
+                    assert response.status_code == 200, response.text[:300]
+
+            peaks[pair.name] = await peak_traced(memory_work)
+        print(f"\nloop stall: calibration {calibration}")
+        for name in ("sglang", "vllm"):
+            print(f"{name} ({BODIES} x {BODY / MB:.0f} MB at once): {windows[name]}; "
+                  f"traced peak of one {peaks[name] / MB:.1f} MB")  # fmt: skip
+        assert within_control(windows["vllm"], windows["sglang"]), windows
+        # Beyond the control's: the prefill's rewritten body and the decode's spliced one, and
+        # the worker round trip's passing copies; never the parsed values (737 MB on 486b667).
+        assert peaks["vllm"] <= peaks["sglang"] + 6 * BODY, peaks
+        for pair in (sglang, vllm):
+            await pair.client.aclose()
+
+
+# -- N8: the logprob merge ---------------------------------------------------------------------
+
+
+async def raw_post(url: str, path: str, body: bytes, rid: str) -> tuple[int, bytes]:
+    """POST over a bare socket, the answer's bytes kept as they come (a few MB a step at most):
+    the test's client shares the event loop it measures, so it must not parse or join
+    megabytes while it is measured. Its status and body (chunked encoding left in place)."""
+    host, port = url.removeprefix("http://").rstrip("/").split(":")
+    stream = await trio.open_tcp_stream(host, int(port))
+    head = (
+        f"POST {path} HTTP/1.1\r\nhost: x\r\nx-request-id: {rid}\r\nconnection: close\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    ).encode()
+    parts: list[bytes] = []
+    async with stream:
+        await stream.send_all(head + body)
+        while data := await stream.receive_some(1 << 20):
+            parts.append(data)
+    answer = b"".join(parts)
+    status = int(answer.split(b" ", 2)[1])
+    return status, answer.partition(b"\r\n\r\n")[2]
+
+
+PROMPT_WORDS = 60_000  # the simulator counts a word a token
+TOP_LOGPROBS = 20
+ANSWER = 23 * MB  # about the prefill's answer then
+
+
+def long_prompt(logprobs: bool, pad: int = 0) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "text": " ".join(["word"] * PROMPT_WORDS),
+        "sampling_params": {"max_new_tokens": 2},
+    }
+    if logprobs:
+        body |= {"return_logprob": True, "top_logprobs_num": TOP_LOGPROBS}
+    if pad:
+        body["pad"] = "p" * pad  # in a key no engine reads
+    return body
+
+
+async def test_a_large_logprob_merge_stays_off_the_loop(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    async with (
+        external_engine(tmp_path, "prefill") as prefill,
+        external_engine(tmp_path, "decode") as decode,
+    ):
+        # The prefill's streamed answer is one event of tens of MB: let the router hold it.
+        _, client = await routed(nursery, prefill, decode, "sglang", max_sse_event_bytes=256 * MB)
+        url = str(client.base_url)
+        answers: dict[str, tuple[int, bytes]] = {}
+        calibration = await calibrated()
+        windows: dict[str, Window] = {}
+        sizes: dict[str, int] = {}
+        # The control moves as many bytes through the router as the merge does (a body the
+        # size of the prefill's answer, read, inspected and sent to both legs), none of them
+        # parsed on the event loop: what relaying tens of MB costs the loop on this machine now.
+        cases = (("control", False, ANSWER), ("logprobs", True, 0))  # the control first
+        for name, logprobs, pad in cases:
+            for stream in (False, True):
+                key = f"{name}-{'stream' if stream else 'whole'}"
+                body = orjson.dumps({**long_prompt(logprobs, pad), "stream": stream})
+
+                async def work(key: str = key, body: bytes = body) -> None:
+                    answers[key] = await raw_post(url, "/generate", body, key)
+
+                windows[key] = await measured(work)
+                status, answer = answers[key]  # read after the window: it is the client's work
+                assert status == 200, answer[:300]
+                sizes[key] = max(len(answer), len(body))
+                if logprobs and not stream:
+                    meta = orjson.loads(answer)["meta_info"]
+                    assert len(meta["input_top_logprobs"]) == PROMPT_WORDS  # merged
+                elif logprobs:
+                    first = orjson.loads(answer.split(b"data: ", 2)[1].split(b"\n\n", 1)[0])
+                    assert len(first["meta_info"]["input_top_logprobs"]) == PROMPT_WORDS
+        print(f"\nloop stall: calibration {calibration}")
+        for key, window in windows.items():
+            print(f"{key}: {window}; {sizes[key] / MB:.1f} MB through the router")
+        assert sizes["logprobs-whole"] > 10 * MB  # provoked: a large answer was merged
+        assert sizes["logprobs-stream"] > 10 * MB
+        for mode in ("whole", "stream"):
+            assert within_control(windows[f"logprobs-{mode}"], windows[f"control-{mode}"]), windows
+        await client.aclose()
