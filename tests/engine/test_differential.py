@@ -30,7 +30,7 @@ RECORDED = json.loads(OUT.read_text())
 # counts a word as one token, so its prefill's context is set to refuse the same prompt.
 SIM_PREFILL = {"context_length": scenarios.LONG_PROMPT_WORDS - 100, "health_generate_secs": 1.0}
 SIM_DECODE = {"context_length": 4096, "health_generate_secs": 1.0}
-COMMON = {"disconnect_poll_secs": 4.0, "waiting_timeout": 300.0}
+COMMON = {"disconnect_poll_secs": 4.0, "waiting_timeout": 300.0, "max_running": 32}
 
 # Where the simulator differs from the real engine on purpose: {scenario: {path: why}}.
 EXPECTED: dict[str, dict[str, str]] = {}
@@ -44,7 +44,9 @@ async def target(nursery: trio.Nursery) -> scenarios.Target:
 
 
 def difference_paths(recorded: Any, live: Any) -> dict[str, str]:
-    found = scenarios.differences(scenarios.comparable(recorded), scenarios.comparable(live))
+    found = scenarios.differences(
+        scenarios.comparable(recorded), scenarios.comparable(live), rules=RECORDED["shape_rules"]
+    )
     return {line.split(":", 1)[0]: line for line in found}
 
 
