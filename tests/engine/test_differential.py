@@ -29,7 +29,9 @@ RECORDED = json.loads(OUT.read_text())
 # tokenizer (3 a word), over its prefill's 1024 and within its decode's 4096; the simulator
 # counts a word as one token, so its prefill's context is set to refuse the same prompt.
 SIM_PREFILL = {"context_length": scenarios.LONG_PROMPT_WORDS - 100, "health_generate_secs": 1.0}
-SIM_DECODE = {"context_length": 4096, "health_generate_secs": 1.0}
+# The decode retries an unreachable bootstrap server as SGLang does (15 attempts), 10 ms apart
+# instead of 1 s: the differential compares the failure, not its 15 s.
+SIM_DECODE = {"context_length": 4096, "health_generate_secs": 1.0, "bootstrap_retry_interval": 0.01}
 COMMON = {"disconnect_poll_secs": 4.0, "waiting_timeout": 300.0, "max_running": 32}
 
 # Where the simulator differs from the real engine on purpose: {scenario: {path: why}}.

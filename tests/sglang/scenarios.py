@@ -15,6 +15,7 @@ or an engine with `--admin-api-key` say so in `Target`.
 from __future__ import annotations
 
 import random
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -1037,7 +1038,7 @@ async def abort_latch(t: Target, client: httpx2.AsyncClient) -> Observables:
     key = t.admin_api_key or t.api_key
     rid = fresh_rid("latch")
     out: Observables = {}
-    statuses = []
+    statuses, freed = [], []
     for _ in range(2):
         async with trio.open_nursery() as nursery:
             dec = waiting_decode(t, client, nursery, "/generate", {**GEN, "rid": rid})
@@ -1046,12 +1047,17 @@ async def abort_latch(t: Target, client: httpx2.AsyncClient) -> Observables:
             await abort(client, t.decode_url, {"rid": rid}, key)
             with trio.move_on_after(HANG_SECS):
                 await dec.done.wait()
+            freed.append(dec.done.is_set())
             if not dec.done.is_set():
                 await abort(client, t.decode_url, {"abort_all": True}, key)
                 await dec.done.wait()
         assert dec.answer is not None
         statuses.append(dec.answer.status)
         await wait_idle(client, t.decode_url)
+        # The ended rid aborted again: dropped (nothing holds it), answer 200 as always.
+        late = await abort(client, t.decode_url, {"rid": rid}, key)
+        out.setdefault("abort_of_ended_rid", [late.status, late.text])
+    out["abort_by_rid_frees_it"] = freed
     out["aborted_statuses"] = statuses
     return out
 
@@ -1121,6 +1127,33 @@ async def running_abort_stream(t: Target, client: httpx2.AsyncClient) -> Observa
     return out
 
 
+def closed_port() -> int:
+    """A local port nobody listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def unreachable_bootstrap(t: Target, client: httpx2.AsyncClient) -> Observables:
+    """A KV transfer that cannot start: the decode's request names a bootstrap port nobody
+    listens on. The decode retries the prefill's parallel info (15 attempts, 1 s apart,
+    disaggregation/decode.py `_ensure_prefill_info`), then aborts the receiver: the request
+    fails with a 500 naming the failure (what the router sees of a failed KV handshake)."""
+    port = closed_port()
+    body = {**GEN, "rid": fresh_rid("unreach"), **bootstrap(t), "bootstrap_port": port}
+    a = await post(client, t.decode_url + "/generate", body, t.api_key)
+    await wait_idle(client, t.decode_url)
+    message = a.error_message().replace(str(port), "<port>").replace(body["rid"], "<rid>")
+    message = message.replace(str(body["bootstrap_room"]), "<room>")
+    return {
+        "status": a.status,
+        "envelope": a.error_envelope(),
+        "message": message,
+        "shape": shape(a.body),
+        "secs": round(a.secs, 1),
+    }
+
+
 # Scenarios for the tier's main pair (prefill --context-length shorter than the decode's).
 SCENARIOS: dict[str, Scenario] = {
     "generate_text": generate_text,
@@ -1135,6 +1168,7 @@ SCENARIOS: dict[str, Scenario] = {
     "loads_while_waiting_for_kv": loads_while_waiting_for_kv,
     "abort_latch": abort_latch,
     "running_abort_stream": running_abort_stream,
+    "unreachable_bootstrap": unreachable_bootstrap,
     "completions": completions,
     "models": models,
     "chat_n2_rid_list": chat_n2_rid_list,
@@ -1158,7 +1192,7 @@ ADMIN_SCENARIOS: dict[str, Scenario] = {"admin_key_abort": admin_key_abort}
 
 # Observables that are measurements, not facts: recorded for the docs, never compared.
 MEASURED_KEYS = frozenset(
-    {"abort_ms", "stream_ms", "non_stream_ms", "decode_answer_ms", "slot_freed_ms", "ms"}
+    {"abort_ms", "stream_ms", "non_stream_ms", "decode_answer_ms", "slot_freed_ms", "ms", "secs"}
 )
 
 
