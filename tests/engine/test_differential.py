@@ -61,3 +61,38 @@ async def test_the_simulator_behaves_as_the_real_engine_recorded(
     found = difference_paths(RECORDED["main"][name], json.loads(json.dumps(live)))
     expected = EXPECTED.get(name, {})
     assert set(found) == set(expected), "\n".join(found.values())
+
+
+# The comparison itself: strict where the old one was lenient (issue 28).
+RULES = {"optional": ["cached_tokens_details"], "any_length": ["output_ids"]}
+
+
+def shape_diffs(recorded: Any, live: Any) -> list[str]:
+    return scenarios.shape_differences(
+        scenarios.shape(recorded), scenarios.shape(live), rules=RULES
+    )
+
+
+def test_a_null_matches_only_a_null_unless_the_recording_marks_the_field_optional() -> None:
+    assert shape_diffs({"dp_rank": None}, {"dp_rank": 0}) == [
+        "$.dp_rank: recorded 'null', live 'int'"
+    ]
+    assert shape_diffs({"dp_rank": 0}, {"dp_rank": None}) != []
+    assert shape_diffs({"cached_tokens_details": None}, {"cached_tokens_details": {"a": 1}}) == []
+
+
+def test_lists_are_compared_element_by_element_at_any_depth() -> None:
+    deep = {"a": {"b": {"c": {"d": [[1, None], [2, None]]}}}}
+    later = {"a": {"b": {"c": {"d": [[1, None], [2, "x"]]}}}}
+    assert shape_diffs(deep, later) == ["$.a.b.c.d[1][1]: recorded 'null', live 'str'"]
+    assert shape_diffs([1, 2], [1]) == ["$: recorded 2 items, live 1"]
+    assert shape_diffs([], [1]) != [] and shape_diffs([1], []) != []
+
+
+def test_a_length_free_list_is_checked_element_by_element_too() -> None:
+    assert shape_diffs({"output_ids": [1, 2, 3]}, {"output_ids": [4, 5]}) == []
+    assert shape_diffs({"output_ids": [1, 2]}, {"output_ids": [4, 5, 6]}) == []
+    assert shape_diffs({"output_ids": [1, 2]}, {"output_ids": [4, "x", 6]}) == [
+        "$.output_ids[1]: recorded 'int', live 'str'"
+    ]
+    assert shape_diffs({"output_ids": [1]}, {"output_ids": []}) != []
