@@ -1,14 +1,19 @@
 """The simulator against the real engine: the differential test (issue 18).
 
 Every engine-direct scenario of the real-engine tier (`tests/sglang/scenarios.py`) runs here
-against simulator engines, in `make test`, and its observables (statuses, body shapes per
-route, rid rules, prefix aborts and `n`, the disconnect timing class, `/v1/loads` and
-`/server_info` shapes, abort answers) must be those recorded from a real SGLang 0.5.23 pair
+against simulator engines, in `make test`, and its observables (statuses, whole body shapes per
+route, rid rules, prefix aborts and `n`, the disconnect timing class, abort answers, and what the
+router reads: `/v1/loads` of a decode waiting for KV, the aborted `finish_reason` object, the
+abort latch, the `/server_info` fields it acts on, streams' finish and usage chunks, batches,
+input logprobs, an unreachable bootstrap server) must be those recorded from a real SGLang
+0.5.23 pair
 (`tests/data/sglang_0.5.23_observables.json`, re-checked live by `make test-sglang`). The
 simulator is configured as the tier's pair is: the prefill's context shorter than the decode's,
-`/health` a generation that takes a second, disconnects polled every 4 s. Where it must differ,
-the difference is listed in `EXPECTED` with its reason and asserted to be exactly that: a
-simulator that drifts from the engine in a new way fails here.
+`/health` a generation that takes a second, disconnects polled every 4 s, 32 running requests.
+Shapes are compared strictly (`scenarios.shape_differences`: a `null` only matches a `null`
+unless the recording's `shape_rules` mark the field optional; lists element by element).
+Where it must differ, the difference is listed in `EXPECTED` with its reason and asserted to be
+exactly that: a simulator that drifts from the engine in a new way fails here.
 """
 
 from __future__ import annotations

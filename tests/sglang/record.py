@@ -2,7 +2,9 @@
 
 Starts the tier's two pairs (main, then admin-keyed), runs every scenario of
 `tests.sglang.scenarios` against them and writes `tests/data/sglang_0.5.23_observables.json`
-with its provenance. `--main URL,URL,PORT` uses a running pair instead (by-hand exploration).
+with its provenance and `shape_rules` (which fields may be null, which lists follow the
+tokenizer's length: `scenarios.SHAPE_RULES`). `--main URL,URL,PORT` uses a running pair
+instead, `--only a,b` runs only those scenarios (by-hand exploration).
 """
 
 from __future__ import annotations

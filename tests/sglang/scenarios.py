@@ -28,8 +28,18 @@ import trio
 # Fits the tier's decode context (4096) and exceeds its prefill's (--context-length 1024): each
 # "word" is 3 tokens of the tiny tokenizer.
 LONG_PROMPT_WORDS = 500
-GEN = {"text": "the tiny model says", "sampling_params": {"max_new_tokens": 4}}
-CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
+# `ignore_eos`: the tier's weights are random and drawn anew at each start (`--load-format
+# dummy`), so a sample may end at EOS ("stop") in one recording and not in the next.
+GEN = {
+    "text": "the tiny model says",
+    "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
+}
+CHAT = {
+    "messages": [{"role": "user", "content": "hello there"}],
+    "max_tokens": 4,
+    "ignore_eos": True,
+}
+COMPLETION = {"prompt": "once upon", "max_tokens": 4, "ignore_eos": True}
 # A hung leg is declared hung after this long (the engine's own timeout is 300 s).
 HANG_SECS = 4.0
 
@@ -461,7 +471,7 @@ async def chat_stream(t: Target, client: httpx2.AsyncClient) -> Observables:
 
 async def completions_stream(t: Target, client: httpx2.AsyncClient) -> Observables:
     """The same on /v1/completions (serving_completions.py)."""
-    body = {"prompt": "once upon", "max_tokens": 4, "stream_options": {"include_usage": True}}
+    body = {**COMPLETION, "stream_options": {"include_usage": True}}
     p, (d, events) = await pd_stream(t, client, "/v1/completions", body)
     return {
         "status": [p.status, d.status],
@@ -473,7 +483,7 @@ async def completions_stream(t: Target, client: httpx2.AsyncClient) -> Observabl
 
 
 async def completions(t: Target, client: httpx2.AsyncClient) -> Observables:
-    p, d = await pd(t, client, "/v1/completions", {"prompt": "once upon", "max_tokens": 4})
+    p, d = await pd(t, client, "/v1/completions", COMPLETION)
     return {
         "status": [p.status, d.status],
         "decode_shape": shape(d.body),
@@ -886,7 +896,7 @@ async def generate_batch(t: Target, client: httpx2.AsyncClient) -> Observables:
     rids = [fresh_rid("ba"), fresh_rid("bb")]
     body = {
         "text": ["the tiny model", "says hello"],
-        "sampling_params": {"max_new_tokens": 4},
+        "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
         "rid": rids,
         "bootstrap_host": ["127.0.0.1", "127.0.0.1"],
         "bootstrap_port": [t.bootstrap_port, t.bootstrap_port],
@@ -948,7 +958,7 @@ async def generate_n2_single_rid(t: Target, client: httpx2.AsyncClient) -> Obser
     rid = fresh_rid("gn2")
     body = {
         "text": "the tiny model says",
-        "sampling_params": {"max_new_tokens": 4, "n": 2},
+        "sampling_params": {"max_new_tokens": 4, "n": 2, "ignore_eos": True},
         "rid": rid,
         **bootstrap(t),
     }
@@ -1154,6 +1164,37 @@ async def unreachable_bootstrap(t: Target, client: httpx2.AsyncClient) -> Observ
     }
 
 
+async def waiting_abort_stream(t: Target, client: httpx2.AsyncClient) -> Observables:
+    """A stream aborted while its decode waits for KV, on chat and /generate: what status and
+    events the router sees before any token (pd/relay.py, pd/samples.py hold a stream's
+    headers until its first event)."""
+    out: Observables = {}
+    key = t.admin_api_key or t.api_key
+    for route, body in (("/v1/chat/completions", CHAT), ("/generate", GEN)):
+        rid = fresh_rid("waits")
+        body = {**body, "rid": rid, **bootstrap(t), "stream": True}
+        async with trio.open_nursery() as nursery:
+            dec: dict[str, Any] = {}
+            done = trio.Event()
+            url = t.decode_url + route
+            nursery.start_soon(_stream_into, dec, done, client, url, body, t.api_key)
+            await wait_busy(client, t.decode_url, 1)
+            await trio.sleep(0.3)
+            await abort(client, t.decode_url, {"rid": rid}, key)
+            with trio.fail_after(10):
+                await done.wait()
+        answer, events = dec["answer"]
+        out[route] = {
+            "status": answer.status,
+            "content_type": answer.content_type.split(";")[0],
+            "envelope": answer.error_envelope(),
+            "event_kinds": event_kinds(events),
+            "event_shapes": [shape(e) for e in events if e != "[DONE]"],
+        }
+    await wait_idle(client, t.decode_url)
+    return out
+
+
 # Scenarios for the tier's main pair (prefill --context-length shorter than the decode's).
 SCENARIOS: dict[str, Scenario] = {
     "generate_text": generate_text,
@@ -1169,6 +1210,7 @@ SCENARIOS: dict[str, Scenario] = {
     "abort_latch": abort_latch,
     "running_abort_stream": running_abort_stream,
     "unreachable_bootstrap": unreachable_bootstrap,
+    "waiting_abort_stream": waiting_abort_stream,
     "completions": completions,
     "models": models,
     "chat_n2_rid_list": chat_n2_rid_list,
