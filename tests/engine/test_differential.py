@@ -1,14 +1,19 @@
 """The simulator against the real engine: the differential test (issue 18).
 
 Every engine-direct scenario of the real-engine tier (`tests/sglang/scenarios.py`) runs here
-against simulator engines, in `make test`, and its observables (statuses, body shapes per
-route, rid rules, prefix aborts and `n`, the disconnect timing class, `/v1/loads` and
-`/server_info` shapes, abort answers) must be those recorded from a real SGLang 0.5.23 pair
+against simulator engines, in `make test`, and its observables (statuses, whole body shapes per
+route, rid rules, prefix aborts and `n`, the disconnect timing class, abort answers, and what the
+router reads: `/v1/loads` of a decode waiting for KV, the aborted `finish_reason` object, the
+abort latch, the `/server_info` fields it acts on, streams' finish and usage chunks, batches,
+input logprobs, an unreachable bootstrap server) must be those recorded from a real SGLang
+0.5.23 pair
 (`tests/data/sglang_0.5.23_observables.json`, re-checked live by `make test-sglang`). The
 simulator is configured as the tier's pair is: the prefill's context shorter than the decode's,
-`/health` a generation that takes a second, disconnects polled every 4 s. Where it must differ,
-the difference is listed in `EXPECTED` with its reason and asserted to be exactly that: a
-simulator that drifts from the engine in a new way fails here.
+`/health` a generation that takes a second, disconnects polled every 4 s, 32 running requests.
+Shapes are compared strictly (`scenarios.shape_differences`: a `null` only matches a `null`
+unless the recording's `shape_rules` mark the field optional; lists element by element).
+Where it must differ, the difference is listed in `EXPECTED` with its reason and asserted to be
+exactly that: a simulator that drifts from the engine in a new way fails here.
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ RECORDED = json.loads(OUT.read_text())
 # tokenizer (3 a word), over its prefill's 1024 and within its decode's 4096; the simulator
 # counts a word as one token, so its prefill's context is set to refuse the same prompt.
 SIM_PREFILL = {"context_length": scenarios.LONG_PROMPT_WORDS - 100, "health_generate_secs": 1.0}
-SIM_DECODE = {"context_length": 4096, "health_generate_secs": 1.0}
-COMMON = {"disconnect_poll_secs": 4.0, "waiting_timeout": 300.0}
+# The decode retries an unreachable bootstrap server as SGLang does (15 attempts), 10 ms apart
+# instead of 1 s: the differential compares the failure, not its 15 s.
+SIM_DECODE = {"context_length": 4096, "health_generate_secs": 1.0, "bootstrap_retry_interval": 0.01}
+COMMON = {"disconnect_poll_secs": 4.0, "waiting_timeout": 300.0, "max_running": 32}
 
 # Where the simulator differs from the real engine on purpose: {scenario: {path: why}}.
 EXPECTED: dict[str, dict[str, str]] = {}
@@ -44,7 +51,9 @@ async def target(nursery: trio.Nursery) -> scenarios.Target:
 
 
 def difference_paths(recorded: Any, live: Any) -> dict[str, str]:
-    found = scenarios.differences(scenarios.comparable(recorded), scenarios.comparable(live))
+    found = scenarios.differences(
+        scenarios.comparable(recorded), scenarios.comparable(live), rules=RECORDED["shape_rules"]
+    )
     return {line.split(":", 1)[0]: line for line in found}
 
 
@@ -57,3 +66,38 @@ async def test_the_simulator_behaves_as_the_real_engine_recorded(
     found = difference_paths(RECORDED["main"][name], json.loads(json.dumps(live)))
     expected = EXPECTED.get(name, {})
     assert set(found) == set(expected), "\n".join(found.values())
+
+
+# The comparison itself: strict where the old one was lenient (issue 28).
+RULES = {"optional": ["cached_tokens_details"], "any_length": ["output_ids"]}
+
+
+def shape_diffs(recorded: Any, live: Any) -> list[str]:
+    return scenarios.shape_differences(
+        scenarios.shape(recorded), scenarios.shape(live), rules=RULES
+    )
+
+
+def test_a_null_matches_only_a_null_unless_the_recording_marks_the_field_optional() -> None:
+    assert shape_diffs({"dp_rank": None}, {"dp_rank": 0}) == [
+        "$.dp_rank: recorded 'null', live 'int'"
+    ]
+    assert shape_diffs({"dp_rank": 0}, {"dp_rank": None}) != []
+    assert shape_diffs({"cached_tokens_details": None}, {"cached_tokens_details": {"a": 1}}) == []
+
+
+def test_lists_are_compared_element_by_element_at_any_depth() -> None:
+    deep = {"a": {"b": {"c": {"d": [[1, None], [2, None]]}}}}
+    later = {"a": {"b": {"c": {"d": [[1, None], [2, "x"]]}}}}
+    assert shape_diffs(deep, later) == ["$.a.b.c.d[1][1]: recorded 'null', live 'str'"]
+    assert shape_diffs([1, 2], [1]) == ["$: recorded 2 items, live 1"]
+    assert shape_diffs([], [1]) != [] and shape_diffs([1], []) != []
+
+
+def test_a_length_free_list_is_checked_element_by_element_too() -> None:
+    assert shape_diffs({"output_ids": [1, 2, 3]}, {"output_ids": [4, 5]}) == []
+    assert shape_diffs({"output_ids": [1, 2]}, {"output_ids": [4, 5, 6]}) == []
+    assert shape_diffs({"output_ids": [1, 2]}, {"output_ids": [4, "x", 6]}) == [
+        "$.output_ids[1]: recorded 'int', live 'str'"
+    ]
+    assert shape_diffs({"output_ids": [1]}, {"output_ids": []}) != []

@@ -109,7 +109,13 @@ async def test_openai_completions_and_chat_shapes(pair, client):
         "reasoning_tokens": 0,
         "completion_tokens_details": None,
     }
-    assert "meta_info" not in doc and doc["metadata"] is None  # OpenAI routes: no meta_info
+    assert "meta_info" not in doc  # OpenAI routes: no meta_info
+    # ...but the weight versions of the answer (utils/weight_versions.py; the real engine's
+    # recording, tests/data/sglang_0.5.23_observables.json)
+    assert doc["metadata"] == {
+        "weight_version": "default",
+        "weight_versions": [{"version": "default", "start": 0, "end": 2}],
+    }
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
     body = pd_body(prefill, new_room(), messages=messages, max_tokens=3)
     _, d = await pd_post(client, prefill, decode, "/v1/chat/completions", body)
@@ -190,7 +196,10 @@ async def test_generate_logprobs(pair, client):
     pmeta, dmeta = p.json()["meta_info"], d.json()["meta_info"]
     assert len(pmeta["input_token_logprobs"]) == 4
     assert all(len(t) == 3 and t[2] is None for t in pmeta["input_token_logprobs"])
-    assert len(pmeta["input_top_logprobs"]) == 4 and len(pmeta["input_top_logprobs"][0]) == 2
+    # the prompt's first token has no logprob: `[null, id, null]` and a null top list (as the
+    # real engine's recording shows)
+    assert pmeta["input_token_logprobs"][0][0] is None and pmeta["input_top_logprobs"][0] is None
+    assert len(pmeta["input_top_logprobs"]) == 4 and len(pmeta["input_top_logprobs"][1]) == 2
     assert dmeta["input_token_logprobs"] == []
     assert len(dmeta["output_token_logprobs"]) == 3
     assert len(dmeta["output_top_logprobs"]) == 3

@@ -2,7 +2,9 @@
 
 Starts the tier's two pairs (main, then admin-keyed), runs every scenario of
 `tests.sglang.scenarios` against them and writes `tests/data/sglang_0.5.23_observables.json`
-with its provenance. `--main URL,URL,PORT` uses a running pair instead (by-hand exploration).
+with its provenance and `shape_rules` (which fields may be null, which lists follow the
+tokenizer's length: `scenarios.SHAPE_RULES`). `--main URL,URL,PORT` uses a running pair
+instead, `--only a,b` runs only those scenarios (by-hand exploration).
 """
 
 from __future__ import annotations
@@ -51,11 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.sglang.record")
     parser.add_argument("--main", help="prefill_url,decode_url,bootstrap_port of a running pair")
     parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--only", help="comma-separated scenario names (by-hand exploration)")
     args = parser.parse_args(argv)
-    record: dict = {"provenance": provenance()}
+    table = scenarios.SCENARIOS
+    if args.only:
+        table = {name: table[name] for name in args.only.split(",")}
+    record: dict = {"provenance": provenance(), "shape_rules": scenarios.SHAPE_RULES}
     if args.main:
         p, d, b = args.main.split(",")
-        record["main"] = trio.run(run_all, scenarios.Target(p, d, int(b)), scenarios.SCENARIOS)
+        record["main"] = trio.run(run_all, scenarios.Target(p, d, int(b)), table)
     else:
         with pairs.start_main() as pair:
             record["main"] = trio.run(run_all, pairs.target(pair), scenarios.SCENARIOS)

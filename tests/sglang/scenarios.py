@@ -15,6 +15,7 @@ or an engine with `--admin-api-key` say so in `Target`.
 from __future__ import annotations
 
 import random
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -27,8 +28,18 @@ import trio
 # Fits the tier's decode context (4096) and exceeds its prefill's (--context-length 1024): each
 # "word" is 3 tokens of the tiny tokenizer.
 LONG_PROMPT_WORDS = 500
-GEN = {"text": "the tiny model says", "sampling_params": {"max_new_tokens": 4}}
-CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
+# `ignore_eos`: the tier's weights are random and drawn anew at each start (`--load-format
+# dummy`), so a sample may end at EOS ("stop") in one recording and not in the next.
+GEN = {
+    "text": "the tiny model says",
+    "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
+}
+CHAT = {
+    "messages": [{"role": "user", "content": "hello there"}],
+    "max_tokens": 4,
+    "ignore_eos": True,
+}
+COMPLETION = {"prompt": "once upon", "max_tokens": 4, "ignore_eos": True}
 # A hung leg is declared hung after this long (the engine's own timeout is 300 s).
 HANG_SECS = 4.0
 
@@ -53,16 +64,13 @@ Scenario = Callable[[Target, httpx2.AsyncClient], Awaitable[Observables]]
 # ---------------------------------------------------------------------------------- shapes
 
 
-def shape(value: Any, depth: int = 3) -> Any:
-    """Keys and types of a JSON value; dicts below `depth` levels collapse to "object"."""
+def shape(value: Any) -> Any:
+    """Keys and types of a JSON value, at every depth; a list is the list of its elements'
+    shapes (so a later element that differs shows, and so does the length)."""
     if isinstance(value, dict):
-        if depth <= 0:
-            return "object"
-        return {k: shape(v, depth - 1) for k, v in sorted(value.items())}
+        return {k: shape(v) for k, v in sorted(value.items())}
     if isinstance(value, list):
-        if depth <= 0 or not value:
-            return ["list"]
-        return [shape(value[0], depth - 1)]
+        return [shape(v) for v in value]
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -76,23 +84,72 @@ def shape(value: Any, depth: int = 3) -> Any:
     return type(value).__name__
 
 
-def shape_differences(recorded: Any, live: Any, path: str = "$") -> list[str]:
-    """Where two shapes differ. `null` matches any type (optional details come and go, e.g.
-    `cached_tokens_details` is null until the radix cache hits), as do `int` and `float`."""
-    if recorded == live or "null" in (recorded, live):
+# How the recording says a field may vary between runs of the real engine (written into the
+# recording by `python -m tests.sglang.record` as `shape_rules`, read back by the comparison):
+# - `optional`: fields whose value is `null` in one answer and a value in another of the same
+#   engine (a `null` elsewhere matches only a `null`);
+# - `any_length`: lists whose length depends on the tokenizer (the real tiny BPE tokenizer and
+#   the simulator's one-token-per-word differ), compared element by element (a longer list's
+#   extra elements against the recording's last), and empty only where the recording is empty.
+SHAPE_RULES: dict[str, list[str]] = {
+    "optional": sorted(
+        {
+            # null until the radix cache hits (`managers/tokenizer_manager.py`)
+            "cached_tokens_details",
+        }
+    ),
+    "any_length": sorted(
+        {
+            "input_token_logprobs",
+            "input_top_logprobs",
+            "input_token_ids_logprobs",
+            "output_ids",
+            "output_token_logprobs",
+            "output_top_logprobs",
+            "content",  # choices[].logprobs.content: one entry per token
+        }
+    ),
+}
+
+
+def shape_differences(
+    recorded: Any, live: Any, path: str = "$", rules: dict[str, list[str]] | None = None
+) -> list[str]:
+    """Where two shapes differ, strictly: a `null` matches only a `null` (unless the field is
+    `optional` in `rules`), lists element by element (or by an `any_length` rule), no depth
+    limit. `int` and `float` match each other (JSON numbers: Python writes 0 for 0.0 where a
+    figure happens to be integral)."""
+    rules = SHAPE_RULES if rules is None else rules
+    if recorded == live:
+        return []
+    field = path.rsplit(".", 1)[-1].split("[", 1)[0]
+    if "null" in (recorded, live) and field in rules.get("optional", ()):
         return []
     if isinstance(recorded, str) and isinstance(live, str) and {recorded, live} <= {"int", "float"}:
         return []
     if isinstance(recorded, dict) and isinstance(live, dict):
         out = [f"{path}.{k}: missing" for k in recorded if k not in live]
         out += [f"{path}.{k}: unexpected" for k in live if k not in recorded]
-        for k in recorded.keys() & live.keys():
-            out += shape_differences(recorded[k], live[k], f"{path}.{k}")
+        for k in sorted(recorded.keys() & live.keys()):
+            out += shape_differences(recorded[k], live[k], f"{path}.{k}", rules)
         return out
     if isinstance(recorded, list) and isinstance(live, list):
-        if ["list"] in (recorded, live):
-            return []
-        return shape_differences(recorded[0], live[0], f"{path}[0]")
+        if field in rules.get("any_length", ()):
+            if bool(recorded) != bool(live):
+                return [f"{path}: recorded {len(recorded)} items, live {len(live)}"]
+            # element by element, a longer live list's extra elements against the recording's
+            # last (a prompt's first input logprob differs from the rest: both are checked)
+            out = []
+            for i, item in enumerate(live):
+                model = recorded[min(i, len(recorded) - 1)]
+                out += shape_differences(model, item, f"{path}[{i}]", rules)
+            return out
+        if len(recorded) != len(live):
+            return [f"{path}: recorded {len(recorded)} items, live {len(live)}"]
+        out = []
+        for i, (r, v) in enumerate(zip(recorded, live, strict=True)):
+            out += shape_differences(r, v, f"{path}[{i}]", rules)
+        return out
     return [f"{path}: recorded {recorded!r}, live {live!r}"]
 
 
@@ -310,8 +367,8 @@ async def generate_text(t: Target, client: httpx2.AsyncClient) -> Observables:
     p, d = await pd(t, client, "/generate", GEN)
     return {
         "status": [p.status, d.status],
-        "prefill_shape": shape(p.body, 2),
-        "decode_shape": shape(d.body, 2),
+        "prefill_shape": shape(p.body),
+        "decode_shape": shape(d.body),
         "decode_finish_reason": d.body["meta_info"]["finish_reason"]["type"],
         "decode_completion_tokens": d.body["meta_info"]["completion_tokens"],
         "prefill_completion_tokens": p.body["meta_info"]["completion_tokens"],
@@ -322,7 +379,7 @@ async def generate_input_ids(t: Target, client: httpx2.AsyncClient) -> Observabl
     p, d = await pd(t, client, "/generate", {"input_ids": [11, 12, 13, 14], **_no_text(GEN)})
     return {
         "status": [p.status, d.status],
-        "decode_shape": shape(d.body, 2),
+        "decode_shape": shape(d.body),
         "prompt_tokens": d.body["meta_info"]["prompt_tokens"],
     }
 
@@ -332,15 +389,54 @@ def _no_text(body: dict) -> dict:
 
 
 async def generate_stream(t: Target, client: httpx2.AsyncClient) -> Observables:
-    """Streaming: 200 text/event-stream, events with meta_info, then `data: [DONE]`."""
+    """Streaming: 200 text/event-stream, events with meta_info, then `data: [DONE]`; the last
+    event carries the finish_reason object (what in-band detection and the n > 1 merge read)."""
     p, (d, events) = await pd_stream(t, client, "/generate", GEN)
+    data = [e for e in events if e != "[DONE]"]
     return {
         "status": [p.status, d.status],
         "decode_content_type": d.content_type.split(";")[0],
         "prefill_content_type": p.content_type.split(";")[0],
-        "first_event_shape": shape(events[0], 2),
+        "first_event_shape": shape(events[0]),
+        "last_event_shape": shape(data[-1]),
+        "event_kinds": event_kinds(events),
+        "finish_reason": data[-1]["meta_info"]["finish_reason"],
         "ends_with_done": events[-1] == "[DONE]",
     }
+
+
+def event_kind(event: Any) -> str:
+    """What a stream event is to the router: `done`, `error`, `usage` (an OpenAI chunk with no
+    choices and a usage), `finish` (a finish_reason set), or `delta`."""
+    if event == "[DONE]":
+        return "done"
+    if not isinstance(event, dict):
+        return type(event).__name__
+    if "error" in event:
+        return "error"
+    choices = event.get("choices")
+    if choices == [] and isinstance(event.get("usage"), dict):
+        return "usage"
+    if isinstance(choices, list) and any(c.get("finish_reason") for c in choices):
+        return "finish"
+    meta = event.get("meta_info")
+    if isinstance(meta, dict) and meta.get("finish_reason"):
+        return "finish"
+    return "delta"
+
+
+def event_kinds(events: list[Any]) -> list[str]:
+    """The kinds of a stream's events in order, runs of `delta` collapsed to one."""
+    out: list[str] = []
+    for event in events:
+        kind = event_kind(event)
+        if not (kind == "delta" and out and out[-1] == "delta"):
+            out.append(kind)
+    return out
+
+
+def first_of(events: list[Any], kind: str) -> Any:
+    return next((e for e in events if event_kind(e) == kind), None)
 
 
 async def chat(t: Target, client: httpx2.AsyncClient) -> Observables:
@@ -348,35 +444,56 @@ async def chat(t: Target, client: httpx2.AsyncClient) -> Observables:
     p, d = await pd(t, client, "/v1/chat/completions", CHAT)
     return {
         "status": [p.status, d.status],
-        "decode_shape": shape(d.body, 3),
+        "decode_shape": shape(d.body),
         "has_meta_info": "meta_info" in d.body,
         "finish_reason": d.body["choices"][0]["finish_reason"],
     }
 
 
 async def chat_stream(t: Target, client: httpx2.AsyncClient) -> Observables:
-    p, (d, events) = await pd_stream(t, client, "/v1/chat/completions", CHAT)
+    """A chat stream with `stream_options.include_usage`: content chunks, a finish chunk, one
+    usage chunk with no choices, `[DONE]` (what the n > 1 stream merge reads,
+    entrypoints/openai/serving_chat.py)."""
+    body = {**CHAT, "stream_options": {"include_usage": True}}
+    p, (d, events) = await pd_stream(t, client, "/v1/chat/completions", body)
+    finish = first_of(events, "finish")
     return {
         "status": [p.status, d.status],
         "decode_content_type": d.content_type.split(";")[0],
-        "first_event_shape": shape(events[0], 3),
+        "first_event_shape": shape(events[0]),
+        "finish_event_shape": shape(finish),
+        "usage_event_shape": shape(first_of(events, "usage")),
+        "event_kinds": event_kinds(events),
         "any_event_has_meta_info": any(isinstance(e, dict) and "meta_info" in e for e in events),
         "ends_with_done": events[-1] == "[DONE]",
     }
 
 
-async def completions(t: Target, client: httpx2.AsyncClient) -> Observables:
-    p, d = await pd(t, client, "/v1/completions", {"prompt": "once upon", "max_tokens": 4})
+async def completions_stream(t: Target, client: httpx2.AsyncClient) -> Observables:
+    """The same on /v1/completions (serving_completions.py)."""
+    body = {**COMPLETION, "stream_options": {"include_usage": True}}
+    p, (d, events) = await pd_stream(t, client, "/v1/completions", body)
     return {
         "status": [p.status, d.status],
-        "decode_shape": shape(d.body, 3),
+        "first_event_shape": shape(events[0]),
+        "finish_event_shape": shape(first_of(events, "finish")),
+        "usage_event_shape": shape(first_of(events, "usage")),
+        "event_kinds": event_kinds(events),
+    }
+
+
+async def completions(t: Target, client: httpx2.AsyncClient) -> Observables:
+    p, d = await pd(t, client, "/v1/completions", COMPLETION)
+    return {
+        "status": [p.status, d.status],
+        "decode_shape": shape(d.body),
         "has_meta_info": "meta_info" in d.body,
     }
 
 
 async def models(t: Target, client: httpx2.AsyncClient) -> Observables:
     r = await client.get(t.decode_url + "/v1/models", headers=headers(t.api_key))
-    return {"status": r.status_code, "shape": shape(r.json(), 3)}
+    return {"status": r.status_code, "shape": shape(r.json())}
 
 
 async def chat_n2_rid_list(t: Target, client: httpx2.AsyncClient) -> Observables:
@@ -436,12 +553,15 @@ async def v1_loads(t: Target, client: httpx2.AsyncClient) -> Observables:
     """`GET /v1/loads`: per-DP-rank `loads`, each with a `disaggregation` section;
     `?include=` narrows the sections (entrypoints/v1_loads.py, managers/load_snapshot.py)."""
     out: Observables = {}
+    # One request first, so the decode's figures that start null (`decode_moments` until a
+    # decode step ran) are in their steady form on every engine this runs against.
+    await pd(t, client, "/generate", GEN)
     for role, url in zip(("prefill", "decode"), _urls(t), strict=True):
         full = await loads(client, url)
         core = await loads(client, url, "?include=core")
         disagg = await loads(client, url, "?include=disagg")
         out[role] = {
-            "shape": shape(full, 4),
+            "shape": shape(full),
             "num_ranks": len(full["loads"]),
             "disaggregation_mode": full["loads"][0]["disaggregation"]["mode"],
             "include_core_keys": sorted(core["loads"][0]),
@@ -463,10 +583,28 @@ async def server_info(t: Target, client: httpx2.AsyncClient) -> Observables:
             "disaggregation_mode": info.get("disaggregation_mode"),
             "bootstrap_port_is_int": isinstance(info.get("disaggregation_bootstrap_port"), int),
             "has_version": isinstance(info.get("version"), str),
+            # The fields the router acts on (control/engine_info.py `parse_server_info`).
+            "max_running_requests": info.get("max_running_requests"),
+            "disaggregation_transfer_backend": info.get("disaggregation_transfer_backend"),
+            "enable_dynamic_batch_tokenizer": info.get("enable_dynamic_batch_tokenizer"),
+            "router_reads": server_info_view(info),
             "alias_status": alias.status_code,
             "alias_same_keys": sorted(alias.json()) == sorted(info),
         }
     return out
+
+
+def server_info_view(info: dict) -> Observables:
+    """The router's parse of `/server_info` (control/engine_info.py `parse_server_info`)."""
+    from trio_pd.control.engine_info import parse_server_info
+
+    parsed = parse_server_info(orjson.dumps(info))
+    return {
+        "dp_width": parsed.dp_width,
+        "transfer_backend": parsed.transfer_backend,
+        "max_running_requests": parsed.max_running_requests,
+        "abort_latch_hazard": parsed.abort_latch_hazard,
+    }
 
 
 async def abort_prefix(t: Target, client: httpx2.AsyncClient) -> Observables:
@@ -549,7 +687,7 @@ async def duplicate_rid(t: Target, client: httpx2.AsyncClient) -> Observables:
         }
         out["stream"] = {
             "status": stream_answer.status,
-            "events": [shape(e, 2) for e in events],
+            "events": [shape(e) for e in events],
             "says_duplicate": any("Duplicate request ID" in str(e) for e in events)
             or "Duplicate request ID" in stream_answer.text,
         }
@@ -617,9 +755,14 @@ async def running_abort_openai(t: Target, client: httpx2.AsyncClient) -> Observa
             await dec.done.wait()
         a = dec.answer
         assert a is not None
-        entry: Observables = {"prefill_status": p.status, "status": a.status}
+        entry: Observables = {
+            "prefill_status": p.status,
+            "status": a.status,
+            "shape": shape(a.body),
+        }
         if route == "/generate":
-            entry["finish_reason"] = a.body["meta_info"]["finish_reason"]["type"]
+            # The whole object: in-band detection reads its `type`, `message`, `status_code`.
+            entry["finish_reason"] = a.body["meta_info"]["finish_reason"]
         else:
             entry["has_meta_info"] = "meta_info" in a.body
             entry["finish_reasons"] = sorted({c["finish_reason"] for c in a.body["choices"]})
@@ -745,6 +888,313 @@ async def admin_key_abort(t: Target, client: httpx2.AsyncClient) -> Observables:
     return out
 
 
+async def generate_batch(t: Target, client: httpx2.AsyncClient) -> Observables:
+    """A batch of two prompts on /generate with a rid and a room per prompt: both legs answer a
+    list, one object per prompt, in order, with the given rids (io_struct.py
+    `_normalize_rid`, `_normalize_bootstrap_params`)."""
+    r = room()
+    rids = [fresh_rid("ba"), fresh_rid("bb")]
+    body = {
+        "text": ["the tiny model", "says hello"],
+        "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
+        "rid": rids,
+        "bootstrap_host": ["127.0.0.1", "127.0.0.1"],
+        "bootstrap_port": [t.bootstrap_port, t.bootstrap_port],
+        "bootstrap_room": [r, r + 1],
+    }
+    out: dict[str, Answer] = {}
+
+    async def leg(name: str, url: str) -> None:
+        out[name] = await post(client, url + "/generate", body, t.api_key)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(leg, "prefill", t.prefill_url)
+        nursery.start_soon(leg, "decode", t.decode_url)
+    p, d = out["prefill"], out["decode"]
+    return {
+        "status": [p.status, d.status],
+        "prefill_shape": shape(p.body),
+        "decode_shape": shape(d.body),
+        "decode_ids_are_the_rids": [item["meta_info"]["id"] for item in d.body] == rids,
+        "decode_finish_types": [item["meta_info"]["finish_reason"]["type"] for item in d.body],
+    }
+
+
+async def input_logprobs(t: Target, client: httpx2.AsyncClient) -> Observables:
+    """`return_logprob` with `logprob_start_len: 0`: the prefill computes the prompt's input
+    logprobs, the decode has none of its own (the router puts the prefill's in front of the
+    decode's, pd/relay.py `merge_logprobs`)."""
+    body = {
+        **GEN,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 2,
+    }
+    p, d = await pd(t, client, "/generate", body)
+    out: Observables = {
+        "status": [p.status, d.status],
+        "prefill_shape": shape(p.body),
+        "decode_shape": shape(d.body),
+    }
+    for name, a in (("prefill", p), ("decode", d)):
+        meta = a.body["meta_info"]
+        # Lengths relative to the prompt (the two tokenizers differ in length, not in rule).
+        out[f"{name}_input_logprobs"] = {
+            key: "prompt" if len(meta[key]) == meta["prompt_tokens"] else len(meta[key])
+            for key in LOGPROB_LISTS
+        }
+        out[f"{name}_output_logprobs_minus_completion"] = (
+            len(meta["output_token_logprobs"]) - meta["completion_tokens"]
+        )
+    return out
+
+
+LOGPROB_LISTS = ("input_token_logprobs", "input_top_logprobs")
+
+
+async def generate_n2_single_rid(t: Target, client: httpx2.AsyncClient) -> Observables:
+    """`n: 2` on /generate (`sampling_params.n`), one rid and one room: as on chat, the
+    prefill answers both samples and the decode hangs on the room; `abort_all` frees it."""
+    rid = fresh_rid("gn2")
+    body = {
+        "text": "the tiny model says",
+        "sampling_params": {"max_new_tokens": 4, "n": 2, "ignore_eos": True},
+        "rid": rid,
+        **bootstrap(t),
+    }
+    key = t.admin_api_key or t.api_key
+    out: Observables = {}
+    async with trio.open_nursery() as nursery:
+        dec = start(nursery, post(client, t.decode_url + "/generate", body, t.api_key))
+        p = await post(client, t.prefill_url + "/generate", body, t.api_key)
+        out["prefill_status"] = p.status
+        out["prefill_shape"] = shape(p.body)
+        with trio.move_on_after(HANG_SECS):
+            await dec.done.wait()
+        out["decode_hung"] = not dec.done.is_set()
+        await abort(client, t.decode_url, {"rid": rid}, key)
+        with trio.move_on_after(2.0):
+            await dec.done.wait()
+        out["abort_by_rid_frees_it"] = dec.done.is_set()
+        if not dec.done.is_set():
+            await abort(client, t.decode_url, {"abort_all": True}, key)
+            with trio.fail_after(20):
+                await dec.done.wait()
+        assert dec.answer is not None
+        out["decode_status_after_abort_all"] = dec.answer.status
+    await wait_idle(client, t.decode_url)
+    return out
+
+
+def load_view(answer: dict) -> Observables:
+    """What the router reads of a `/v1/loads` answer: the raw figures of rank 0 and its own
+    parse (control/engine_info.py `parse_v1_loads`: `queued` is what the overload veto reads,
+    `waiting_for_kv` what it leaves out)."""
+    from trio_pd.control.engine_info import parse_v1_loads
+
+    load = answer["loads"][0]
+    disagg = load.get("disaggregation") or {}
+    parsed = parse_v1_loads(orjson.dumps(answer)).ranks[0]
+    return {
+        "num_running_reqs": load["num_running_reqs"],
+        "num_waiting_reqs": load["num_waiting_reqs"],
+        "queues": load.get("queues"),
+        "disaggregation": {k: v for k, v in disagg.items() if k.endswith("_reqs")},
+        "router_reads": {
+            "running": parsed.running,
+            "waiting": parsed.waiting,
+            "waiting_for_kv": parsed.waiting_for_kv,
+            "queued": parsed.queued,
+        },
+    }
+
+
+async def loads_while_waiting_for_kv(t: Target, client: httpx2.AsyncClient) -> Observables:
+    """`/v1/loads` of a decode holding a request whose room is registered with the prefill
+    and whose KV never comes, and of a prefill holding one whose decode never registers
+    (managers/scheduler_components/load_inquirer.py): a decode's KV waiters are in
+    `num_waiting_reqs` *and* its prealloc/transfer queues, not queued for compute, so the
+    router's `queued` stays 0 (fleet/overload.py)."""
+    key = t.admin_api_key or t.api_key
+    out: Observables = {}
+    async with trio.open_nursery() as nursery:
+        rid = fresh_rid("kvw")
+        dec = waiting_decode(t, client, nursery, "/generate", {**GEN, "rid": rid})
+        await wait_busy(client, t.decode_url, 1)
+        await trio.sleep(1.0)  # past the handshake: the room is registered, the KV awaited
+        out["decode"] = load_view(await loads(client, t.decode_url, key=key))
+        out["prefill_meanwhile"] = load_view(await loads(client, t.prefill_url, key=key))
+        await abort(client, t.decode_url, {"rid": rid}, key)
+        await dec.done.wait()
+        await wait_idle(client, t.decode_url)
+        rid = fresh_rid("bsw")
+        pre = start(
+            nursery,
+            post(client, t.prefill_url + "/generate", {**GEN, **bootstrap(t), "rid": rid}, key),
+        )
+        await wait_busy(client, t.prefill_url, 1)
+        await trio.sleep(1.0)
+        out["prefill"] = load_view(await loads(client, t.prefill_url, key=key))
+        await abort(client, t.prefill_url, {"rid": rid}, key)
+        await pre.done.wait()
+    await wait_idle(client, t.prefill_url)
+    return out
+
+
+async def abort_latch(t: Target, client: httpx2.AsyncClient) -> Observables:
+    """The tokenizer manager's abort latch (`abort_sent`, tokenizer_manager.py) belongs to a
+    request's state, not to its rid: a rid aborted, ended and used again is aborted again; an
+    abort of a rid that ended is dropped and harms nobody."""
+    key = t.admin_api_key or t.api_key
+    rid = fresh_rid("latch")
+    out: Observables = {}
+    statuses, freed = [], []
+    for _ in range(2):
+        async with trio.open_nursery() as nursery:
+            dec = waiting_decode(t, client, nursery, "/generate", {**GEN, "rid": rid})
+            await wait_busy(client, t.decode_url, 1)
+            await trio.sleep(0.3)
+            await abort(client, t.decode_url, {"rid": rid}, key)
+            with trio.move_on_after(HANG_SECS):
+                await dec.done.wait()
+            freed.append(dec.done.is_set())
+            if not dec.done.is_set():
+                await abort(client, t.decode_url, {"abort_all": True}, key)
+                await dec.done.wait()
+        assert dec.answer is not None
+        statuses.append(dec.answer.status)
+        await wait_idle(client, t.decode_url)
+        # The ended rid aborted again: dropped (nothing holds it), answer 200 as always.
+        late = await abort(client, t.decode_url, {"rid": rid}, key)
+        out.setdefault("abort_of_ended_rid", [late.status, late.text])
+    out["abort_by_rid_frees_it"] = freed
+    out["aborted_statuses"] = statuses
+    return out
+
+
+async def _stream_into(
+    box: dict, done: trio.Event, client: httpx2.AsyncClient, url: str, body: dict, key: str | None
+) -> None:
+    try:
+        box["answer"] = await post_sse(client, url, body, key)
+    finally:
+        done.set()
+
+
+async def running_abort_stream(t: Target, client: httpx2.AsyncClient) -> Observables:
+    """A running (decoding) stream aborted, on chat and /generate: how it ends (the finish
+    event the router's in-band detection reads, pd/relay.py `inband_failure`)."""
+    out: Observables = {}
+    key = t.admin_api_key or t.api_key
+    for route, body in (
+        (
+            "/v1/chat/completions",
+            {
+                **CHAT,
+                "max_tokens": 400,
+                "ignore_eos": True,
+                "stream_options": {"include_usage": True},
+            },
+        ),
+        (
+            "/generate",
+            {"text": "go on", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}},
+        ),
+    ):
+        rid = fresh_rid("runs")
+        body = {**body, "rid": rid, **bootstrap(t), "stream": True}
+        async with trio.open_nursery() as nursery:
+            dec: dict[str, Any] = {}
+            done = trio.Event()
+            url = t.decode_url + route
+            nursery.start_soon(_stream_into, dec, done, client, url, body, t.api_key)
+            p = await post(client, t.prefill_url + route, body, t.api_key)
+            with trio.fail_after(20):
+                while True:
+                    load = (await loads(client, t.decode_url))["loads"][0]
+                    if load["num_running_reqs"] > 0 or done.is_set():
+                        break
+                    await trio.sleep(0.01)
+            await abort(client, t.decode_url, {"rid": rid}, key)
+            await done.wait()
+        answer, events = dec["answer"]
+        data = [e for e in events if e != "[DONE]"]
+        finish = first_of(events, "finish")
+        entry: Observables = {
+            "prefill_status": p.status,
+            "status": answer.status,
+            "event_kinds": event_kinds(events),
+            "finish_event_shape": shape(finish),
+            "last_event_shape": shape(data[-1]),
+        }
+        if route == "/generate":
+            entry["finish_reason"] = finish["meta_info"]["finish_reason"] if finish else None
+        else:
+            entry["finish_reasons"] = sorted({c["finish_reason"] for c in finish["choices"]})
+            entry["usage_event_shape"] = shape(first_of(events, "usage"))
+        out[route] = entry
+    await wait_idle(client, t.decode_url)
+    return out
+
+
+def closed_port() -> int:
+    """A local port nobody listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def unreachable_bootstrap(t: Target, client: httpx2.AsyncClient) -> Observables:
+    """A KV transfer that cannot start: the decode's request names a bootstrap port nobody
+    listens on. The decode retries the prefill's parallel info (15 attempts, 1 s apart,
+    disaggregation/decode.py `_ensure_prefill_info`), then aborts the receiver: the request
+    fails with a 500 naming the failure (what the router sees of a failed KV handshake)."""
+    port = closed_port()
+    body = {**GEN, "rid": fresh_rid("unreach"), **bootstrap(t), "bootstrap_port": port}
+    a = await post(client, t.decode_url + "/generate", body, t.api_key)
+    await wait_idle(client, t.decode_url)
+    message = a.error_message().replace(str(port), "<port>").replace(body["rid"], "<rid>")
+    message = message.replace(str(body["bootstrap_room"]), "<room>")
+    return {
+        "status": a.status,
+        "envelope": a.error_envelope(),
+        "message": message,
+        "shape": shape(a.body),
+        "secs": round(a.secs, 1),
+    }
+
+
+async def waiting_abort_stream(t: Target, client: httpx2.AsyncClient) -> Observables:
+    """A stream aborted while its decode waits for KV, on chat and /generate: what status and
+    events the router sees before any token (pd/relay.py, pd/samples.py hold a stream's
+    headers until its first event)."""
+    out: Observables = {}
+    key = t.admin_api_key or t.api_key
+    for route, body in (("/v1/chat/completions", CHAT), ("/generate", GEN)):
+        rid = fresh_rid("waits")
+        body = {**body, "rid": rid, **bootstrap(t), "stream": True}
+        async with trio.open_nursery() as nursery:
+            dec: dict[str, Any] = {}
+            done = trio.Event()
+            url = t.decode_url + route
+            nursery.start_soon(_stream_into, dec, done, client, url, body, t.api_key)
+            await wait_busy(client, t.decode_url, 1)
+            await trio.sleep(0.3)
+            await abort(client, t.decode_url, {"rid": rid}, key)
+            with trio.fail_after(10):
+                await done.wait()
+        answer, events = dec["answer"]
+        out[route] = {
+            "status": answer.status,
+            "content_type": answer.content_type.split(";")[0],
+            "envelope": answer.error_envelope(),
+            "event_kinds": event_kinds(events),
+            "event_shapes": [shape(e) for e in events if e != "[DONE]"],
+        }
+    await wait_idle(client, t.decode_url)
+    return out
+
+
 # Scenarios for the tier's main pair (prefill --context-length shorter than the decode's).
 SCENARIOS: dict[str, Scenario] = {
     "generate_text": generate_text,
@@ -752,6 +1202,15 @@ SCENARIOS: dict[str, Scenario] = {
     "generate_stream": generate_stream,
     "chat": chat,
     "chat_stream": chat_stream,
+    "completions_stream": completions_stream,
+    "generate_batch": generate_batch,
+    "input_logprobs": input_logprobs,
+    "generate_n2_single_rid": generate_n2_single_rid,
+    "loads_while_waiting_for_kv": loads_while_waiting_for_kv,
+    "abort_latch": abort_latch,
+    "running_abort_stream": running_abort_stream,
+    "unreachable_bootstrap": unreachable_bootstrap,
+    "waiting_abort_stream": waiting_abort_stream,
     "completions": completions,
     "models": models,
     "chat_n2_rid_list": chat_n2_rid_list,
@@ -775,7 +1234,7 @@ ADMIN_SCENARIOS: dict[str, Scenario] = {"admin_key_abort": admin_key_abort}
 
 # Observables that are measurements, not facts: recorded for the docs, never compared.
 MEASURED_KEYS = frozenset(
-    {"abort_ms", "stream_ms", "non_stream_ms", "decode_answer_ms", "slot_freed_ms", "ms"}
+    {"abort_ms", "stream_ms", "non_stream_ms", "decode_answer_ms", "slot_freed_ms", "ms", "secs"}
 )
 
 
@@ -786,16 +1245,19 @@ def comparable(observables: Any) -> Any:
     return observables
 
 
-def differences(recorded: Any, live: Any, path: str = "$") -> list[str]:
-    """Where a live run differs from the recording: values exactly, `*shape*` keys by shape."""
+def differences(
+    recorded: Any, live: Any, path: str = "$", rules: dict[str, list[str]] | None = None
+) -> list[str]:
+    """Where a live run differs from the recording: values exactly, `*shape*` keys by shape
+    (`shape_differences`, with the recording's `shape_rules`)."""
     if isinstance(recorded, dict) and isinstance(live, dict):
         out = [f"{path}.{k}: missing" for k in recorded if k not in live]
         out += [f"{path}.{k}: unexpected" for k in live if k not in recorded]
-        for k in recorded.keys() & live.keys():
+        for k in sorted(recorded.keys() & live.keys()):
             if "shape" in k or k == "events":
-                out += shape_differences(recorded[k], live[k], f"{path}.{k}")
+                out += shape_differences(recorded[k], live[k], f"{path}.{k}", rules)
             else:
-                out += differences(recorded[k], live[k], f"{path}.{k}")
+                out += differences(recorded[k], live[k], f"{path}.{k}", rules)
         return out
     if recorded != live:
         return [f"{path}: recorded {recorded!r}, live {live!r}"]

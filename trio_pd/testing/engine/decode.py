@@ -335,6 +335,17 @@ def _free(item: Item, slots: SlotPool, reason: str, **extra: bool) -> None:
     item.emit("slot_freed", reason=reason, **extra)
 
 
+def _count_step(call: Call, k: int) -> None:
+    """A decode step of one request (batch size 1) into the engine's moment sums, as the
+    scheduler's `_accumulate_decode_moment` does (the first token came with the KV: no step)."""
+    if k == 1:
+        return
+    step_us = max(1.0, call.config.inter_token_ms * 1000.0)
+    moments = call.engine.decode_moments
+    for i, add in enumerate((1.0, 1.0, step_us, 1.0, step_us, 1.0)):
+        moments[i] += add
+
+
 async def _generate(call: Call, item: Item) -> None:
     """Tokens until max_new_tokens, or one more step after an abort reached it."""
     output, total = call.output, call.workload.max_new_tokens
@@ -347,6 +358,7 @@ async def _generate(call: Call, item: Item) -> None:
         else:
             await trio.sleep(call.config.inter_token_ms / 1000.0)
         item.held_tokens = item.prompt_tokens + k
+        _count_step(call, k)
         if k == total:
             finish = length_finish(k)
         elif item.to_finish:

@@ -145,7 +145,8 @@ def snapshot(engine: EngineState, rank: int) -> dict[str, Any]:
         "utilization": round(running_count / max_running, 4),
         "total_prefill_uncached_tokens": 0 if decode else engine.prefill_uncached_tokens,
         "total_prefill_busy_us": 0 if decode else engine.prefill_busy_us,
-        "decode_moments": None,
+        # null until the decode has run a step (load_inquirer.py: `totals[0] > 0`)
+        "decode_moments": list(engine.decode_moments) if engine.decode_moments[0] > 0 else None,
         "memory": {
             "weight_gb": 0.0,
             "kv_cache_gb": 0.0,

@@ -58,6 +58,22 @@ def top_triples(ids: list[int] | tuple[int, ...], k: int) -> list[list[list[Any]
     return [[[logprob(t + j), t + j, None] for j in range(k)] for t in ids]
 
 
+def input_triples(ids: list[int] | tuple[int, ...]) -> list[list[Any]]:
+    """Input logprobs: the prompt's first token has none (`[null, id, null]`)."""
+    out = triples(ids)
+    if out:
+        out[0][0] = None
+    return out
+
+
+def input_top_triples(ids: list[int] | tuple[int, ...], k: int) -> list[Any]:
+    """Input top logprobs: `null` for the prompt's first token."""
+    out: list[Any] = top_triples(ids, k)
+    if out:
+        out[0] = None
+    return out
+
+
 def length_finish(count: int) -> dict[str, Any]:
     return {"type": "length", "length": count}
 
@@ -81,6 +97,7 @@ class Output:
         self.role = role
         self.created = int(time.time())
         self.started = time.monotonic()
+        self.sent_ts: set[int] = set()  # items whose response_sent_to_client_ts went out
         self.items: Sequence[Item] = ()
         self.finished: dict[int, dict[str, Any]] = {}  # index -> finish reason, in finish order
         self.failure: tuple[int, str] | None = None  # (status, message): the first abort error
@@ -247,17 +264,23 @@ class Output:
             "dp_rank": None,
             "num_retractions": 0,
             "reasoning_tokens": 0,
-            "response_sent_to_client_ts": time.time(),
         }
+        # Set once per request (`_wait_one_response`): on a stream's first event, on a whole
+        # answer at its end.
+        if item.index not in self.sent_ts and (self.w.stream or finish is not None):
+            self.sent_ts.add(item.index)
+            meta["response_sent_to_client_ts"] = time.time()
         if finish is not None:  # the last answer's figures (`_handle_batch_output`)
             meta["e2e_latency"] = time.monotonic() - self.started
-            meta["weight_versions"] = []
+            # one span: the weights never changed (utils/weight_versions.py)
+            meta["weight_versions"] = [{"version": "default", "start": 0, "end": done}]
         if self.w.logprobs:
             inputs = self.w.prompts[self.w.prompt_of(item.index)] if self.role == "prefill" else ()
-            meta["input_token_logprobs"] = triples(inputs)
+            meta["input_token_logprobs"] = input_triples(inputs)
             if self.w.top_logprobs:
-                meta["input_top_logprobs"] = top_triples(inputs, self.w.top_logprobs)
+                meta["input_top_logprobs"] = input_top_triples(inputs, self.w.top_logprobs)
             meta["output_token_logprobs"] = triples(ids)
+            meta["output_token_logprobs_length"] = len(ids)
             if self.w.top_logprobs:
                 meta["output_top_logprobs"] = top_triples(ids, self.w.top_logprobs)
         return meta
@@ -311,7 +334,11 @@ class Output:
             "model": self.model,
             "choices": choices,
             "usage": self._usage(),
-            "metadata": None,
+            # build_endpoint_weight_version_metadata (utils/weight_versions.py)
+            "metadata": {
+                "weight_version": "default",
+                "weight_versions": [{"version": "default", "start": 0, "end": items[0].generated}],
+            },
         }
 
     def _usage(self) -> dict[str, Any]:

@@ -99,6 +99,9 @@ class EngineState:
         self.round_robin = 0  # the DP controller's round-robin counter
         self.prefill_uncached_tokens = 0  # cumulative, /v1/loads total_prefill_uncached_tokens
         self.prefill_busy_us = 0
+        # decode: the scheduler's decode step moment sums (`decode_moment_totals`: steps,
+        # sum of batch sizes, of step times in us, of squared sizes, of size x time, tokens)
+        self.decode_moments = [0.0] * 6
         self.health_status = 200  # what GET /health answers (a test sets 503: "still loading")
         self.stopping = False  # shutting down: /health and /ready answer 503
         # A wedged engine (a test sets it): POST /abort_request is read, logged as
