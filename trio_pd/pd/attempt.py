@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -57,6 +58,7 @@ from trio_pd.upstream.pool import UpstreamError, UpstreamPool, UpstreamResponse
 log = logging.getLogger(__name__)
 
 DEFAULT_EVENT_LIMIT = 16 << 20  # RouterConfig.max_sse_event_bytes
+CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d{1,12})')
 WATCHDOG_CHECKS = 4  # the stream watchdog looks this often per (shortest) timeout
 
 
@@ -156,6 +158,9 @@ class Attempt:
     # What a relayed stream chunk becomes on its way to the client (None: sent as it came; a
     # vLLM pair's attempt strips the handoff from it, `vllm_attempt.py`).
     transform: Callable[[bytes], bytes] | None = None
+    # The prefill engine's own count of prompt tokens it reused (`cached_tokens` of its answer),
+    # for kv_aware's self-check; None when its answer did not say.
+    prefill_cached_tokens: int | None = None
 
     async def run(self) -> None:
         """Run both legs to completion; on return the legs' results say what happened."""
@@ -271,6 +276,7 @@ class Attempt:
             await self._read_prefill_stream(response)
             return
         body = await read_answer(response, self.account)
+        self._note_cached(body)
         # Parsed only when something is to be read in it: a failure marker, or logprobs.
         suspect = b"error" in body or b"abort" in body
         answer = read_json(body, self.account) if suspect or self.logprobs else None
@@ -293,6 +299,13 @@ class Attempt:
             reader.close()
         self.prefill.result = LegSuccess(response.status, [], b"")
 
+    def _note_cached(self, body: bytes) -> None:
+        """The engine's `cached_tokens` (meta_info, or usage.prompt_tokens_details), if said."""
+        if b"cached_tokens" in body:
+            found = CACHED_TOKENS.search(body)
+            if found is not None:
+                self.prefill_cached_tokens = int(found.group(1))
+
     def _read_prefill_events(self, events: list[bytes]) -> bool:
         """Prefill's events: False once one failed the leg."""
         for event in events:
@@ -303,6 +316,7 @@ class Attempt:
             if found is not None:
                 self._fail_prefill(LegFailure("inband", found.message, found.code))
                 return False
+            self._note_cached(data)
             if not self.prefill_answer_known.is_set():
                 if self.logprobs:
                     self.prefill_answer = read_json(data, self.account)

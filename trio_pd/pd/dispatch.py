@@ -121,8 +121,10 @@ async def dispatch(
     model = resolve_model(ctx, request.inspected.model)
     responder.route_info["model"] = model or "-"
     inspected = request.inspected
+    kv = ctx.fleet.kv_policy()
+    probe = await kv.probe(inspected.text) if kv is not None else None
     hints = RouteHints(
-        inspected.text, inspected.length, request.routing_key, model, request.affinity
+        inspected.text, inspected.length, request.routing_key, model, request.affinity, probe
     )
     trace = request.trace
     for number in range(1, total + 1):
@@ -160,6 +162,8 @@ async def dispatch(
         record_outcome(
             ctx.fleet, (prefill, attempt.prefill.result), (decode, attempt.decode.result), history
         )
+        if kv is not None and probe is not None and not attempt.prefill.failed:
+            kv.observe(probe, prefill, attempt.prefill_cached_tokens)
         count_failures(ctx.metrics, attempt)
         if responder.started:
             if not responder.finished and not attempt.stalled:
