@@ -19,7 +19,23 @@ from tests.router.helpers import settle
 from trio_pd.config import PolicyConfig
 from trio_pd.testing.engine.bootstrap import FAKE_BOOTSTRAP_HOST
 
-WORDS = [f"w{i}" for i in range(400)]
+
+def word_id(word: str) -> int:
+    """The simulator's token id of a word (`testing/engine/workload.word_id`)."""
+    return 100 + zlib.crc32(word.encode()) % 32000
+
+
+def distinct_words(count: int) -> list[str]:
+    """Words whose ids differ: a WordLevel tokenizer.json keeps one word per id."""
+    words: dict[int, str] = {}
+    i = 0
+    while len(words) < count:
+        words.setdefault(word_id(f"w{i}"), f"w{i}")
+        i += 1
+    return list(words.values())
+
+
+WORDS = distinct_words(400)
 PAGE = 4  # the engines' page size: the events' block size
 KV_CONFIG = json.dumps(
     {"publisher": "zmq", "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}
@@ -29,7 +45,7 @@ KV_CONFIG = json.dumps(
 def write_tokenizer(path: Path, shift: int = 0) -> str:
     """A tokenizer.json giving each word the simulator's own id (`workload.word_id`), or those
     ids shifted: the wrong tokenizer."""
-    vocab = {"[UNK]": 0, **{w: 100 + zlib.crc32(w.encode()) % 32000 + shift for w in WORDS}}
+    vocab = {"[UNK]": 0, **{w: word_id(w) + shift for w in WORDS}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     path.mkdir(parents=True, exist_ok=True)
@@ -102,6 +118,11 @@ async def warm(engine, text: str) -> int:
     return answer.json()["meta_info"]["cached_tokens"]
 
 
+def test_the_test_tokenizer_is_the_simulators(tmp_path: Path) -> None:
+    tokenizer = Tokenizer.from_file(write_tokenizer(tmp_path) + "/tokenizer.json")
+    assert tokenizer.encode(prompt(3)).ids == [word_id(w) for w in prompt(3).split()]
+
+
 async def routed(cluster, rid: str, text: str) -> int:
     body = {"text": text, "sampling_params": {"max_new_tokens": 2}}
     answer = await cluster.client.post("/generate", json=body, headers={"x-request-id": rid})
@@ -127,7 +148,9 @@ async def test_the_prefill_holding_the_prefix_gets_it(nursery, tokenizer) -> Non
         stored = holders.count(i) * 10  # 40 words: 10 blocks each
         await wait_kv(cluster, urls[i], lambda kv, n=stored: kv["blocks"] == n)
     for seed, holder in enumerate(holders):
-        assert await routed(cluster, f"kv-{seed}", prompt(seed) + " w1 w2") == holder
+        assert (
+            await routed(cluster, f"kv-{seed}", prompt(seed) + f" {WORDS[1]} {WORDS[2]}") == holder
+        )
     kv = await kv_of(cluster)
     for url in urls:  # predicted == reported: 36 of 42 tokens each time (at most len - 1)
         check = kv[url]["self_check"]
@@ -144,8 +167,8 @@ async def test_two_replicas_choose_the_same_prefill(nursery, tokenizer) -> None:
     for i, url in enumerate(e.url for e in cluster.prefills):
         stored = first.count(i) * 10
         await wait_kv(other, url, lambda kv, n=stored: kv["blocks"] == n)
-    again = [await routed(other, f"b-{seed}", prompt(seed) + " w9") for seed in range(8)]
-    assert again == first
+    again = [await routed(other, f"b-{seed}", prompt(seed) + f" {WORDS[9]}") for seed in range(8)]
+    assert again == first, (first, again, await kv_of(other))
     await cluster.client.aclose()
     await other.client.aclose()
 

@@ -18,7 +18,7 @@ to the chosen worker's self-check (`kv_check.py`).
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import trio
@@ -50,6 +50,13 @@ class Approximate(Protocol):
 MAX_BLOCKS = 65_536  # blocks of a prompt hashed at most (the tokenizer's bound: 64k tokens)
 
 
+def _held_by(indexes: list[dict[int, None]]) -> Callable[[int], bool]:
+    def held(block: int) -> bool:
+        return any(block in index for index in indexes)
+
+    return held
+
+
 class KvAwarePolicy:
     name = "kv_aware"
 
@@ -68,8 +75,12 @@ class KvAwarePolicy:
 
     async def probe(self, text: str | None) -> KvProbe | None:
         """The prompt's tokens and block hashes at every block size a subscribed worker uses."""
-        sizes = {kv.block_size for kv in self.feeds.by_id.values()}
-        if not text or self.tokenizer is None or not sizes:
+        # Each block size's indexes (the dicts themselves: a thread's `in` is atomic under the
+        # GIL), so hashing stops at the first block no worker holds.
+        indexes: dict[int, list[dict[int, None]]] = {}
+        for kv in self.feeds.by_id.values():
+            indexes.setdefault(kv.block_size, []).extend(f.index.blocks for f in kv.feeds)
+        if not text or self.tokenizer is None or not indexes:
             return None
         started = trio.current_time()
         tokens = await self.tokenizer.tokens(text)
@@ -77,7 +88,10 @@ class KvAwarePolicy:
             return None
 
         def hash_all() -> dict[int, list[int]]:
-            return {size: block_hashes(tokens, size, MAX_BLOCKS) for size in sizes}
+            return {
+                size: block_hashes(tokens, size, MAX_BLOCKS, _held_by(ds))
+                for size, ds in indexes.items()
+            }
 
         hashes = await trio.to_thread.run_sync(hash_all, limiter=self.tokenizer.limiter)
         return KvProbe(len(tokens), hashes, started)
