@@ -173,6 +173,8 @@ class KvEvents:
         self.buffer_steps = int(cfg.get("buffer_steps", 10_000))
         self.publishers: list[RankPublisher] = []
         self.context: zmq.Context[Any] | None = None
+        self.prompt_tokens = 0  # totals over prefills: the benchmark's hit ratio
+        self.cached_tokens = 0
 
     def start(self, nursery: trio.Nursery) -> None:
         if not self.enabled:
@@ -209,6 +211,8 @@ class KvEvents:
         if not self.enabled:
             return 0
         cached, events = self.caches[rank % self.ranks].prefill(token_ids)
+        self.prompt_tokens += len(token_ids)
+        self.cached_tokens += cached
         if self.publishers:
             self.publishers[rank % self.ranks].publish(events)
         return cached
