@@ -238,3 +238,21 @@ async def test_the_self_check_trips_on_a_wrong_tokenizer(nursery, tmp_path) -> N
     ready = (await cluster.client.get("/readiness")).json()
     assert ready["kv_events"]["prefill-1"] == "self_check_failed", ready
     await cluster.client.aclose()
+
+
+async def test_the_kv_gauges_sync_across_processes(
+    nursery, tokenizer, tmp_path, monkeypatch
+) -> None:
+    """With --workers N the gauges are mirrored into multiprocess gauges: each kv_aware gauge
+    needs its combining mode (a missing one failed the sync)."""
+    from prometheus_client import CollectorRegistry
+
+    from trio_pd.observe.metrics import FleetCollector, SyncedGauges
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    cluster = await kv_cluster(nursery, tokenizer)
+    router = cluster.router
+    collector = FleetCollector(router.fleet, router.pool, lambda: 0)
+    assert any(f.name == "trio_pd_kv_events_precise" for f in collector.collect())
+    SyncedGauges(collector, CollectorRegistry()).sync()
+    await cluster.client.aclose()

@@ -379,6 +379,12 @@ MULTIPROCESS_MODES = {
     "trio_pd_membership_source_up": "livemin",
     "trio_pd_membership_workers": "livemax",  # every process registers the same workers
     "trio_pd_worker_info": "livemax",
+    # kv_aware: each process follows the events itself (`fleet/kv_feeds.py`)
+    "trio_pd_kv_events_precise": "livemin",  # one process falling back shows
+    "trio_pd_kv_self_check_error": "livemax",
+    "trio_pd_kv_hit_ratio": "livemax",
+    "trio_pd_kv_index_blocks": "livemax",
+    "trio_pd_kv_events_recoveries": "livesum",
 }
 
 
