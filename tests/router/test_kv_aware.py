@@ -256,3 +256,25 @@ async def test_the_kv_gauges_sync_across_processes(
     assert any(f.name == "trio_pd_kv_events_precise" for f in collector.collect())
     SyncedGauges(collector, CollectorRegistry()).sync()
     await cluster.client.aclose()
+
+
+async def test_long_prompts_route_by_their_head_and_chat_stays_out(nursery, tokenizer) -> None:
+    """A prompt past the routing text's cap (32768 characters) is hashed from its head, cut at a
+    word; chat (its template is the engine's) uses the approximate tree; neither feeds the
+    self-check, whose prompt length it cannot know."""
+    cluster = await kv_cluster(nursery, tokenizer)
+    url = cluster.prefills[1].url
+    long = " ".join(prompt(seed) for seed in range(220))  # ~8,800 words, past the cap
+    assert len(long) > 40_000
+    await warm(cluster.prefills[1], long)
+    await wait_kv(cluster, url, lambda kv: kv["blocks"] > 2000)
+    assert await routed(cluster, "long", long + f" {WORDS[3]}") == 1
+    policy = cluster.router.fleet.kv_policy()
+    probes = policy.probes
+    chat = {"model": "sim-model", "messages": [{"role": "user", "content": prompt(1)}]}
+    answer = await cluster.client.post("/v1/chat/completions", json=chat)
+    assert answer.status_code == 200, answer.text
+    assert policy.probes == probes  # never tokenized as if it were the prompt
+    kv = await kv_of(cluster)
+    assert all(k["self_check"]["samples"] == 0 for k in kv.values()), kv
+    await cluster.client.aclose()

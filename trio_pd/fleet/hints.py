@@ -26,6 +26,7 @@ class KvProbe:
     tokens: int  # the prompt's tokens, by the router's tokenizer
     hashes: dict[int, list[int]]  # block size -> the prompt's block hashes at that size
     started: float  # when it was routed
+    capped: bool = False  # hashed from the head of a longer prompt: no self-check
     predicted: dict[str, int] = attrs.Factory(dict)  # worker id -> cached tokens predicted
 
 

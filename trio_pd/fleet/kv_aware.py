@@ -70,11 +70,15 @@ class KvAwarePolicy:
         self.tokenizer = PromptTokenizer(config.tokenizer_path) if config.tokenizer_path else None
         self.precise_choices = 0  # choices made by the index
         self.fallback_choices = 0  # choices the approximate tree made instead
+        self.probes = 0  # prompts tokenized and hashed
 
     # -- before selection ----------------------------------------------------------------------
 
-    async def probe(self, text: str | None) -> KvProbe | None:
-        """The prompt's tokens and block hashes at every block size a subscribed worker uses."""
+    async def probe(self, text: str | None, capped: bool = False) -> KvProbe | None:
+        """The prompt's tokens and block hashes at every block size a subscribed worker uses.
+        `capped`: `text` is the head of a longer prompt (the routing text's cap): it is cut at
+        its last whitespace and its last token dropped, so its tokens are the full prompt's
+        (whitespace-splitting tokenizers), and the self-check skips it (its length is unknown)."""
         # Each block size's indexes (the dicts themselves: a thread's `in` is atomic under the
         # GIL), so hashing stops at the first block no worker holds.
         indexes: dict[int, list[dict[int, None]]] = {}
@@ -83,9 +87,14 @@ class KvAwarePolicy:
         if not text or self.tokenizer is None or not indexes:
             return None
         started = trio.current_time()
+        self.probes += 1
+        if capped:
+            text = text.rsplit(None, 1)[0] if text.strip() else ""
         tokens = await self.tokenizer.tokens(text)
-        if tokens is None:
+        if not tokens:
             return None
+        if capped:
+            tokens = tokens[:-1]
 
         def hash_all() -> dict[int, list[int]]:
             return {
@@ -94,7 +103,7 @@ class KvAwarePolicy:
             }
 
         hashes = await trio.to_thread.run_sync(hash_all, limiter=self.tokenizer.limiter)
-        return KvProbe(len(tokens), hashes, started)
+        return KvProbe(len(tokens), hashes, started, capped)
 
     # -- selection -----------------------------------------------------------------------------
 
@@ -149,7 +158,7 @@ class KvAwarePolicy:
         and (when the engine stored new blocks) the event now due from it."""
         predicted = probe.predicted.get(worker.id)
         kv = self.feeds.get(worker)
-        if predicted is None or kv is None or reported is None:
+        if predicted is None or kv is None or reported is None or probe.capped:
             return
         kv.check.observe(predicted, reported, probe.tokens)
         if reported < probe.tokens // kv.block_size * kv.block_size:

@@ -43,7 +43,7 @@ from trio_pd.pd.injection import (
     splice,
 )
 from trio_pd.pd.outcome import FailureHistory, LegFailure, record_outcome
-from trio_pd.pd.payload import GENERATE, Inspected
+from trio_pd.pd.payload import COMPLETIONS, GENERATE, Inspected
 from trio_pd.pd.samples import dispatch_samples
 from trio_pd.pd.trace import RequestTrace
 from trio_pd.pd.vllm_attempt import VllmAttempt, prefill_body
@@ -122,7 +122,11 @@ async def dispatch(
     responder.route_info["model"] = model or "-"
     inspected = request.inspected
     kv = ctx.fleet.kv_policy()
-    probe = await kv.probe(inspected.text) if kv is not None else None
+    probe = None
+    # kv_aware: a text prompt the engine tokenizes as it is (chat goes through the model's chat
+    # template, a batch is several prompts: those use the approximate tree).
+    if kv is not None and request.path in (GENERATE, COMPLETIONS) and inspected.batch is None:
+        probe = await kv.probe(inspected.text, capped=inspected.length > len(inspected.text or ""))
     hints = RouteHints(
         inspected.text, inspected.length, request.routing_key, model, request.affinity, probe
     )
