@@ -104,12 +104,12 @@ async def wait_kv(cluster, url: str, check) -> dict[str, Any]:
             await trio.sleep(0.02)
 
 
-async def warm(engine, text: str) -> int:
+async def warm(engine, text: str, room: int = 8) -> int:
     """Prefill `text` on `engine` directly (SGLang's fake bootstrap: no decode, no router)."""
     body = {
         "text": text,
         "bootstrap_host": FAKE_BOOTSTRAP_HOST,
-        "bootstrap_room": 7,
+        "bootstrap_room": room,
         "sampling_params": {"max_new_tokens": 1},
     }
     async with httpx2.AsyncClient() as client:
@@ -277,4 +277,24 @@ async def test_long_prompts_route_by_their_head_and_chat_stays_out(nursery, toke
     assert policy.probes == probes  # never tokenized as if it were the prompt
     kv = await kv_of(cluster)
     assert all(k["self_check"]["samples"] == 0 for k in kv.values()), kv
+    await cluster.client.aclose()
+
+
+async def test_every_dp_rank_is_followed(nursery, tokenizer) -> None:
+    """A prefill with two DP ranks publishes on two ports (base + rank); a prompt cached on its
+    rank 1 only is found there."""
+    prefills = [
+        await start_engine(nursery, "prefill", kv_events_config=KV_CONFIG, page_size=PAGE),
+        await start_engine(
+            nursery, "prefill", kv_events_config=KV_CONFIG, page_size=PAGE, dp_size=2
+        ),
+    ]
+    decodes = [await start_engine(nursery, "decode")]
+    cluster = await router_for(nursery, prefills, decodes, tokenizer)
+    url = prefills[1].url
+    assert (await kv_of(cluster))[url]["ranks"] == 2
+    await warm(prefills[1], prompt(4), room=1)  # follow_bootstrap_room: room 1 is rank 1
+    assert prefills[1].state.kv.publishers[1].published == 1  # it landed on rank 1
+    await wait_kv(cluster, url, lambda kv: kv["blocks"] == 10)
+    assert await routed(cluster, "dp", prompt(4)) == 1
     await cluster.client.aclose()
