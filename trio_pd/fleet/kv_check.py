@@ -1,9 +1,12 @@
 """The self-check of KV-event routing: did the engine reuse what the index said it would?
 
-For each request routed by the index, the cached tokens it predicted for the chosen prefill are
-compared with the engine's own report (`meta_info.cached_tokens` on /generate,
-`usage.prompt_tokens_details.cached_tokens` on OpenAI routes). The error is counted as a share
-of the prompt's tokens, smoothed over recent requests. Past `TRIP_ERROR` (after `MIN_SAMPLES`)
+For each request routed while no other prefill of this router ran on the chosen worker (a
+concurrent one may store or evict blocks between the prediction and the engine's match: a race,
+not an index fault), the cached tokens predicted for it are compared with the engine's own
+report (`meta_info.cached_tokens` on /generate, `usage.prompt_tokens_details.cached_tokens` on
+OpenAI routes). Another replica's requests can still race it, which the smoothing absorbs
+unless the churn is heavy. The error is counted as a share of the prompt's tokens, smoothed
+over recent requests. Past `TRIP_ERROR` (after `MIN_SAMPLES`)
 the worker's index is not believed: the policy falls back to the approximate tree for it, logs
 it, and shows it in `GET /workers`, `/readiness` and the metrics, until the error is back under
 `CLEAR_ERROR`. A wrong tokenizer, a block-size mismatch or lost events all show here: the index
