@@ -298,3 +298,23 @@ async def test_every_dp_rank_is_followed(nursery, tokenizer) -> None:
     await wait_kv(cluster, url, lambda kv: kv["blocks"] == 10)
     assert await routed(cluster, "dp", prompt(4)) == 1
     await cluster.client.aclose()
+
+
+async def test_workers_added_and_removed_are_subscribed_and_unsubscribed(
+    nursery, tokenizer
+) -> None:
+    cluster = await kv_cluster(nursery, tokenizer, n_prefill=1)
+    extra = await start_engine(nursery, "prefill", kv_events_config=KV_CONFIG, page_size=PAGE)
+    spec = {"url": extra.url, "worker_type": "prefill", "bootstrap_port": extra.bootstrap_port}
+    added = await cluster.admin.post("/workers", json=spec)
+    assert added.status_code == 202, added.text
+    await wait_states(cluster, "precise", [extra.url])
+    feeds = cluster.router.fleet.kv_policy().feeds
+    assert "prefill-2" in feeds.by_id
+    await warm(extra, prompt(2))
+    await wait_kv(cluster, extra.url, lambda kv: kv["blocks"] == 10)
+    assert (await cluster.admin.delete("/workers/prefill-2")).status_code == 202
+    await settle(lambda: "prefill-2" not in feeds.by_id, LOOSE)
+    assert extra.url not in await kv_of(cluster)
+    await cluster.client.aclose()
+    await cluster.admin.aclose()
