@@ -19,6 +19,7 @@ import httpx2
 import msgspec
 import pytest
 import zmq
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from tests.sglang.conftest import ROUTER_FLAGS
 from tests.sglang.scenarios import shape
@@ -120,3 +121,33 @@ def test_the_index_predicts_what_the_engine_reuses(kv_pair, start_router) -> Non
     )
     sub.close(linger=0)
     context.destroy(linger=0)
+
+
+def test_flush_clears_and_a_wrong_tokenizer_trips(kv_pair, start_router, tmp_path) -> None:
+    """`/flush_cache` publishes AllBlocksCleared (`RadixCache.reset`); a router tokenizing with
+    another vocabulary predicts nothing the engine reuses, and its self-check says so."""
+    router = start_router(
+        kv_pair, *ROUTER_FLAGS, "--prefill-policy", "kv_aware", "--tokenizer-path", str(MODEL_DIR)
+    )
+    _until(lambda: _kv(router.url)["state"] == "precise")
+    body = {"text": PROMPT + " again", "sampling_params": {"max_new_tokens": 2}}
+    assert httpx2.post(router.url + "/generate", json=body, timeout=120).status_code == 200
+    _until(lambda: _kv(router.url)["blocks"] > 0)
+    assert httpx2.post(kv_pair.prefill_url + "/flush_cache", timeout=60).status_code == 200
+    kv = _until(lambda: (k := _kv(router.url))["cleared"] >= 1 and k["blocks"] == 0 and k)
+    assert kv["state"] == "precise", kv
+    words = sorted(set(PROMPT.split()))
+    vocab = {"[UNK]": 0, **{w: i + 5 for i, w in enumerate(words)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    wrong = start_router(
+        kv_pair, *ROUTER_FLAGS, "--prefill-policy", "kv_aware", "--tokenizer-path", str(tmp_path)
+    )
+    _until(lambda: _kv(wrong.url)["state"] == "precise")
+    for _ in range(6):
+        answer = httpx2.post(wrong.url + "/generate", json=body, timeout=120)
+        assert answer.status_code == 200, answer.text
+    kv = _until(lambda: (k := _kv(wrong.url))["state"] == "self_check_failed" and k)
+    assert kv["self_check"]["engine_hit_ratio"] > 0.4, kv
+    assert kv["self_check"]["predicted_hit_ratio"] == 0.0, kv
