@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: install test lint format demo bench bench-peers bench-router-bound bench-vllm bench-aborts \
-	bench-overload clean sglang-env image \
+	bench-overload bench-cache clean sglang-env image \
 	test-sglang demo-sglang
 
 $(STAMP): pyproject.toml
@@ -73,6 +73,10 @@ bench-overload: $(STAMP)
 # (4 rates x 2 modes x 3 repetitions, about 8 minutes; BENCH_ARGS=--quick about 1).
 bench-aborts: $(STAMP)
 	$(BIN)/python -m bench.abort_rate $(BENCH_ARGS)
+
+# Prefill policies by the engines' own reused tokens, two router replicas (issue 30; simulator).
+bench-cache: $(STAMP)
+	$(BIN)/python -m bench.cache $(BENCH_ARGS)
 
 # The router-bound scenario alone, all four routers, 3 repetitions (about 12 minutes on 2 cores;
 # BENCH_ARGS=--quick about 6).

@@ -79,6 +79,9 @@ CASES: dict[str, Case] = {
     "--least-load-max-waiting-requests": case(["4"], "policy.least_load_max_waiting_requests", 4),
     "--power-of-two-load-metric": case(["requests"], "policy.power_of_two_load_metric", "requests"),
     "--prefix-token-count": case(["32"], "policy.prefix_token_count", 32),
+    "--tokenizer-path": case(["/models/m"], "policy.tokenizer_path", "/models/m"),
+    "--kv-index-max-blocks": case(["1000"], "policy.kv_index_max_blocks", 1000),
+    "--kv-events-stale-secs": case(["2.5"], "policy.kv_events_stale_secs", 2.5),
     "--prefix-hash-load-factor": case(["2.5"], "policy.prefix_hash_load_factor", 2.5),
     "--prefix-hash-balance-abs-threshold": case(
         ["3"], "policy.prefix_hash_balance_abs_threshold", 3

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import re
 from collections.abc import Callable, Mapping
 from typing import NoReturn
@@ -192,6 +193,19 @@ def check_policy(config: RouterConfig, fail: Fail) -> None:
     if policy.for_role("prefill") == "bucket" and policy.bucket_adjust_interval_secs < 1:
         fail("policy.bucket_adjust_interval_secs",
              f"must be 1 or more: {policy.bucket_adjust_interval_secs}")  # fmt: skip
+    if policy.for_role("prefill") == "kv_aware":
+        path = policy.tokenizer_path
+        if not path:
+            fail("policy.tokenizer_path", "kv_aware needs the model's tokenizer: --tokenizer-path")
+        elif not os.path.exists(
+            path if not os.path.isdir(path) else os.path.join(path, "tokenizer.json")
+        ):
+            fail("policy.tokenizer_path", f"no tokenizer.json at {path}")
+    if policy.kv_index_max_blocks < 1:
+        fail("policy.kv_index_max_blocks", f"must be 1 or more: {policy.kv_index_max_blocks}")
+    stale = policy.kv_events_stale_secs
+    if not (math.isfinite(stale) and stale > 0):
+        fail("policy.kv_events_stale_secs", f"must be a finite > 0: {stale}")
     check_routing(policy, fail)
 
 

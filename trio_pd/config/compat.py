@@ -97,7 +97,7 @@ FOREIGN: tuple[Foreign, ...] = (
             ("--jwt-role-mapping", {"nargs": "*", "default": []}),
         )
     ),
-    *_ignored(["--model-path", "--tokenizer-path", "--chat-template"], TOKENIZER),
+    *_ignored(["--model-path", "--chat-template"], TOKENIZER),
     *_ignored(
         ["--tokenizer-cache-enable-l0", "--tokenizer-cache-enable-l1"], TOKENIZER, switch=True
     ),

@@ -16,14 +16,15 @@ from trio_pd.spec import Role, WorkerSpec
 
 PolicyName = Literal[
     "random", "round_robin", "power_of_two", "cache_aware", "manual", "bucket", "least_load",
-    "consistent_hashing", "prefix_hash",
+    "consistent_hashing", "prefix_hash", "kv_aware",
 ]  # fmt: skip
 # As SGLang's router: `bucket` balances prefill by request length and is a prefill policy only.
 POLICY_NAMES: tuple[str, ...] = (
     "random", "round_robin", "cache_aware", "power_of_two", "least_load", "manual",
     "consistent_hashing", "prefix_hash",
 )  # fmt: skip
-PREFILL_POLICY_NAMES: tuple[str, ...] = (*POLICY_NAMES, "bucket")
+# `kv_aware` routes by the prefill engines' KV events; a decode's KV comes by transfer.
+PREFILL_POLICY_NAMES: tuple[str, ...] = (*POLICY_NAMES, "bucket", "kv_aware")
 # `delegate`: a new key goes where the role's own policy sends it, then sticks (SMG 1.13).
 AssignmentMode = Literal["random", "min_load", "min_group", "delegate"]
 ASSIGNMENT_MODES: tuple[str, ...] = ("random", "min_load", "min_group", "delegate")
@@ -119,9 +120,12 @@ class TimeoutConfig:
 
 
 def _not_bucket(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    """SGLang's router refuses a bucket decode policy: decode has no prompt to balance."""
-    if value == "bucket":
-        raise ValueError(f"{attribute.name}: bucket is a prefill policy (--prefill-policy bucket)")
+    """SGLang's router refuses a bucket decode policy: decode has no prompt to balance (nor
+    does kv_aware choose decodes: their KV cache comes by transfer from the prefill)."""
+    if value in ("bucket", "kv_aware"):
+        raise ValueError(
+            f"{attribute.name}: {value} is a prefill policy (--prefill-policy {value})"
+        )
 
 
 @attrs.frozen
@@ -154,6 +158,11 @@ class PolicyConfig:
     # Sticky sessions on any policy (SMG's --routing-key-override / --sticky-sessions): a key
     # from `routing_key_headers` (the first with a value), else the body's `rid` lineage.
     routing_key_override: bool = False
+    # kv_aware: the model's tokenizer (SMG's --tokenizer-path), the bound of each DP rank's
+    # block index, and how long an expected KV event may be overdue before the worker is stale.
+    tokenizer_path: str | None = None
+    kv_index_max_blocks: int = 262_144
+    kv_events_stale_secs: float = 10.0
     routing_key_headers: tuple[str, ...] = attrs.field(
         default=ROUTING_KEY_HEADERS,
         converter=lambda v: ROUTING_KEY_HEADERS if v is None else tuple(v),

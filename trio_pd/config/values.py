@@ -28,6 +28,10 @@ def not_bucket(name: str) -> str:
         raise argparse.ArgumentTypeError(
             "bucket balances prefill workers by prompt length: use --prefill-policy bucket"
         )
+    if name == "kv_aware":
+        raise argparse.ArgumentTypeError(
+            "kv_aware routes prefill by the engines' KV events: use --prefill-policy kv_aware"
+        )
     return name
 
 

@@ -34,7 +34,7 @@ from typing import Any
 import httpx2
 import orjson
 
-from trio_pd.fleet.reports import EngineLoad, RankLoad, ServerInfo
+from trio_pd.fleet.reports import EngineLoad, KvEventsInfo, RankLoad, ServerInfo
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,36 @@ def parse_server_info(body: bytes) -> ServerInfo:
         max_running_requests=running if isinstance(running, int) and running > 0 else None,
         abort_latch_hazard=info.get("enable_dynamic_batch_tokenizer") is True,
         version=version if isinstance(version, str) else None,
+        kv_events=parse_kv_events(info.get("kv_events")),
     )
+
+
+def parse_kv_events(value: Any) -> KvEventsInfo | None:
+    """`kv_events` of `/server_info` (None: absent, not zmq, or not believable)."""
+    if not isinstance(value, dict) or value.get("publisher") != "zmq":
+        return None
+    host, topic = value.get("endpoint_host"), value.get("topic", "")
+    dp = value.get("dp_size", 1)
+    if not (isinstance(host, str) and host and isinstance(topic, str)):
+        return None
+    if not (isinstance(dp, int) and 1 <= dp <= MAX_DP):
+        return None
+    port = _port_base(value.get("endpoint_port_base"), dp)
+    block = value.get("block_size")
+    if port is None or not (isinstance(block, int) and 0 < block <= 65536):
+        return None
+    replay = value.get("replay_endpoint_port_base")
+    replay_port = _port_base(replay, dp)
+    if replay is not None and replay_port is None:
+        return None
+    return KvEventsInfo(host, port, topic, block, dp, replay_port)
+
+
+def _port_base(value: Any, ranks: int) -> int | None:
+    """A port base whose `ranks` ports all exist, else None."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= 65536 - ranks:
+        return value
+    return None
 
 
 class EngineAnswerError(EngineInfoError):

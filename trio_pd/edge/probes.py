@@ -50,6 +50,9 @@ async def handle_readiness(
         return
     membership = {name: "up" if ok else "down" for name, (ok, _) in fleet.sources.items()}
     extra: dict[str, object] = {"membership": membership} if membership else {}
+    kv_states = fleet.kv_states()
+    if kv_states:  # kv_aware: each prefill's KV-event state; any not precise degrades
+        extra["kv_events"] = kv_states
     workers = fleet.workers()
     counts: dict[str, object] = {
         "healthy_workers": sum(1 for w in workers if w.healthy and not w.removed),
@@ -70,7 +73,7 @@ async def handle_readiness(
         body = {"status": "not ready", "reason": reason, **counts}
         await json_reply(rsp, 503, {**body, "error": error, **extra})
     else:
-        if "down" in membership.values():
+        if "down" in membership.values() or any(s != "precise" for s in kv_states.values()):
             extra["degraded"] = True
         await json_reply(rsp, 200, {"status": "ready", **counts, **extra})
 

@@ -93,6 +93,9 @@ async def run_background(ctx: ServiceContext, *, task_status: trio.TaskStatus[No
             ),
             "pool_pruning": partial(prune_idle_connections, ctx.pool),
         }
+        kv = ctx.fleet.kv_policy()
+        if kv is not None:  # the prefill engines' KV events (`fleet/kv_feeds.py`)
+            tasks["kv_events"] = partial(kv.run, ctx.fleet)
         if ctx.metrics.multiprocess_dir:
             tasks["metrics_sync"] = partial(sync_metrics, ctx.metrics)
         roles = polled_roles(ctx.config.policy, ctx.config.overload)

@@ -17,6 +17,20 @@ class RidKey(str):
     __slots__ = ()
 
 
+@attrs.define(eq=False)
+class KvProbe:
+    """kv_aware: the prompt as the engine will see it, tokenized and hashed before selection
+    (off the event loop, `fleet/kv_aware.py`), and what the policy predicted for the prefill it
+    chose (the self-check compares it with the engine's report)."""
+
+    tokens: int  # the prompt's tokens, by the router's tokenizer
+    hashes: dict[int, list[int]]  # block size -> the prompt's block hashes at that size
+    started: float  # when it was routed
+    capped: bool = False  # hashed from the head of a longer prompt: no self-check
+    quiet: bool = True  # no other prefill of this router ran on the chosen worker when chosen
+    predicted: dict[str, int] = attrs.Factory(dict)  # worker id -> cached tokens predicted
+
+
 @attrs.frozen
 class RouteHints:
     """`text`: the routing text (the prompt or conversation, capped) cache-aware matches on.
@@ -26,13 +40,15 @@ class RouteHints:
     sent none or no policy reads it.
     `model`: the model whose workers are the candidates; None when the router serves one.
     `affinity`: the client's `x-forwarded-for`, else its `cookie` (bounded as keys are): the key
-    consistent_hashing hashes when there is no routing key; None unless that policy is used."""
+    consistent_hashing hashes when there is no routing key; None unless that policy is used.
+    `kv`: the prompt's tokens and block hashes, when the prefill policy is kv_aware."""
 
     text: str | None = None
     length: int = 0
     key: str | None = None
     model: str | None = None
     affinity: str | None = None
+    kv: KvProbe | None = None  # kv_aware only: the prompt's block hashes
 
 
 NO_HINTS = RouteHints()

@@ -3,9 +3,9 @@
 A policy chooses one worker among `candidates` (already filtered by the fleet: healthy, not
 removed, breaker allowing, preferably not avoided; never empty), knowing of the request only its
 `RouteHints`. Policies hold no references to the fleet; the fleet tells them about membership
-through `add_worker` / `remove_worker`. `manual`, `bucket`, `least_load`, `consistent_hashing`
-and `prefix_hash` live in their own modules; `--routing-key-override` wraps any other policy in
-`sticky.py`'s sticky sessions.
+through `add_worker` / `remove_worker`. `manual`, `bucket`, `least_load`,
+`consistent_hashing`, `prefix_hash` and `kv_aware` live in their own modules;
+`--routing-key-override` wraps any other policy in `sticky.py`'s sticky sessions.
 """
 
 from __future__ import annotations
@@ -166,12 +166,16 @@ class CacheAwarePolicy:
         else:
             chosen = self._pick(candidates, text)
         if text:
-            self.tree.insert(text, chosen)
-            if self.tree.size(chosen) > 2 * self.config.max_tree_size:
-                # A flood of long prompts must not grow the tree without bound between two
-                # periodic evictions; trimming one tenant costs only the nodes it drops.
-                self.tree.evict_tenant(chosen, self.config.max_tree_size)
+            self.record(text, chosen)
         return chosen
+
+    def record(self, text: str, chosen: Worker) -> None:
+        """`text` went to `chosen` (kv_aware records its own choices here too)."""
+        self.tree.insert(text, chosen)
+        if self.tree.size(chosen) > 2 * self.config.max_tree_size:
+            # A flood of long prompts must not grow the tree without bound between two
+            # periodic evictions; trimming one tenant costs only the nodes it drops.
+            self.tree.evict_tenant(chosen, self.config.max_tree_size)
 
     def _pick(self, candidates: Sequence[Worker], text: str) -> Worker:
         cfg = self.config
@@ -231,6 +235,10 @@ def _bare_policy(name: str, config: PolicyConfig, rng: random.Random | None) -> 
         return PrefixHashPolicy(config)
     if name == "bucket":
         return BucketPolicy(config, rng)
+    if name == "kv_aware":
+        from trio_pd.fleet.kv_aware import KvAwarePolicy  # pyzmq, msgspec: only when used
+
+        return KvAwarePolicy(CacheAwarePolicy(config, rng), config, rng)
     raise ValueError(f"unknown policy {name!r}")
 
 

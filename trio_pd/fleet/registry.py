@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -19,6 +20,9 @@ from trio_pd.fleet.overload import Overloaded, veto
 from trio_pd.fleet.policies import Policy, make_policy
 from trio_pd.fleet.worker import Hold, NoWorkerAvailable, Tracked, Worker
 from trio_pd.spec import ROLES, Role, WorkerRecord, WorkerSpec
+
+if TYPE_CHECKING:
+    from trio_pd.fleet.kv_aware import KvAwarePolicy
 
 log = logging.getLogger(__name__)
 
@@ -369,6 +373,23 @@ class Fleet:
 
     def to_json(self) -> list[dict[str, object]]:
         return [w.to_json() for w in self._workers.values()]
+
+    def kv_policy(self) -> KvAwarePolicy | None:
+        """The prefill policy when it is kv_aware (under the sticky override too), else None."""
+        policy = self.policies["prefill"]
+        policy = getattr(policy, "inner", policy)
+        return policy if policy.name == "kv_aware" else None  # type: ignore[return-value]
+
+    def kv_states(self) -> dict[str, str]:
+        """kv_aware: each prefill worker's KV-event state (`fleet/kv_feeds.py`); {} otherwise."""
+        kv = self.kv_policy()
+        if kv is None:
+            return {}
+        states = {}
+        for worker in self.workers("prefill"):
+            found = kv.feeds.get(worker)
+            states[worker.id] = found.state() if found is not None else "no_publisher"
+        return states
 
     # -- internals -----------------------------------------------------------------------------
 

@@ -81,6 +81,39 @@ class EngineLoad:
         }
 
 
+WILDCARD_HOSTS = ("*", "0.0.0.0", "::")  # SGLang's bind-all hosts (`_BIND_WILDCARD_HOSTS`)
+
+
+@attrs.frozen
+class KvEventsInfo:
+    """The KV-event publisher an engine advertises under `kv_events` in `/server_info` (SGLang
+    0.5.23 `srt/runtime_context.py` `describe_kv_events_publisher`): rank r publishes on
+    `endpoint_port_base + r` and replays on `replay_endpoint_port_base + r`, at the worker
+    URL's host when `endpoint_host` is a wildcard; prompts are hashed at `block_size`."""
+
+    host: str
+    port_base: int
+    topic: str
+    block_size: int
+    dp_size: int
+    replay_port_base: int | None = None
+
+    def endpoints(self, worker_host: str) -> list[tuple[str, str | None]]:
+        """(PUB endpoint, replay endpoint or None) for each rank."""
+        host = worker_host if self.host in WILDCARD_HOSTS else self.host
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return [
+            (
+                f"tcp://{host}:{self.port_base + rank}",
+                None
+                if self.replay_port_base is None
+                else f"tcp://{host}:{self.replay_port_base + rank}",
+            )
+            for rank in range(self.dp_size)
+        ]
+
+
 @attrs.frozen
 class ServerInfo:
     dp_width: int = 1
@@ -90,3 +123,4 @@ class ServerInfo:
     # window in which an abort is lost and latches (docs/protocol.md §10).
     abort_latch_hazard: bool = False
     version: str | None = None
+    kv_events: KvEventsInfo | None = None  # its KV-event publisher, when it has one

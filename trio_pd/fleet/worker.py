@@ -6,6 +6,7 @@ Pure bookkeeping on trio time; nothing here knows HTTP. Hashes by identity.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import attrs
@@ -63,6 +64,8 @@ class Worker:
     # new key where the fewest distinct keys are active; the sticky override respills a key
     # with two legs already on its worker (`sticky.py`).
     active_keys: dict[str, int] = attrs.Factory(dict)
+    # kv_aware: what the router knows of its KV events (`fleet/kv_feeds.py`), for GET /workers.
+    kv_report: Callable[[], dict[str, object]] | None = None
 
     @property
     def url(self) -> str:
@@ -184,6 +187,7 @@ class Worker:
             **({"engine_load": self.engine_load.to_json()} if self.engine_load else {}),
             **({"load_fault": self.load_fault} if self.load_fault else {}),
             **({"meta": self.meta} if self.meta else {}),
+            **({"kv_events": self.kv_report()} if self.kv_report is not None else {}),
         }
 
 

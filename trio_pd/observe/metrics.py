@@ -327,6 +327,52 @@ class FleetCollector(Collector):
         for (source, role), count in sorted(counted.items()):
             members.add_metric([source, role], count)
         yield from (in_flight, healthy, breaker, pool, queue, sources, members, info)
+        yield from self._kv()
+
+    def _kv(self) -> Iterator[GaugeMetricFamily]:
+        """kv_aware: per prefill, whether its KV events route it, and its self-check."""
+        kv = self.fleet.kv_policy()
+        if kv is None:
+            return
+        precise = GaugeMetricFamily(
+            "trio_pd_kv_events_precise",
+            "1 while kv_aware routes the prefill by its KV events, 0 while it falls back to "
+            "the approximate tree (GET /workers kv_events.state says why).",
+            labels=WORKER_LABELS,
+        )
+        error = GaugeMetricFamily(
+            "trio_pd_kv_self_check_error",
+            "Smoothed |predicted - engine-reported cached tokens| / prompt tokens.",
+            labels=WORKER_LABELS,
+        )
+        hits = GaugeMetricFamily(
+            "trio_pd_kv_hit_ratio",
+            "Cached tokens / prompt tokens since start, by who says it (index or engine).",
+            labels=[*WORKER_LABELS, "source"],
+        )
+        blocks = GaugeMetricFamily(
+            "trio_pd_kv_index_blocks", "KV blocks the index holds for it.", labels=WORKER_LABELS
+        )
+        gaps = GaugeMetricFamily(
+            "trio_pd_kv_events_recoveries",
+            "KV-event sequence gaps, replays, resyncs and restarts seen (counts since start).",
+            labels=[*WORKER_LABELS, "kind"],
+        )
+        for worker in self.fleet.workers("prefill"):
+            found = kv.feeds.get(worker)
+            if found is None:
+                continue
+            key = [worker.id, worker.role, worker.url]
+            report = found.to_json()
+            check = found.check.to_json()
+            precise.add_metric(key, 1.0 if report["state"] == "precise" else 0.0)
+            error.add_metric(key, float(check["error"]))  # type: ignore[arg-type]
+            hits.add_metric([*key, "index"], float(check["predicted_hit_ratio"]))  # type: ignore[arg-type]
+            hits.add_metric([*key, "engine"], float(check["engine_hit_ratio"]))  # type: ignore[arg-type]
+            blocks.add_metric(key, float(report["blocks"]))  # type: ignore[arg-type]
+            for kind in ("gaps", "replayed", "resyncs", "restarts", "lost", "cleared"):
+                gaps.add_metric([*key, kind], float(report[kind]))  # type: ignore[arg-type]
+        yield from (precise, error, hits, blocks, gaps)
 
 
 # How each gauge combines over processes in multiprocess mode.
@@ -339,6 +385,12 @@ MULTIPROCESS_MODES = {
     "trio_pd_membership_source_up": "livemin",
     "trio_pd_membership_workers": "livemax",  # every process registers the same workers
     "trio_pd_worker_info": "livemax",
+    # kv_aware: each process follows the events itself (`fleet/kv_feeds.py`)
+    "trio_pd_kv_events_precise": "livemin",  # one process falling back shows
+    "trio_pd_kv_self_check_error": "livemax",
+    "trio_pd_kv_hit_ratio": "livemax",
+    "trio_pd_kv_index_blocks": "livemax",
+    "trio_pd_kv_events_recoveries": "livesum",
 }
 
 

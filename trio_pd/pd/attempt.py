@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -54,6 +55,7 @@ from trio_pd.upstream.pool import UpstreamError, UpstreamPool, UpstreamResponse
 log = logging.getLogger(__name__)
 
 DEFAULT_EVENT_LIMIT = 16 << 20  # RouterConfig.max_sse_event_bytes
+CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d{1,12})')
 WATCHDOG_CHECKS = 4  # the stream watchdog looks this often per (shortest) timeout
 
 
@@ -160,6 +162,9 @@ class Attempt:
     work: AnswerWork = attrs.field(
         default=attrs.Factory(lambda self: AnswerWork(self.parsers, self.account), takes_self=True)
     )
+    # The prefill engine's own count of prompt tokens it reused (`cached_tokens` of its answer),
+    # for kv_aware's self-check; None when its answer did not say.
+    prefill_cached_tokens: int | None = None
 
     async def run(self) -> None:
         """Run both legs to completion; on return the legs' results say what happened."""
@@ -280,6 +285,7 @@ class Attempt:
             return
         scan = AnswerScan()
         body = await read_answer(response, self.account, scan)
+        self._note_cached(body)
         # Parsed only when something is to be read in it: a failure marker, or logprobs (by the
         # merge). Either parse is priced once, off the event loop when large (`offload.py`).
         found = await self.work.failure(body, marks=scan.marks) if scan.suspect else None
@@ -304,6 +310,13 @@ class Attempt:
             reader.close()
         self.prefill.result = LegSuccess(response.status, [], b"")
 
+    def _note_cached(self, body: bytes) -> None:
+        """The engine's `cached_tokens` (meta_info, or usage.prompt_tokens_details), if said."""
+        if b"cached_tokens" in body:
+            found = CACHED_TOKENS.search(body)
+            if found is not None:
+                self.prefill_cached_tokens = int(found.group(1))
+
     async def _read_prefill_events(self, events: list[bytes]) -> bool:
         """Prefill's events: False once one failed the leg."""
         for event in events:
@@ -317,6 +330,7 @@ class Attempt:
                 if found is not None:
                     self._fail_prefill(LegFailure("inband", found.message, found.code))
                     return False
+            self._note_cached(data)
             if not self.prefill_answer_known.is_set():
                 if self.logprobs:
                     await self.work.price(data)  # the merge's parse of it

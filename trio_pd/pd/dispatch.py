@@ -42,7 +42,7 @@ from trio_pd.pd.injection import (
     splice,
 )
 from trio_pd.pd.outcome import FailureHistory, LegFailure, record_outcome
-from trio_pd.pd.payload import GENERATE, Inspected
+from trio_pd.pd.payload import COMPLETIONS, GENERATE, Inspected
 from trio_pd.pd.samples import dispatch_samples
 from trio_pd.pd.trace import RequestTrace
 from trio_pd.pd.vllm_attempt import VllmAttempt, VllmBodies
@@ -123,8 +123,14 @@ async def dispatch(
     model = resolve_model(ctx, request.inspected.model)
     responder.route_info["model"] = model or "-"
     inspected = request.inspected
+    kv = ctx.fleet.kv_policy()
+    probe = None
+    # kv_aware: a text prompt the engine tokenizes as it is (chat goes through the model's chat
+    # template, a batch is several prompts: those use the approximate tree).
+    if kv is not None and request.path in (GENERATE, COMPLETIONS) and inspected.batch is None:
+        probe = await kv.probe(inspected.text, capped=inspected.length > len(inspected.text or ""))
     hints = RouteHints(
-        inspected.text, inspected.length, request.routing_key, model, request.affinity
+        inspected.text, inspected.length, request.routing_key, model, request.affinity, probe
     )
     trace = request.trace
     for number in range(1, total + 1):
@@ -163,6 +169,8 @@ async def dispatch(
         record_outcome(
             ctx.fleet, (prefill, attempt.prefill.result), (decode, attempt.decode.result), history
         )
+        if kv is not None and probe is not None and not attempt.prefill.failed:
+            kv.observe(probe, prefill, attempt.prefill_cached_tokens)
         count_failures(ctx.metrics, attempt)
         if responder.started:
             if not responder.finished and not attempt.stalled:

@@ -95,4 +95,26 @@ ROUTING: tuple[Flag, ...] = (
         metavar="HEADER",
         convert=tuple,  # not given (None): PolicyConfig's default, as SMG
     ),
+    Flag(
+        "--tokenizer-path",
+        "kv_aware: the model's tokenizer (its directory or tokenizer.json), to tokenize prompts "
+        "as the prefill engines do and hash them at their advertised block size",
+        "policy.tokenizer_path",
+        differs="read only by --prefill-policy kv_aware (SMG's serves its gRPC tokenizer)",
+    ),
+    Flag(
+        "--kv-index-max-blocks",
+        "kv_aware: KV blocks kept per engine DP rank (about 100 bytes each; oldest dropped first)",
+        "policy.kv_index_max_blocks",
+        default=262_144,
+        type=int,
+    ),
+    Flag(
+        "--kv-events-stale-secs",
+        "kv_aware: a prefill worker whose KV event is overdue this long after a request that "
+        "stored blocks is routed by the approximate tree until its events come again",
+        "policy.kv_events_stale_secs",
+        default=10.0,
+        type=float,
+    ),
 )

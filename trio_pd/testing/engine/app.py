@@ -105,6 +105,7 @@ class EngineApp:
         elif path == "/ready":
             await resp.empty(info.ready_status(engine))
         elif path == "/flush_cache":
+            engine.kv.flush()
             await resp.empty()
         elif path in ("/server_info", "/get_server_info"):
             await resp.json(200, info.server_info(engine, self.http_port, self.bootstrap_port))

@@ -151,6 +151,8 @@ def _add_tokenizer_and_health(parser: argparse.ArgumentParser, defaults: EngineC
     add("--heartbeat-interval", type=float, default=defaults.heartbeat_interval)
     add("--heartbeat-max-failures", type=int, default=defaults.heartbeat_max_failures)
     add("--deferred-kv-release-timeout", type=float, default=defaults.deferred_kv_release_timeout)
+    add("--kv-events-config", default=None, metavar="JSON", help="SGLang's: publish KV events")
+    add("--page-size", type=int, default=defaults.page_size, help="KV page (event block) size")
 
 
 def _add_tls_and_logs(parser: argparse.ArgumentParser, defaults: EngineConfig) -> None:
@@ -209,6 +211,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         heartbeat_interval=args.heartbeat_interval,
         heartbeat_max_failures=args.heartbeat_max_failures,
         deferred_kv_release_timeout=args.deferred_kv_release_timeout,
+        kv_events_config=args.kv_events_config,
+        page_size=args.page_size,
     )
 
 

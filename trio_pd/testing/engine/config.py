@@ -110,6 +110,11 @@ class EngineConfig:
     # acknowledges the abort, or this long (SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_*)
     deferred_kv_release: bool = True
     deferred_kv_release_timeout: float = 30.0
+    # prefill: SGLang's --kv-events-config JSON (`{"publisher": "zmq", "endpoint":
+    # "tcp://127.0.0.1:0", "replay_endpoint": ...}`; port 0: ephemeral, simulator only) and the
+    # KV page size (--page-size: the events' block size)
+    kv_events_config: str | None = None
+    page_size: int = attrs.field(default=1, validator=_at_least_one)
 
     def __attrs_post_init__(self) -> None:
         if (self.ssl_keyfile or self.ssl_ca_certs) and not self.ssl_certfile:

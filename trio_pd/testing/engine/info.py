@@ -57,6 +57,8 @@ def server_info(engine: EngineState, http_port: int | None, bootstrap_port: int 
         "ssl_certfile": cfg.ssl_certfile,
         "ssl_keyfile": cfg.ssl_keyfile,
         "ssl_ca_certs": cfg.ssl_ca_certs,
+        "page_size": cfg.page_size,
+        "kv_events_config": cfg.kv_events_config,
     }
     return {
         **args,
@@ -67,6 +69,7 @@ def server_info(engine: EngineState, http_port: int | None, bootstrap_port: int 
         "internal_states": [{"dp_rank": r, "last_gen_throughput": 0.0} for r in range(ranks)],
         "version": SGLANG_VERSION,
         "frontend": "python",
+        "kv_events": engine.kv.describe(),  # `describe_kv_events_publisher`: None when off
         "simulator": {  # not SGLang's: this simulator's own settings
             "name": "trio_pd.testing.engine",
             "waiting_timeout": cfg.waiting_timeout,

@@ -137,11 +137,15 @@ async def _item(call: Call, item: Item, state: RoomState, fake: bool) -> None:
             await output.fail(item, 500, _failed("bootstrap", item, detail))
             return
         item.held_tokens = item.prompt_tokens
+        prompt = call.workload.prompts[call.workload.prompt_of(item.index)]
+        item.cached_tokens = engine.kv.prefill(item.rank or 0, prompt)
         state.start_computing()
         started = time.monotonic()
         try:
             await trio.sleep(call.plan.slow)
-            await trio.sleep(cfg.prefill_ms_per_token * item.prompt_tokens / 1000.0)
+            await trio.sleep(
+                cfg.prefill_ms_per_token * (item.prompt_tokens - item.cached_tokens) / 1e3
+            )
         finally:
             state.stop_computing()
             engine.prefill_uncached_tokens += item.prompt_tokens

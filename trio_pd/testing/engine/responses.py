@@ -43,6 +43,7 @@ class Item(Protocol):
     index: int
     rid: str
     prompt_tokens: int
+    cached_tokens: int
     generated: int
 
 
@@ -258,7 +259,7 @@ class Output:
             "finish_reason": finish,
             "prompt_tokens": item.prompt_tokens,
             "completion_tokens": done,
-            "cached_tokens": 0,
+            "cached_tokens": item.cached_tokens,
             "cached_tokens_details": None,  # null until the radix cache hits (SGLang 0.5.23)
             "weight_version": "default",
             "dp_rank": None,

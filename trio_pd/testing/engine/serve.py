@@ -95,6 +95,7 @@ async def serve_engine(
     try:
         async with trio.open_nursery() as nursery:
             state.background = nursery
+            state.kv.start(nursery)
             bootstrap_port = None
             if config.role == "prefill" and config.bootstrap_port is not None:
                 bootstrap = BootstrapApp(
@@ -129,6 +130,7 @@ async def serve_engine(
             task_status.started(EngineHandle(config, port, bootstrap_port, state))
     finally:
         state.stopping = True
+        state.kv.close()
         with trio.CancelScope(shield=True):
             if state.bootstrap_client is not None:
                 await state.bootstrap_client.aclose()

@@ -28,6 +28,7 @@ from trio_pd.testing.engine.events import EventLog
 from trio_pd.testing.engine.faults import Fault, FaultPlan, parse_many
 from trio_pd.testing.engine.heartbeat import Heartbeat
 from trio_pd.testing.engine.httpserver import ConnectionRegistry
+from trio_pd.testing.engine.kv_events import KvEvents
 from trio_pd.testing.engine.responses import Output
 from trio_pd.testing.engine.rids import RidTable
 from trio_pd.testing.engine.slots import SlotPool
@@ -57,6 +58,7 @@ class Item:
     abort_reason: str | None = None  # slot_freed reason of an abort: "aborted_request", ...
     to_finish: bool = False  # aborted while running: stop after one more step
     held_tokens: int = 0  # KV tokens it holds (num_used_tokens)
+    cached_tokens: int = 0  # prefill: prompt tokens its radix cache reused (`kv_events.py`)
 
     @property
     def seqlen(self) -> int:
@@ -116,6 +118,11 @@ class EngineState:
         # (a test sets `{"num_waiting_uncached_tokens": -10**12}`: a worker that lies).
         self.load_lie: dict[str, Any] = {}
         self.released = trio.Event()  # a `hold` fault's requests wait for it (release_held)
+        # prefill: the radix cache's blocks and, with --kv-events-config, their KV events
+        self.kv = KvEvents(
+            config.kv_events_config if self.role == "prefill" else None,
+            config.page_size, config.num_dp_ranks, config.max_total_tokens,
+        )  # fmt: skip
 
     def release_held(self) -> None:
         """Let every request a `hold` fault holds go on (and any later one pass)."""
