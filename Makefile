@@ -108,8 +108,12 @@ $(SGLANG_STAMP): $(SGLANG_REQS) trio_pd/testing/sglang/make_model.py
 sglang-env: $(SGLANG_STAMP)
 
 # TRIO_PD_SGLANG_TIER makes tests/conftest.py collect tests/sglang (ignored by `make test`).
+# The second step: kv_aware against a prefill publishing its KV events, a pair of its own, so
+# it runs alone (tests/sglang/conftest.py collects it only with TRIO_PD_SGLANG_KV).
 test-sglang: $(STAMP) $(SGLANG_STAMP)
 	TRIO_PD_SGLANG_TIER=1 $(BIN)/python -m pytest -q tests/sglang $(SGLANG_TEST_ARGS)
+	TRIO_PD_SGLANG_TIER=1 TRIO_PD_SGLANG_KV=1 $(BIN)/python -m pytest -q \
+		tests/sglang/test_kv_aware_real.py
 
 demo-sglang: $(STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m trio_pd.testing.sglang.demo

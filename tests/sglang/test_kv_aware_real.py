@@ -11,7 +11,6 @@ reports. The engine's `kv_events` descriptor and a live event batch are recorded
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -29,12 +28,10 @@ from trio_pd.testing.sglang.launcher import MODEL_DIR, distinct_free_ports
 
 RECORD = Path(__file__).parent.parent / "data" / "sglang_0.5.23_kv_events.json"
 # Its own pair (the prefill with --kv-events-config) would be a third and fourth server beside
-# the tier's session pairs, so it runs alone: `TRIO_PD_SGLANG_TIER=1 TRIO_PD_SGLANG_KV=1 flock
-# /work/real-engine.lock .venv/bin/python -m pytest tests/sglang/test_kv_aware_real.py`
-# (2026-12-04: 1 passed in 34 s).
-pytestmark = pytest.mark.skipif(
-    not os.environ.get("TRIO_PD_SGLANG_KV"), reason="its own pair: TRIO_PD_SGLANG_KV=1, alone"
-)
+# the tier's session pairs, so it runs alone, as `make test-sglang`'s second step:
+# `TRIO_PD_SGLANG_TIER=1 TRIO_PD_SGLANG_KV=1 .venv/bin/python -m pytest
+# tests/sglang/test_kv_aware_real.py` (tests/sglang/conftest.py collects it only then).
+# 2026-12-04: 2 passed in 47 s.
 PROMPT = " ".join(f"tenant seven system prompt line {i} says the same thing" for i in range(24))
 
 
