@@ -11,8 +11,9 @@ stream watchdog, the stream relay, buffering bounds) is the SGLang pair's own co
   shutdown cancels it, which closes its connection, which is how vLLM is asked to free the
   request's blocks (it has no abort endpoint: `on_abandon` is None on both legs);
 - phase 2, the decode leg, once the prefill's 200 is known good; the prefill's
-  `kv_transfer_params` go to it as the prefill wrote them (opaque: never re-shaped, never
-  reused by another attempt, since a read or a refusal frees them);
+  `kv_transfer_params` go to it as the prefill wrote them (never re-shaped, never reused by
+  another attempt, since a read or a refusal frees them), once `vllm_handoff.py` found them a
+  handoff a decode may act on (else the prefill failed: 502, retried on another prefill);
 - the client's answer is the decode's, less `kv_transfer_params`, with the prefill's
   `cached_tokens` (the decode counts the transferred prompt as a cache hit) and the prefill's
   `prompt_logprobs` (the decode is sent none: vLLM recomputes the whole prompt of a request
@@ -41,6 +42,7 @@ from trio_pd.pd.outcome import LegFailure, LegSuccess
 from trio_pd.pd.payload import CHAT, COMPLETIONS
 from trio_pd.pd.relay import answer_failure, event_data, parse_json
 from trio_pd.pd.sse import EventReader, EventTooLarge
+from trio_pd.pd.vllm_handoff import handoff_problem
 from trio_pd.upstream.pool import UpstreamError, UpstreamResponse
 
 log = logging.getLogger("trio_pd.vllm")
@@ -200,6 +202,15 @@ class VllmAttempt(Attempt):
                      self.prefill.url)  # fmt: skip
             self.metrics.vllm_prompts_recomputed.labels("missing_params").inc()
             params = None
+        else:
+            problem = await handoff_problem(params, self.pool.destinations)
+            if problem is not None:  # never a decode's: it would act on it (vllm_handoff.py)
+                log.warning("prefill %s answered a handoff no decode may be given: %s",
+                            self.prefill.url, problem)  # fmt: skip
+                self._fail_prefill(
+                    LegFailure("inband", f"the vLLM prefill's kv_transfer_params: {problem}")
+                )
+                return
         self.params_forwarded = params is not None
         self.prefill_usage = answer.get("usage")
         if self.wants_prompt_logprobs:

@@ -189,6 +189,8 @@ class VllmApp:
                 else:
                     pool.hold(engine_rid, trio.current_time())
                     params = self.handoff(engine_rid, blocks)
+                    if "bad_handoff" in job.faults:
+                        spoil_handoff(params, job.faults["bad_handoff"])
                     state.events.emit("blocks_held", rid=job.request_id, engine_rid=engine_rid,
                                       blocks=blocks)  # fmt: skip
                 finished = True
@@ -429,3 +431,17 @@ class VllmApp:
             "top_logprobs": [None if lp is None else {p: lp} for p, lp in pieces],
             "text_offset": offsets,
         }
+
+
+def spoil_handoff(params: dict[str, Any], how: str | None) -> None:
+    """`sim_fault=prefill:bad_handoff:<how>`: a prefill answering a handoff no decode should
+    act on: `metadata` (remote_host 169.254.169.254), `no_blocks` (remote_block_ids gone:
+    vLLM 0.32's decode dies on it), `port` (remote_port 0). Its blocks wait for the lease."""
+    if how == "metadata":
+        params["remote_host"] = "169.254.169.254"
+    elif how == "no_blocks":
+        del params["remote_block_ids"]
+    elif how == "port":
+        params["remote_port"] = 0
+    else:
+        raise ValueError(f"bad_handoff:{how}: metadata, no_blocks or port")
