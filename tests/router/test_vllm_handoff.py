@@ -10,11 +10,13 @@ the prefill failed (502, `inband`), the decode's engine saw no request at all.
 
 from __future__ import annotations
 
+import orjson
 import pytest
 import trio
 
 from tests.router.test_vllm_outcomes import blocks as blocks
 from tests.router.test_vllm_outcomes import (
+    chat,
     completion,
     start_vllm_cluster,
     starts,
@@ -103,3 +105,31 @@ REAL = {
 def test_shapes_vllm_would_choke_on(change: dict) -> None:
     assert shape_problem(REAL) is None
     assert shape_problem({**REAL, **change}) is not None
+
+
+# ---- ids (issue 27 finding 7) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_answers_id_is_the_routers_request_id_not_double_prefixed(
+    nursery: trio.Nursery, blocks: list[VllmEngineHandle], path: str, stream: bool
+) -> None:
+    """vLLM answers `cmpl-<x-request-id>`; the router's ids already start with `cmpl-`
+    (`chatcmpl-`), so the client saw `cmpl-cmpl-...` (measured on vLLM 0.32)."""
+    cluster = await start_vllm_cluster(nursery, blocks)
+    body = completion(stream=stream) if path == "/v1/completions" else chat(stream=stream)
+    async with cluster.client.stream("POST", path, json=body) as response:
+        assert response.status_code == 200
+        raw = await response.aread()
+    request_id = response.headers["x-request-id"]
+    assert request_id.startswith("chatcmpl-" if "chat" in path else "cmpl-")
+    if stream:
+        ids = {orjson.loads(line[5:])["id"] for line in raw.splitlines()
+               if line.startswith(b"data:") and line != b"data: [DONE]"}  # fmt: skip
+    else:
+        ids = {orjson.loads(raw)["id"]}
+    assert ids == {request_id}
+    # The engines were given the id without the prefix (what vLLM prefixes again).
+    (sent,) = starts(cluster.decode)
+    assert request_id.endswith(sent["rid"]) and not sent["rid"].startswith(("cmpl-", "chatcmpl-"))

@@ -82,6 +82,21 @@ def prefill_body(client: dict[str, Any]) -> bytes:
     return jsonbody.dump(body)
 
 
+def engine_headers(headers: list[tuple[bytes, bytes]], path: str) -> list[tuple[bytes, bytes]]:
+    """The legs' headers with the route's prefix taken off `x-request-id`: vLLM names its
+    answer `cmpl-<x-request-id>` (`chatcmpl-` on chat, `_base_request_id`,
+    entrypoints/serve/engine/serving.py), and the router's ids already carry that prefix, so the
+    client saw `cmpl-cmpl-...`; now the answer's id is the router's request id, as one engine's
+    would be (checked against vLLM 0.32)."""
+    prefix = b"chatcmpl-" if path == CHAT else b"cmpl-"
+    return [
+        (name, value[len(prefix) :])
+        if name == b"x-request-id" and value.startswith(prefix) and len(value) > len(prefix)
+        else (name, value)
+        for name, value in headers
+    ]
+
+
 def echoes_logprobs(path: str, client: dict[str, Any]) -> bool:
     """A non-stream completion with `echo` and `logprobs`: vLLM computes the prompt's
     logprobs for it (prompt_logprobs), so the router takes them, and the echo, from prefill."""

@@ -123,6 +123,7 @@ class VllmApp:
                   bool(isinstance(body, dict) and body.get("stream")), "", 0,
                   params if isinstance(params, dict) else None, {})  # fmt: skip
         job.faults = parse_faults(specs, job.role)
+        job.external_id = resp._request_id or None
         headers = {k.decode("latin-1").lower(): v.decode("latin-1")
                    for k, v in scope.get("headers", ())}  # fmt: skip
         state.events.emit("request_start", rid=request_id, path=path, kv_role=job.role,
@@ -333,7 +334,7 @@ class VllmApp:
             await resp.json(200, answer)
             return
         chat = job.path == CHAT
-        created, stream_id = int(time.time()), self.state.next_id("chatcmpl" if chat else "cmpl")
+        created, stream_id = int(time.time()), self.answer_id(job, "chatcmpl" if chat else "cmpl")
         fail_after = job.faults.get("stream_error")  # an error chunk after N tokens
         for i, token in enumerate(tokens):
             await trio.sleep(config.inter_token_ms / 1e3)
@@ -382,6 +383,12 @@ class VllmApp:
             for i, w in enumerate(words[1:])
         ]
 
+    def answer_id(self, job: Job, prefix: str) -> str:
+        """vLLM's: the prefix and the caller's `X-Request-Id`, else a fresh id."""
+        if job.external_id:
+            return f"{prefix}-{job.external_id}"
+        return self.state.next_id(prefix)
+
     def answer(
         self, job: Job, tokens: list[str], finish: str, cached_tokens: int,
         with_prompt_logprobs: bool = False,
@@ -392,7 +399,7 @@ class VllmApp:
         prompt_logprobs = self.prompt_logprobs(job) if with_prompt_logprobs else None
         if job.path == CHAT:
             return {
-                "id": self.state.next_id("chatcmpl"), "object": "chat.completion",
+                "id": self.answer_id(job, "chatcmpl"), "object": "chat.completion",
                 "created": int(time.time()), "model": config.model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                              "logprobs": None, "finish_reason": finish, "stop_reason": None}],
@@ -400,7 +407,7 @@ class VllmApp:
             }  # fmt: skip
         text, logprobs = self.completion_text(job, tokens)
         return {
-            "id": self.state.next_id("cmpl"), "object": "text_completion",
+            "id": self.answer_id(job, "cmpl"), "object": "text_completion",
             "created": int(time.time()), "model": config.model,
             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish,
                          "stop_reason": None, "prompt_logprobs": prompt_logprobs}],
