@@ -133,3 +133,24 @@ async def test_the_answers_id_is_the_routers_request_id_not_double_prefixed(
     # The engines were given the id without the prefix (what vLLM prefixes again).
     (sent,) = starts(cluster.decode)
     assert request_id.endswith(sent["rid"]) and not sent["rid"].startswith(("cmpl-", "chatcmpl-"))
+
+
+# ---- cached_tokens (issue 27 finding 6) ------------------------------------------------------
+
+
+async def test_the_decodes_cached_tokens_are_kept_when_only_it_has_prompt_tokens_details(
+    nursery: trio.Nursery, blocks: list[VllmEngineHandle]
+) -> None:
+    """vLLM 0.32's decode reports the prefill's cached tokens (the handoff's
+    `remote_prefill_cached_tokens`): with `--enable-prompt-tokens-details` on the decode only,
+    the router deleted that correct figure."""
+    cluster = await start_vllm_cluster(nursery, blocks, prefill={"prompt_tokens_details": False})
+    prompt = " ".join(f"w{i}" for i in range(40))  # 40 tokens: 2 whole blocks of 16
+    first = await cluster.client.post("/v1/completions", json=completion(prompt=prompt))
+    again = await cluster.client.post("/v1/completions", json=completion(prompt=prompt))
+    assert first.status_code == again.status_code == 200
+    # The provoked thing: the prefill's second answer hit its cache and said nothing of it.
+    (_, handoff) = [s["body"]["kv_transfer_params"] for s in starts(cluster.decode)]
+    assert handoff["remote_prefill_cached_tokens"] == 32
+    assert first.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert again.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}

@@ -136,6 +136,9 @@ class VllmAttempt(Attempt):
     client_raw: bytes = b""  # ... and its bytes (the decode's, untouched where possible)
     missing_params: str = "decode-local"  # --vllm-missing-kv-params
     params_forwarded: bool = False  # the decode was given the prefill's handoff
+    # ... and it named the prefill's cached tokens, which vLLM 0.32's decode then reports
+    # as its own (`remote_prefill_cached_tokens`, v1/engine/output_processor.py)
+    handoff_names_cached: bool = False
     prefill_usage: Any = None  # the prefill's `usage` (its cached_tokens are the real ones)
     prompt_logprobs: Any = None  # the prefill's, when the client asked them
     wants_prompt_logprobs: bool = False
@@ -227,6 +230,9 @@ class VllmAttempt(Attempt):
                 )
                 return
         self.params_forwarded = params is not None
+        self.handoff_names_cached = params is not None and isinstance(
+            params.get("remote_prefill_cached_tokens"), int
+        )
         self.prefill_usage = answer.get("usage")
         if self.wants_prompt_logprobs:
             self.prompt_logprobs = prompt_logprobs_of(self.path, answer)
@@ -293,7 +299,10 @@ class VllmAttempt(Attempt):
             self.prefill_usage, dict) else None  # fmt: skip
         if isinstance(theirs, dict) and "cached_tokens" in theirs:
             details["cached_tokens"] = theirs["cached_tokens"]
-        else:  # the prefill did not say: the decode's figure is the transfer, not a cache hit
+        elif not self.handoff_names_cached:
+            # The prefill did not say, and the decode's figure is the transfer (an engine
+            # before 0.32), not a cache hit. With the handoff naming the prefill's cached
+            # tokens the decode's figure is the prefill's: kept.
             del details["cached_tokens"]
 
     def _rewrite_chunk(self, chunk: bytes) -> bytes:

@@ -190,6 +190,7 @@ class VllmApp:
                 else:
                     pool.hold(engine_rid, trio.current_time())
                     params = self.handoff(engine_rid, blocks)
+                    params["remote_prefill_cached_tokens"] = self.cached_tokens(job, cached)
                     if "bad_handoff" in job.faults:
                         spoil_handoff(params, job.faults["bad_handoff"])
                     state.events.emit("blocks_held", rid=job.request_id, engine_rid=engine_rid,
@@ -200,12 +201,15 @@ class VllmApp:
             if not finished and pool.release_running(engine_rid, "aborted"):
                 state.events.emit("blocks_freed", rid=job.request_id, engine_rid=engine_rid,
                                       reason="aborted")  # fmt: skip
-        cached_tokens = (
-            (job.prompt_tokens // config.block_size) * config.block_size if cached else 0
-        )
+        cached_tokens = self.cached_tokens(job, cached)
         answer = self.answer(job, ["tok0"], "length", cached_tokens, with_prompt_logprobs=True)
         answer["kv_transfer_params"] = params
         await resp.json(200, answer)
+
+    def cached_tokens(self, job: Job, cached: bool) -> int:
+        """The prefix cache's hit: whole blocks of a prompt seen before."""
+        size = self.state.config.block_size
+        return (job.prompt_tokens // size) * size if cached else 0
 
     def handoff(self, engine_rid: str, blocks: int) -> dict[str, Any]:
         """The prefill's `kv_transfer_params` (`pull_scheduler.request_finished`)."""
@@ -298,10 +302,19 @@ class VllmApp:
                     state.events.emit("recomputed", rid=job.request_id, why="kv_read_failed")
                 if not loaded:
                     await trio.sleep(config.prefill_ms_per_token * job.prompt_tokens / 1e3)
-                await self.generate_tokens(job, resp, job.prompt_tokens if loaded else 0)
+                await self.generate_tokens(job, resp, self.decode_cached_tokens(job, loaded))
         finally:
             if not read_done:  # aborted before reading: request_finished notifies the prefill
                 await self.notify_prefill(job, "aborted")
+
+    def decode_cached_tokens(self, job: Job, loaded: bool) -> int:
+        """vLLM 0.32 reports the prefill's cached tokens when the handoff names them
+        (`remote_prefill_cached_tokens`, v1/engine/output_processor.py), else the prompt it
+        loaded counts as cached."""
+        remote = (job.params or {}).get("remote_prefill_cached_tokens")
+        if loaded and isinstance(remote, int):
+            return remote
+        return job.prompt_tokens if loaded else 0
 
     async def read_blocks(self, job: Job) -> bool:
         if "kv_fail" in job.faults:
@@ -370,9 +383,12 @@ class VllmApp:
 
     def usage(self, job: Job, completion: int, cached_tokens: int) -> dict[str, Any]:
         prompt = job.prompt_tokens
+        details = (
+            {"cached_tokens": cached_tokens} if self.state.config.prompt_tokens_details else None
+        )
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached_tokens}}  # fmt: skip
+                "prompt_tokens_details": details}  # fmt: skip
 
     def prompt_logprobs(self, job: Job) -> list[Any] | None:
         if job.body.get("prompt_logprobs") is None:
