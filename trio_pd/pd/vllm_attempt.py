@@ -351,10 +351,13 @@ def merge_echo(answer: dict[str, Any], prefill: dict[str, Any], usage: Any) -> N
     if not isinstance(offsets, list) or len(offsets) <= count:
         return
     prompt_text = text[: offsets[count]]
+    prompt_logprobs = prefill.get("prompt_logprobs")  # vLLM computes them for an echo
     for choice in answer.get("choices") or []:
         if not isinstance(choice, dict) or not isinstance(choice.get("text"), str):
             continue
         choice["text"] = prompt_text + choice["text"]
+        if prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs
         theirs = choice.get("logprobs")
         if not isinstance(theirs, dict):
             continue

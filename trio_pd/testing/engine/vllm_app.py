@@ -391,7 +391,8 @@ class VllmApp:
                 "prompt_tokens_details": details}  # fmt: skip
 
     def prompt_logprobs(self, job: Job) -> list[Any] | None:
-        if job.body.get("prompt_logprobs") is None:
+        echo = job.path != CHAT and job.body.get("echo") and job.body.get("logprobs") is not None
+        if job.body.get("prompt_logprobs") is None and not echo:  # echo + logprobs asks them
             return None
         words = job.prompt.split() or [""]
         return [None] + [
