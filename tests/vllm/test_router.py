@@ -112,9 +112,11 @@ async def test_client_leaving_mid_stream_frees_the_decode(client, engines, pair)
         60.0,
         "the decode's request ended",
     )
-    reasons = await E.labelled(engines, pair.decode_url, FINISHED)
-    assert reasons.get("finished_reason=abort", 0) >= 1, reasons
-    assert E.delta(d1, d0, "vllm:generation_tokens_total") < 1500
+    # It generated, and ended without finishing: vLLM 0.32 counts a request its API server
+    # aborted on a disconnect in no `request_success_total` reason (checked: `abort` stayed 0).
+    generated = E.delta(d1, d0, "vllm:generation_tokens_total")
+    assert 1 <= generated < 1500, generated
+    assert E.delta(d1, d0, FINISHED) == 0
     await freed_by_reads(engines, pair, p0, 1)
 
 
@@ -145,10 +147,14 @@ async def test_logprobs_and_echo(client, engines, pair):
     await freed_by_reads(engines, pair, p0, 2)
 
 
-async def test_model_list(client, pair):
+async def test_model_list_is_the_prefills_with_its_max_model_len(client, pair):
+    """Finding 9: the prefill (512) and decode (2048) disagree on `max_model_len`. With one
+    model the router relays the prefill's list (control/fanout.py): 512, the prompt bound a
+    client meets first (a longer prompt is the prefill's 400)."""
     r = await client.get("/v1/models")
     assert r.status_code == 200, r.text
-    assert E.MODEL in [m["id"] for m in r.json()["data"]]
+    (card,) = [m for m in r.json()["data"] if m["id"] == E.MODEL]
+    assert card["max_model_len"] == 512
 
 
 async def test_engines_hold_nothing_after_a_burst(client, engines, pair):

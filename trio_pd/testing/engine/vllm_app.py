@@ -64,7 +64,8 @@ class VllmApp:
             await resp.json(200, {"version": VERSION})
         elif path == "/v1/models":
             card = {"id": state.config.model, "object": "model", "owned_by": "vllm",
-                    "root": state.config.model, "max_model_len": 1 << 20}  # fmt: skip
+                    "root": state.config.model,
+                    "max_model_len": state.config.max_model_len}  # fmt: skip
             await resp.json(200, {"object": "list", "data": [card]})
         else:
             await resp.json(404, {"detail": "Not Found"})
@@ -131,6 +132,12 @@ class VllmApp:
                           headers=headers)  # fmt: skip
         try:
             validate(path, body)
+            tokens = len(prompt_of(path, body).split())
+            if tokens >= state.config.max_model_len:  # the renderer's check, vLLM 0.32
+                raise Refused(
+                    f"This model's maximum context length is {state.config.max_model_len} "
+                    f"tokens. However, your request has {tokens} input tokens."
+                )
             status = job.faults.get("status")
             if status is not None and int(status) >= 400:
                 message = f"simulated {status}"

@@ -36,6 +36,7 @@ class VllmEngineConfig:
     events_path: str | None = None
     # --enable-prompt-tokens-details: without it `usage.prompt_tokens_details` is null.
     prompt_tokens_details: bool = True
+    max_model_len: int = 1 << 20  # --max-model-len: a longer prompt is refused (400)
 
     @property
     def heartbeat_secs(self) -> float:
