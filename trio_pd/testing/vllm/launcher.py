@@ -27,10 +27,11 @@ import contextlib
 import json
 import os
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from trio_pd.testing.sglang.launcher import (
@@ -181,6 +182,30 @@ def wait_ready(engines: Sequence[Engine], timeout: float) -> None:
 _start_lock = threading.Lock()
 
 
+def shared_files(pids: Sequence[int]) -> set[Path]:
+    """The /dev/shm segments these processes map or hold open: vLLM's message queues
+    (`psm_*`, ~170-250 MB each, sparse) outlive a SIGKILL, so `stop()` unlinks them."""
+    found: set[Path] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                path = line.split(maxsplit=5)[5] if len(line.split(maxsplit=5)) == 6 else ""
+                if path.startswith("/dev/shm/"):
+                    found.add(Path(path.removesuffix(" (deleted)")))
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("/dev/shm/"):
+                        found.add(Path(target.removesuffix(" (deleted)")))
+    return found
+
+
+def dist_init_files() -> set[Path]:
+    """vLLM's `file://` process-group rendezvous files, one per engine, left in /tmp."""
+    return set(Path(tempfile.gettempdir()).glob("vllm_dist_*"))
+
+
 @dataclass
 class VllmPair:
     """A real vLLM prefill (kv_producer) and decode (kv_consumer), NIXL between them."""
@@ -188,6 +213,8 @@ class VllmPair:
     prefill: Engine
     decode: Engine
     startup_secs: float
+    # What the engines leave behind after a SIGKILL, unlinked by `stop()`.
+    leftovers: set[Path] = field(default_factory=set)
 
     @property
     def prefill_url(self) -> str:
@@ -250,6 +277,7 @@ class VllmPair:
         check_environment()
         model = ensure_model()
         with _start_lock:
+            before = dist_init_files()
             prefill_port, prefill_side, decode_port, decode_side = distinct_free_ports(4)
             started: list[Engine] = []
             t0 = time.monotonic()
@@ -265,22 +293,30 @@ class VllmPair:
                     started.append(spawn_engine(role, port, side, log_path, command))
                 wait_ready(started, timeout)
             except BaseException:
+                pids = [pid for engine in started for pid in engine.pids()]
+                leftovers = shared_files(pids) | (dist_init_files() - before)
                 for engine in started:
                     engine.kill()
+                _unlink(leftovers)
                 raise
-            return cls(started[0], started[1], time.monotonic() - t0)
+            pair = cls(started[0], started[1], time.monotonic() - t0)
+            pair.leftovers = dist_init_files() - before
+            return pair
 
     def pids(self) -> list[int]:
         return [pid for engine in self.engines for pid in engine.pids()]
 
     def stop(self) -> None:
-        """Kill both process groups; raises if any process of either survives."""
+        """Kill both process groups and unlink their shared-memory segments and rendezvous
+        files; raises if any process of either survives."""
         errors = []
+        self.leftovers |= shared_files(self.pids())
         for engine in self.engines:
             try:
                 engine.kill()
             except RuntimeError as e:
                 errors.append(str(e))
+        _unlink(self.leftovers)
         if errors:
             raise RuntimeError("; ".join(errors))
 
@@ -295,6 +331,12 @@ class VllmPair:
             f"prefill {self.prefill_url} (pid {self.prefill.pid}), decode {self.decode_url} "
             f"(pid {self.decode.pid}), ready in {self.startup_secs:.1f} s"
         )
+
+
+def _unlink(paths: set[Path]) -> None:
+    for path in paths:
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 @contextlib.contextmanager
