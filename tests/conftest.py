@@ -23,6 +23,9 @@ from trio_pd.testing.cluster import (  # noqa: F401 - the suite's own names for 
 # The real-engine tier (tests/sglang, docs/sglang-tier.md) needs .venv-sglang and real SGLang
 # engines; only `make test-sglang` (which sets TRIO_PD_SGLANG_TIER) collects it.
 collect_ignore = [] if os.environ.get("TRIO_PD_SGLANG_TIER") else ["sglang"]
+# The vLLM tier (tests/vllm, docs/vllm-tier.md) likewise: only `make test-vllm` collects it.
+if not os.environ.get("TRIO_PD_VLLM_TIER"):
+    collect_ignore.append("vllm")
 
 
 def pytest_configure(config: pytest.Config) -> None:

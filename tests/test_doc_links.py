@@ -153,18 +153,22 @@ def architecture_tree() -> set[str]:
 
 def test_the_architecture_tree_is_the_package() -> None:
     """Every package and module of trio_pd/ has its line in docs/architecture.md, and every
-    line names one that exists (the simulator's and the SGLang launcher's insides excepted: they
-    have pages of their own)."""
+    line names one that exists (the simulator's and the SGLang and vLLM launchers' insides
+    excepted: they have pages of their own)."""
     package = ROOT / "trio_pd"
     actual = {"trio_pd/"}
     for path in package.rglob("*.py"):
         relative = path.relative_to(ROOT)
-        if relative.parts[1:3] in (("testing", "engine"), ("testing", "sglang")):
+        if relative.parts[1:3] in (
+            ("testing", "engine"),
+            ("testing", "sglang"),
+            ("testing", "vllm"),
+        ):
             continue
         if path.name != "__init__.py":
             actual.add(relative.as_posix())
         if path.parent != package:
             actual.add(path.parent.relative_to(ROOT).as_posix() + "/")
-    actual |= {"trio_pd/testing/engine/", "trio_pd/testing/sglang/"}
+    actual |= {"trio_pd/testing/engine/", "trio_pd/testing/sglang/", "trio_pd/testing/vllm/"}
     actual.discard("trio_pd/__init__.py")
     assert architecture_tree() == actual

@@ -192,6 +192,9 @@ async def test_echo_with_logprobs_comes_from_prefill_as_one_engine_would_answer(
     assert merged["text"].startswith(PROMPT)
     assert orjson.dumps(merged["logprobs"]) == orjson.dumps(alone["choices"][0]["logprobs"])
     assert merged["text"] == alone["choices"][0]["text"]
+    # One engine answers the prompt's logprobs too (echo asks them; issue 27 finding 8).
+    assert alone["choices"][0]["prompt_logprobs"]
+    assert merged["prompt_logprobs"] == alone["choices"][0]["prompt_logprobs"]
 
 
 async def test_n_samples_each_run_as_a_pd_request_of_its_own(

@@ -45,7 +45,7 @@ from trio_pd.pd.outcome import FailureHistory, LegFailure, record_outcome
 from trio_pd.pd.payload import COMPLETIONS, GENERATE, Inspected
 from trio_pd.pd.samples import dispatch_samples
 from trio_pd.pd.trace import RequestTrace
-from trio_pd.pd.vllm_attempt import VllmAttempt, VllmBodies
+from trio_pd.pd.vllm_attempt import VllmAttempt, VllmBodies, engine_headers
 from trio_pd.pd.vllm_bodies import VllmBodyMaker
 from trio_pd.respond import Responder
 from trio_pd.upstream.headers import admin_key, generation_key, worker_authorization
@@ -367,7 +367,7 @@ def new_vllm_attempt(
             worker.role,
             worker,
             leg_body,
-            leg_headers_for(ctx, request, worker),
+            engine_headers(leg_headers_for(ctx, request, worker), request.path),
             partial(ctx.fleet.track, worker, None, request.routing_key),
         )
 

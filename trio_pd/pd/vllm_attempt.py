@@ -11,8 +11,9 @@ stream watchdog, the stream relay, buffering bounds) is the SGLang pair's own co
   shutdown cancels it, which closes its connection, which is how vLLM is asked to free the
   request's blocks (it has no abort endpoint: `on_abandon` is None on both legs);
 - phase 2, the decode leg, once the prefill's 200 is known good; the prefill's
-  `kv_transfer_params` go to it as the prefill wrote them (opaque: never re-shaped, never
-  reused by another attempt, since a read or a refusal frees them);
+  `kv_transfer_params` go to it as the prefill wrote them (never re-shaped, never reused by
+  another attempt, since a read or a refusal frees them), once `vllm_handoff.py` found them a
+  handoff a decode may act on (else the prefill failed: 502, retried on another prefill);
 - the client's answer is the decode's, less `kv_transfer_params`, with the prefill's
   `cached_tokens` (the decode counts the transferred prompt as a cache hit) and the prefill's
   `prompt_logprobs` (the decode is sent none: vLLM recomputes the whole prompt of a request
@@ -41,6 +42,7 @@ from trio_pd.pd.outcome import LegFailure, LegSuccess
 from trio_pd.pd.payload import CHAT, COMPLETIONS
 from trio_pd.pd.relay import answer_failure, event_data, parse_json
 from trio_pd.pd.sse import EventReader, EventTooLarge
+from trio_pd.pd.vllm_handoff import handoff_problem
 from trio_pd.upstream.pool import UpstreamError, UpstreamResponse
 
 log = logging.getLogger(__name__)
@@ -78,6 +80,21 @@ def prefill_body(client: dict[str, Any]) -> bytes:
         body["n"] = 1
     body[KV_KEY] = PREFILL_PARAMS
     return jsonbody.dump(body)
+
+
+def engine_headers(headers: list[tuple[bytes, bytes]], path: str) -> list[tuple[bytes, bytes]]:
+    """The legs' headers with the route's prefix taken off `x-request-id`: vLLM names its
+    answer `cmpl-<x-request-id>` (`chatcmpl-` on chat, `_base_request_id`,
+    entrypoints/serve/engine/serving.py), and the router's ids already carry that prefix, so the
+    client saw `cmpl-cmpl-...`; now the answer's id is the router's request id, as one engine's
+    would be (checked against vLLM 0.32)."""
+    prefix = b"chatcmpl-" if path == CHAT else b"cmpl-"
+    return [
+        (name, value[len(prefix) :])
+        if name == b"x-request-id" and value.startswith(prefix) and len(value) > len(prefix)
+        else (name, value)
+        for name, value in headers
+    ]
 
 
 def echoes_logprobs(path: str, client: dict[str, Any]) -> bool:
@@ -155,6 +172,9 @@ class VllmAttempt(Attempt):
     bodies: VllmBodies = VllmBodies(b"{}", b"{}", b"", False, False)  # the client's, made once
     missing_params: str = "decode-local"  # --vllm-missing-kv-params
     params_forwarded: bool = False  # the decode was given the prefill's handoff
+    # ... and it named the prefill's cached tokens, which vLLM 0.32's decode then reports
+    # as its own (`remote_prefill_cached_tokens`, v1/engine/output_processor.py)
+    handoff_names_cached: bool = False
     prefill_usage: Any = None  # the prefill's `usage` (its cached_tokens are the real ones)
     prompt_logprobs: Any = None  # the prefill's, when the client asked them
     wants_prompt_logprobs: bool = False
@@ -236,7 +256,19 @@ class VllmAttempt(Attempt):
                      self.prefill.url)  # fmt: skip
             self.metrics.vllm_prompts_recomputed.labels("missing_params").inc()
             params = None
+        else:
+            problem = await handoff_problem(params, self.pool.destinations)
+            if problem is not None:  # never a decode's: it would act on it (vllm_handoff.py)
+                log.warning("prefill %s answered a handoff no decode may be given: %s",
+                            self.prefill.url, problem)  # fmt: skip
+                self._fail_prefill(
+                    LegFailure("inband", f"the vLLM prefill's kv_transfer_params: {problem}")
+                )
+                return
         self.params_forwarded = params is not None
+        self.handoff_names_cached = params is not None and isinstance(
+            params.get("remote_prefill_cached_tokens"), int
+        )
         self.prefill_usage = answer.get("usage")
         if self.wants_prompt_logprobs:
             self.prompt_logprobs = prompt_logprobs_of(self.path, answer)
@@ -304,7 +336,10 @@ class VllmAttempt(Attempt):
             self.prefill_usage, dict) else None  # fmt: skip
         if isinstance(theirs, dict) and "cached_tokens" in theirs:
             details["cached_tokens"] = theirs["cached_tokens"]
-        else:  # the prefill did not say: the decode's figure is the transfer, not a cache hit
+        elif not self.handoff_names_cached:
+            # The prefill did not say, and the decode's figure is the transfer (an engine
+            # before 0.32), not a cache hit. With the handoff naming the prefill's cached
+            # tokens the decode's figure is the prefill's: kept.
             del details["cached_tokens"]
 
     def _rewrite_chunk(self, chunk: bytes) -> bytes:
@@ -353,10 +388,13 @@ def merge_echo(answer: dict[str, Any], prefill: dict[str, Any], usage: Any) -> N
     if not isinstance(offsets, list) or len(offsets) <= count:
         return
     prompt_text = text[: offsets[count]]
+    prompt_logprobs = prefill.get("prompt_logprobs")  # vLLM computes them for an echo
     for choice in answer.get("choices") or []:
         if not isinstance(choice, dict) or not isinstance(choice.get("text"), str):
             continue
         choice["text"] = prompt_text + choice["text"]
+        if prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs
         theirs = choice.get("logprobs")
         if not isinstance(theirs, dict):
             continue

@@ -26,7 +26,8 @@ cites each fact), and like the SGLang simulator it imports nothing of the router
 Where it deliberately differs: the NIXL side channel and the transfer are plain HTTP on the
 engine's own port (`/sim/nixl/{read,notify,heartbeat}`; `remote_host`/`remote_port` name it);
 tokens are words; `sim_fault` (`[prefill:|decode:]KIND[:ARG]`, comma-separated: `status:N`,
-`close`, `hang`, `no_params`, `kv_fail`, `stream_error:N`) injects faults; `GET /sim/kv_blocks`
+`close`, `hang`, `no_params`, `bad_handoff:metadata|no_blocks|port`, `kv_fail`,
+`stream_error:N`) injects faults; `GET /sim/kv_blocks`
 shows the pool, so a test sees a leak; the event log (`events.py`) records what happened.
 
 Here: serving one engine and its command line; the app and its legs are `vllm_app.py`, a

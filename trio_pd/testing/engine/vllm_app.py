@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import uuid
 from typing import Any
 
 import httpx2
@@ -64,7 +65,8 @@ class VllmApp:
             await resp.json(200, {"version": VERSION})
         elif path == "/v1/models":
             card = {"id": state.config.model, "object": "model", "owned_by": "vllm",
-                    "root": state.config.model, "max_model_len": 1 << 20}  # fmt: skip
+                    "root": state.config.model,
+                    "max_model_len": state.config.max_model_len}  # fmt: skip
             await resp.json(200, {"object": "list", "data": [card]})
         else:
             await resp.json(404, {"detail": "Not Found"})
@@ -123,6 +125,7 @@ class VllmApp:
                   bool(isinstance(body, dict) and body.get("stream")), "", 0,
                   params if isinstance(params, dict) else None, {})  # fmt: skip
         job.faults = parse_faults(specs, job.role)
+        job.external_id = resp._request_id or None
         headers = {k.decode("latin-1").lower(): v.decode("latin-1")
                    for k, v in scope.get("headers", ())}  # fmt: skip
         state.events.emit("request_start", rid=request_id, path=path, kv_role=job.role,
@@ -130,6 +133,12 @@ class VllmApp:
                           headers=headers)  # fmt: skip
         try:
             validate(path, body)
+            tokens = len(prompt_of(path, body).split())
+            if tokens >= state.config.max_model_len:  # the renderer's check, vLLM 0.32
+                raise Refused(
+                    f"This model's maximum context length is {state.config.max_model_len} "
+                    f"tokens. However, your request has {tokens} input tokens."
+                )
             status = job.faults.get("status")
             if status is not None and int(status) >= 400:
                 message = f"simulated {status}"
@@ -171,7 +180,10 @@ class VllmApp:
     async def run_prefill(self, job: Job, resp: Responder) -> None:
         state, pool, config = self.state, self.state.pool, self.state.config
         blocks = math.ceil(job.prompt_tokens / config.block_size)
-        engine_rid = state.next_id("cmpl")
+        # vLLM's engine request id: its answer's id, the prompt's index, 8 hex digits
+        # (`remote_request_id: "cmpl-<x-request-id>-0-95be5620"`, checked on vLLM 0.32).
+        prefix = "chatcmpl" if job.path == CHAT else "cmpl"
+        engine_rid = f"{self.answer_id(job, prefix)}-0-{uuid.uuid4().hex[:8]}"
         finished = False
         try:
             async with state.running:
@@ -189,6 +201,9 @@ class VllmApp:
                 else:
                     pool.hold(engine_rid, trio.current_time())
                     params = self.handoff(engine_rid, blocks)
+                    params["remote_prefill_cached_tokens"] = self.cached_tokens(job, cached)
+                    if "bad_handoff" in job.faults:
+                        spoil_handoff(params, job.faults["bad_handoff"])
                     state.events.emit("blocks_held", rid=job.request_id, engine_rid=engine_rid,
                                       blocks=blocks)  # fmt: skip
                 finished = True
@@ -197,12 +212,15 @@ class VllmApp:
             if not finished and pool.release_running(engine_rid, "aborted"):
                 state.events.emit("blocks_freed", rid=job.request_id, engine_rid=engine_rid,
                                       reason="aborted")  # fmt: skip
-        cached_tokens = (
-            (job.prompt_tokens // config.block_size) * config.block_size if cached else 0
-        )
+        cached_tokens = self.cached_tokens(job, cached)
         answer = self.answer(job, ["tok0"], "length", cached_tokens, with_prompt_logprobs=True)
         answer["kv_transfer_params"] = params
         await resp.json(200, answer)
+
+    def cached_tokens(self, job: Job, cached: bool) -> int:
+        """The prefix cache's hit: whole blocks of a prompt seen before."""
+        size = self.state.config.block_size
+        return (job.prompt_tokens // size) * size if cached else 0
 
     def handoff(self, engine_rid: str, blocks: int) -> dict[str, Any]:
         """The prefill's `kv_transfer_params` (`pull_scheduler.request_finished`)."""
@@ -219,7 +237,6 @@ class VllmApp:
             "pp_size": 1,
             "remote_num_tokens": blocks * self.state.config.block_size,
             "remote_blocks_expiry_time": None,
-            "remote_registration_generation": 1,
             "transfer_mode": "pull",
         }
 
@@ -295,10 +312,19 @@ class VllmApp:
                     state.events.emit("recomputed", rid=job.request_id, why="kv_read_failed")
                 if not loaded:
                     await trio.sleep(config.prefill_ms_per_token * job.prompt_tokens / 1e3)
-                await self.generate_tokens(job, resp, job.prompt_tokens if loaded else 0)
+                await self.generate_tokens(job, resp, self.decode_cached_tokens(job, loaded))
         finally:
             if not read_done:  # aborted before reading: request_finished notifies the prefill
                 await self.notify_prefill(job, "aborted")
+
+    def decode_cached_tokens(self, job: Job, loaded: bool) -> int:
+        """vLLM 0.32 reports the prefill's cached tokens when the handoff names them
+        (`remote_prefill_cached_tokens`, v1/engine/output_processor.py), else the prompt it
+        loaded counts as cached."""
+        remote = (job.params or {}).get("remote_prefill_cached_tokens")
+        if loaded and isinstance(remote, int):
+            return remote
+        return job.prompt_tokens if loaded else 0
 
     async def read_blocks(self, job: Job) -> bool:
         if "kv_fail" in job.faults:
@@ -331,7 +357,7 @@ class VllmApp:
             await resp.json(200, answer)
             return
         chat = job.path == CHAT
-        created, stream_id = int(time.time()), self.state.next_id("chatcmpl" if chat else "cmpl")
+        created, stream_id = int(time.time()), self.answer_id(job, "chatcmpl" if chat else "cmpl")
         fail_after = job.faults.get("stream_error")  # an error chunk after N tokens
         for i, token in enumerate(tokens):
             await trio.sleep(config.inter_token_ms / 1e3)
@@ -352,8 +378,8 @@ class VllmApp:
                                      "object": "chat.completion.chunk" if chat
                                      else "text_completion",
                                      "model": config.model, "choices": [choice]}  # fmt: skip
-            if last:
-                chunk["kv_transfer_params"] = None
+            # No `kv_transfer_params` in any chunk: vLLM 0.32's stream chunk models have none
+            # (checked against the real engine, tests/data/vllm_0.32.0_observables.json).
             await resp.event(chunk)
         options = job.body.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage"):
@@ -367,18 +393,28 @@ class VllmApp:
 
     def usage(self, job: Job, completion: int, cached_tokens: int) -> dict[str, Any]:
         prompt = job.prompt_tokens
+        details = (
+            {"cached_tokens": cached_tokens} if self.state.config.prompt_tokens_details else None
+        )
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached_tokens}}  # fmt: skip
+                "prompt_tokens_details": details}  # fmt: skip
 
     def prompt_logprobs(self, job: Job) -> list[Any] | None:
-        if job.body.get("prompt_logprobs") is None:
+        echo = job.path != CHAT and job.body.get("echo") and job.body.get("logprobs") is not None
+        if job.body.get("prompt_logprobs") is None and not echo:  # echo + logprobs asks them
             return None
         words = job.prompt.split() or [""]
         return [None] + [
             {str(1000 + i): {"logprob": -0.5 - i / 100, "rank": 1, "decoded_token": w}}
             for i, w in enumerate(words[1:])
         ]
+
+    def answer_id(self, job: Job, prefix: str) -> str:
+        """vLLM's: the prefix and the caller's `X-Request-Id`, else a fresh id."""
+        if job.external_id:
+            return f"{prefix}-{job.external_id}"
+        return self.state.next_id(prefix)
 
     def answer(
         self, job: Job, tokens: list[str], finish: str, cached_tokens: int,
@@ -390,7 +426,7 @@ class VllmApp:
         prompt_logprobs = self.prompt_logprobs(job) if with_prompt_logprobs else None
         if job.path == CHAT:
             return {
-                "id": self.state.next_id("chatcmpl"), "object": "chat.completion",
+                "id": self.answer_id(job, "chatcmpl"), "object": "chat.completion",
                 "created": int(time.time()), "model": config.model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                              "logprobs": None, "finish_reason": finish, "stop_reason": None}],
@@ -398,7 +434,7 @@ class VllmApp:
             }  # fmt: skip
         text, logprobs = self.completion_text(job, tokens)
         return {
-            "id": self.state.next_id("cmpl"), "object": "text_completion",
+            "id": self.answer_id(job, "cmpl"), "object": "text_completion",
             "created": int(time.time()), "model": config.model,
             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish,
                          "stop_reason": None, "prompt_logprobs": prompt_logprobs}],
@@ -429,3 +465,17 @@ class VllmApp:
             "top_logprobs": [None if lp is None else {p: lp} for p, lp in pieces],
             "text_offset": offsets,
         }
+
+
+def spoil_handoff(params: dict[str, Any], how: str | None) -> None:
+    """`sim_fault=prefill:bad_handoff:<how>`: a prefill answering a handoff no decode should
+    act on: `metadata` (remote_host 169.254.169.254), `no_blocks` (remote_block_ids gone:
+    vLLM 0.32's decode dies on it), `port` (remote_port 0). Its blocks wait for the lease."""
+    if how == "metadata":
+        params["remote_host"] = "169.254.169.254"
+    elif how == "no_blocks":
+        del params["remote_block_ids"]
+    elif how == "port":
+        params["remote_port"] = 0
+    else:
+        raise ValueError(f"bad_handoff:{how}: metadata, no_blocks or port")

@@ -43,6 +43,9 @@ class Job:
     max_tokens: int
     params: dict[str, Any] | None
     faults: dict[str, str | None]  # this role's faults: kind -> argument
+    # The caller's `X-Request-Id`: vLLM's answer id is then `cmpl-<it>` / `chatcmpl-<it>`
+    # (`_base_request_id`, entrypoints/serve/engine/serving.py; checked on vLLM 0.32).
+    external_id: str | None = None
 
     @property
     def role(self) -> str:

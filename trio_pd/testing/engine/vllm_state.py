@@ -34,6 +34,9 @@ class VllmEngineConfig:
     keep_alive_secs: float = 5.0
     faults: tuple[str, ...] = ()  # process-wide sim_fault specs
     events_path: str | None = None
+    # --enable-prompt-tokens-details: without it `usage.prompt_tokens_details` is null.
+    prompt_tokens_details: bool = True
+    max_model_len: int = 1 << 20  # --max-model-len: a longer prompt is refused (400)
 
     @property
     def heartbeat_secs(self) -> float:

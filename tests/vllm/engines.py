@@ -1,0 +1,107 @@
+"""What the real vLLM engines saw, read from their own `/metrics` (and logs where nothing else
+shows it); shared by the tier's tests, the recording and the simulator's differential test.
+
+Waits are conditions polled until a bound, never sleeps as triggers: a KV read can stall up to
+the prefill's 30 s lease on a loaded 2-core machine (issue 27), so every bound on "blocks freed"
+is the lease plus a margin, and tests tell "freed by the read" from "freed by the lease" with
+the prefill's `vllm:nixl_num_kv_expired_reqs` counter, not with a clock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx2
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from trio_pd.testing.vllm import KV_LEASE_SECS, SERVED_MODEL_NAME
+
+# Blocks a finished request left are freed by the decode's read (ms) or at worst by the lease.
+FREED_WITHIN_SECS = KV_LEASE_SECS + 30.0
+MODEL = SERVED_MODEL_NAME
+
+
+async def metrics(client: httpx2.AsyncClient, url: str) -> dict[str, float]:
+    """Every sample of the engine's `/metrics`, summed over labels, by sample name (so a
+    counter is `name_total`, a histogram's count `name_count`)."""
+    r = await client.get(url + "/metrics")
+    r.raise_for_status()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+async def labelled(client: httpx2.AsyncClient, url: str, name: str) -> dict[str, float]:
+    """The samples of one name keyed by their labels (engine and model dropped)."""
+    r = await client.get(url + "/metrics")
+    r.raise_for_status()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            if sample.name == name:
+                labels = {
+                    k: v for k, v in sample.labels.items() if k not in ("engine", "model_name")
+                }
+                key = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+async def wait_for(
+    client: httpx2.AsyncClient,
+    url: str,
+    condition: Callable[[dict[str, float]], bool],
+    timeout: float,
+    what: str,
+) -> tuple[dict[str, float], float]:
+    """Poll `/metrics` every 20 ms until `condition` holds; the snapshot and seconds taken."""
+    t0 = time.monotonic()
+    last: dict[str, float] = {}
+    with trio.move_on_after(timeout):
+        while True:
+            last = await metrics(client, url)
+            if condition(last):
+                return last, time.monotonic() - t0
+            await trio.sleep(0.02)
+    raise AssertionError(f"{url}: {what} not seen within {timeout} s: {last}")
+
+
+async def wait_kv_free(client: httpx2.AsyncClient, url: str, timeout: float = FREED_WITHIN_SECS):
+    """Until the engine holds no KV block (`vllm:kv_cache_usage_perc` 0) and runs nothing."""
+    return await wait_for(
+        client,
+        url,
+        lambda m: (
+            m.get("vllm:kv_cache_usage_perc", 1.0) == 0.0
+            and m.get("vllm:num_requests_running", 1.0) == 0.0
+            and m.get("vllm:num_requests_waiting", 1.0) == 0.0
+        ),
+        timeout,
+        "no KV block held",
+    )
+
+
+def completion(prompt: str = "the tiny model says", max_tokens: int = 4, **kw: Any) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, **kw}
+
+
+def chat(content: str = "hello there", max_tokens: int = 4, **kw: Any) -> dict:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        **kw,
+    }
+
+
+# Over the prefill's --max-model-len 512, under the decode's 2048 (3 tokens per "word").
+LONG_PROMPT = "word " * 300
