@@ -332,6 +332,31 @@ async def test_decode_refused_or_5xx_is_never_retried_with_the_same_params(
     assert cluster.prefill.pool.freed["notified"] == len(handoffs)  # each refusal freed its own
 
 
+@pytest.mark.parametrize("n_decode", [1, 2])
+async def test_a_dead_decode_costs_one_prefill_lease_per_decode_tried(
+    nursery: trio.Nursery, blocks: list[VllmEngineHandle], n_decode: int
+) -> None:
+    """Finding 1 of issue 27 (measured on the real pair: 5 prefills, each leasing KV blocks for
+    30 s, for one request to a dead decode): a decode that failed after its prefill answered is
+    retried only on a decode that has not failed the request, so the retries stop once every
+    decode has; never again a fresh prefill for the same dead decode."""
+    cluster = await start_vllm_cluster(
+        nursery, blocks, prefill={"kv_lease_duration": 1.0}, n_decode=n_decode,
+        retry=FAST_RETRIES,
+    )  # fmt: skip
+    for decode in cluster.decodes:
+        decode.set_faults(["decode:close"])
+    response = await cluster.client.post("/v1/completions", json=completion())
+    assert response.status_code == 502
+    closed = [f for d in cluster.decodes for f in d.events.find("fault") if f["kind"] == "close"]
+    assert len(closed) == n_decode  # each decode was reached once and dropped the request...
+    assert len(starts(cluster.prefill)) == n_decode  # ...each after a prefill of its own
+    assert FAST_RETRIES.max_retries > n_decode  # the policy allowed more attempts than that
+    declined = cluster.metric("trio_pd_retries_declined_total", reason="no_fresh_decode")
+    # One decode: this rule stops it; two: the same failure on two decodes is the request's.
+    assert declined == (1 if n_decode == 1 else 0)
+
+
 async def test_decode_kv_read_failure_is_502_kv_transfer_failed(
     nursery: trio.Nursery, blocks: list[VllmEngineHandle]
 ) -> None:

@@ -122,6 +122,13 @@ class RouterMetrics:
             registry=r,
         )
         self.retries = Counter("trio_pd_retries", "Attempts beyond the first.", registry=r)
+        self.retries_declined = Counter(
+            "trio_pd_retries_declined",
+            "Retries the policy allowed and the router did not make, by reason (no_fresh_decode: "
+            "a vLLM retry would lease another prefill's KV for a decode that already failed).",
+            ["reason"],
+            registry=r,
+        )
         self.legs_cancelled = Counter(
             "trio_pd_legs_cancelled",
             "Legs cancelled while their request was out, by role and cause (prefill_failed, "

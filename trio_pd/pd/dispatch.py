@@ -41,7 +41,7 @@ from trio_pd.pd.injection import (
     rooms_for,
     splice,
 )
-from trio_pd.pd.outcome import FailureHistory, LegFailure, record_outcome
+from trio_pd.pd.outcome import FailureHistory, LegFailure, LegSuccess, record_outcome
 from trio_pd.pd.payload import COMPLETIONS, GENERATE, Inspected
 from trio_pd.pd.samples import dispatch_samples
 from trio_pd.pd.trace import RequestTrace
@@ -181,10 +181,14 @@ async def dispatch(
         retry = retry_plan(ctx, attempt, history, number, total, deadline)
         if retry is not None:
             culprit, delay = retry
+            avoid.add(prefill if culprit is attempt.prefill else decode)
+            if leases_a_prefill(attempt, culprit) and not fresh_decodes(ctx, avoid, model, decode):
+                ctx.metrics.retries_declined.labels("no_fresh_decode").inc()
+                retry = None
+        if retry is not None:
             log.info("attempt %d failed with %d, retrying in %.3fs", number, reply.status, delay)
             if trace is not None:
                 trace.retrying(number, culprit.role, delay)
-            avoid.add(prefill if culprit is attempt.prefill else decode)
             await trio.sleep(delay)
             continue
         await responder.reply(reply)
@@ -246,6 +250,30 @@ def retry_plan(
     ):
         return culprit, delay
     return None
+
+
+def leases_a_prefill(attempt: Attempt, culprit: Leg) -> bool:
+    """A vLLM decode failed after its prefill answered: the prefill's KV blocks are leased to
+    that handoff (until read, or `kv_lease_duration`, 30 s by default), and a retry runs a fresh
+    prefill that leases more (docs/vllm.md §8, finding 1)."""
+    return (
+        isinstance(attempt, VllmAttempt)
+        and culprit is attempt.decode
+        and isinstance(attempt.prefill.result, LegSuccess)
+    )
+
+
+def fresh_decodes(
+    ctx: DispatchContext, avoid: set[Worker], model: str | None, decode: Worker
+) -> bool:
+    """Whether a decode of this engine that has not failed this request is there to retry on.
+    Without one a retry would lease another prefill's blocks for the same dead decode: a vLLM
+    request spends at most one prefill per decode it tries, so the KV a dead decode can pin is
+    one lease per request, not one per attempt."""
+    return any(
+        w not in avoid and w.spec.engine == decode.spec.engine
+        for w in ctx.fleet.available("decode", model)
+    )
 
 
 def new_attempt(
