@@ -78,17 +78,20 @@ def parse_v1_loads(body: bytes) -> EngineLoad:
         if not isinstance(item, dict):
             raise EngineInfoError("a `loads` entry is not an object")
         disagg = item.get("disaggregation")
-        for_kv = 0
+        for_kv = sending = 0
         if isinstance(disagg, dict) and disagg.get("mode") == "decode":
             for_kv = _int(disagg.get("decode_prealloc_queue_reqs")) + _int(
                 disagg.get("decode_transfer_queue_reqs")
             )
+        if isinstance(disagg, dict) and disagg.get("mode") == "prefill":
+            sending = _int(disagg.get("prefill_inflight_queue_reqs"))
         ranks.append(
             RankLoad(
                 dp_rank=_int(item.get("dp_rank"), index),
                 running=_int(item.get("num_running_reqs")),
                 waiting=_int(item.get("num_waiting_reqs")),
                 waiting_for_kv=for_kv,
+                sending=sending,
                 used_tokens=_int(item.get("num_used_tokens")),
                 token_usage=_number(item.get("token_usage")),
                 max_running=_int(item.get("max_running_requests")),

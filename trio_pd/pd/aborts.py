@@ -51,6 +51,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+from collections.abc import Callable
 
 import attrs
 import orjson
@@ -118,6 +119,8 @@ class AbortService:
         self._pool: UpstreamPool | None = None
         self._flushing = False
         self._in_flight = 0
+        # Told (role, worker URL) after each first POST the engine accepted: the release audit.
+        self.on_sent: Callable[[str, str], None] | None = None
 
     @property
     def pending(self) -> int:
@@ -238,6 +241,8 @@ class AbortService:
                 return
             if 200 <= status < 300:
                 self.metrics.aborts.labels(job.role, "sent").inc()
+                if self.on_sent is not None and not post.repeat:
+                    self.on_sent(job.role, job.url)
             else:
                 self._failed(job, post.rid, f"status {status}")
             return
