@@ -343,13 +343,12 @@ async def test_prefill_frozen_then_resumed(main_pair, matrix_router, probe, clie
     assert not ledger.crossed, ledger.crossed
 
 
-async def test_router_drained_by_sigterm(main_pair, log_dir, probe, client, ledger):
+async def test_router_drained_by_sigterm(main_pair, start_router, probe, client, ledger):
     """The router SIGTERMed with every shape in flight. Within the grace period the requests
     finish with their own outputs; with a short grace the rest are cut, the router's aborts
     are flushed before it exits, and both engines let go."""
-    router = RouterProcess(main_pair, log_dir / "router-fault-drain.log",
-                           (*ROUTER_FLAGS, "--shutdown-grace-period-secs", "2"))  # fmt: skip
-    router.wait_ready()
+    # start_router stops it at the end even if the row fails before the SIGTERM.
+    router = start_router(main_pair, *ROUTER_FLAGS, "--shutdown-grace-period-secs", "2")
     url = router.url
     for i, (route, stream) in enumerate(SHAPES):
         await reference(client, url, route, stream, faults.prompt(8000 + i), SHORT)
