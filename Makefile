@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install test lint format demo bench bench-peers bench-router-bound bench-vllm bench-aborts \
 	bench-overload bench-cache clean sglang-env image \
-	test-sglang demo-sglang vllm-env test-vllm demo-vllm
+	test-sglang demo-sglang chaos-sglang vllm-env test-vllm demo-vllm
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -114,6 +114,12 @@ test-sglang: $(STAMP) $(SGLANG_STAMP)
 	TRIO_PD_SGLANG_TIER=1 $(BIN)/python -m pytest -q tests/sglang $(SGLANG_TEST_ARGS)
 	TRIO_PD_SGLANG_TIER=1 TRIO_PD_SGLANG_KV=1 $(BIN)/python -m pytest -q \
 		tests/sglang/test_kv_aware_real.py
+
+# Minutes of mixed traffic with random faults on a real pair, then a quiet period (issue 25;
+# tests/sglang/chaos.py). CHAOS_ARGS=--secs 30 is the short form of .ci/run.
+CHAOS_ARGS ?= --secs 180
+chaos-sglang: $(STAMP) $(SGLANG_STAMP)
+	$(BIN)/python -m tests.sglang.chaos $(CHAOS_ARGS)
 
 demo-sglang: $(STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m trio_pd.testing.sglang.demo

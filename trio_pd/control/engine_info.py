@@ -122,7 +122,7 @@ def parse_v1_loads(body: bytes) -> EngineLoad:
             raise EngineInfoError("a `loads` entry is not an object")
         disagg = item.get("disaggregation")
         waiting = _count(item, "num_waiting_reqs")
-        for_kv = 0
+        for_kv = sending = 0
         if isinstance(disagg, dict) and disagg.get("mode") == "decode":
             for_kv = _count(disagg, "decode_prealloc_queue_reqs") + _count(
                 disagg, "decode_transfer_queue_reqs"
@@ -131,12 +131,15 @@ def parse_v1_loads(body: bytes) -> EngineLoad:
                 raise LoadReportRejected(
                     "contradictory", f"{for_kv} waiting for KV of {waiting} waiting"
                 )
+        if isinstance(disagg, dict) and disagg.get("mode") == "prefill":
+            sending = _count(disagg, "prefill_inflight_queue_reqs")
         ranks.append(
             RankLoad(
                 dp_rank=_int(item.get("dp_rank"), index),
                 running=_count(item, "num_running_reqs"),
                 waiting=waiting,
                 waiting_for_kv=for_kv,
+                sending=sending,
                 used_tokens=_count(item, "num_used_tokens", MAX_TOKENS),
                 token_usage=_rate(item, "token_usage", MAX_TOKEN_USAGE),
                 max_running=_count(item, "max_running_requests"),

@@ -26,6 +26,7 @@ from trio_pd.control.engine_info import (
     fetch_served_model,
     fetch_server_info,
 )
+from trio_pd.control.release_audit import ReleaseAudit
 from trio_pd.edge.supervision import ServiceGuard
 from trio_pd.fleet.health import ProbeFailed, run_health_checks
 from trio_pd.fleet.loads import poll_loads, polled_roles
@@ -75,6 +76,9 @@ async def run_background(ctx: ServiceContext, *, task_status: trio.TaskStatus[No
     async with trio.open_nursery() as nursery:
         if ctx.aborts is not None:
             await nursery.start(supervised, "aborts", partial(ctx.aborts.run, ctx.pool))
+            audit = ReleaseAudit(ctx.fleet, ctx.metrics, partial(worker_load, ctx))
+            ctx.aborts.on_sent = audit.aborted
+            await nursery.start(supervised, "release_audit", audit.run)
         for source in ctx.sources:
             await nursery.start(
                 supervised, f"membership_{source.name}", partial(source.run, ctx.fleet)

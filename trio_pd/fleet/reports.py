@@ -17,6 +17,9 @@ class RankLoad:
     running: int = 0
     waiting: int = 0
     waiting_for_kv: int = 0
+    # A PD prefill's KV transfers still in flight (`prefill_inflight_queue_reqs`): requests it
+    # holds that `num_waiting_reqs` leaves out.
+    sending: int = 0
     used_tokens: int = 0
     token_usage: float = 0.0
     max_running: int = 0
@@ -28,6 +31,11 @@ class RankLoad:
     def requests(self) -> int:
         """Requests the rank holds: what `num_reqs` of the old `/get_load` counted."""
         return self.running + self.waiting
+
+    @property
+    def held(self) -> int:
+        """Every request the rank holds, its KV transfers out included (the release audit)."""
+        return self.running + self.waiting + self.sending
 
     @property
     def queued(self) -> int:

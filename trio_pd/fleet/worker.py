@@ -56,6 +56,9 @@ class Worker:
     health_error: str | None = None  # why its last health check failed (None: it passed)
     rank_in_flight: list[int] = attrs.Factory(lambda: [0])  # legs per DP rank (--dp-aware)
     rank_turn: int = 0  # where the next tie between ranks starts
+    # What its engine still held beyond this router's legs at the last release audit
+    # (`control/release_audit.py`).
+    held_beyond_router: int = 0
     reported_load: int | None = None
     reported_at: float | None = None
     load_fault: str | None = None  # why its last load report was refused (None: believed)

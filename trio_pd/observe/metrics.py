@@ -150,6 +150,14 @@ class RouterMetrics:
             ["role", "result"],
             registry=r,
         )
+        self.release_audits = Counter(
+            "trio_pd_release_audits",
+            "Reads of a worker's /v1/loads after aborts were sent to it, by role and result "
+            "(released: it held nothing beyond this router's legs; held; failed: not read). "
+            "docs/operations.md says what it can and cannot see.",
+            ["role", "result"],
+            registry=r,
+        )
         self.panic_selections = Counter(
             "trio_pd_panic_selections",
             "Workers chosen while every healthy worker of the role had its breaker open.",
@@ -293,9 +301,16 @@ class FleetCollector(Collector):
         breaker = GaugeMetricFamily(
             "trio_pd_worker_breaker_state", "0 closed, 1 half-open, 2 open.", labels=WORKER_LABELS
         )
+        held_beyond = GaugeMetricFamily(
+            "trio_pd_worker_held_beyond_router",
+            "Requests the engine held beyond this router's legs at the last release audit "
+            "(after aborts; other routers' requests count too: docs/operations.md).",
+            labels=WORKER_LABELS,
+        )
         for worker in self.fleet.workers():
             key = [worker.id, worker.role, worker.url]
             in_flight.add_metric(key, worker.in_flight)
+            held_beyond.add_metric(key, worker.held_beyond_router)
             healthy.add_metric(key, 1.0 if worker.healthy else 0.0)
             breaker.add_metric(key, BREAKER_STATES.get(worker.breaker.state, -1))
         pool = GaugeMetricFamily(
@@ -333,7 +348,7 @@ class FleetCollector(Collector):
             info.add_metric([worker.id, worker.role, worker.url, worker.source], 1.0)
         for (source, role), count in sorted(counted.items()):
             members.add_metric([source, role], count)
-        yield from (in_flight, healthy, breaker, pool, queue, sources, members, info)
+        yield from (in_flight, held_beyond, healthy, breaker, pool, queue, sources, members, info)
         yield from self._kv()
 
     def _kv(self) -> Iterator[GaugeMetricFamily]:
@@ -385,6 +400,7 @@ class FleetCollector(Collector):
 # How each gauge combines over processes in multiprocess mode.
 MULTIPROCESS_MODES = {
     "trio_pd_worker_in_flight": "livesum",
+    "trio_pd_worker_held_beyond_router": "livemax",  # each process audits the same engine
     "trio_pd_worker_healthy": "livemin",
     "trio_pd_worker_breaker_state": "livemax",
     "trio_pd_upstream_connections": "livesum",

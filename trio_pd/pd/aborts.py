@@ -72,6 +72,7 @@ import heapq
 import itertools
 import logging
 import math
+from collections.abc import Callable
 
 import attrs
 import orjson
@@ -215,6 +216,8 @@ class AbortService:
         self._pool: UpstreamPool | None = None
         self._flushing = False
         self._notes: dict[tuple[str, str], _Note] = {}
+        # Told (role, worker URL) after each first POST the engine accepted: the release audit.
+        self.on_sent: Callable[[str, str], None] | None = None
 
     @property
     def pending(self) -> int:
@@ -332,7 +335,7 @@ class AbortService:
             lane.in_flight += 1
             try:
                 async with self._limiter:
-                    await self._post(rnd.job, rid)
+                    await self._post(rnd.job, rid, rnd.repeat)
             except Exception:  # a bug here must not end the service
                 log.exception("abort of %s on %s raised", rid, rnd.job.url)
             finally:
@@ -360,7 +363,7 @@ class AbortService:
         lane.waiting += 1
         return opened
 
-    async def _post(self, job: AbortJob, rid: str) -> None:
+    async def _post(self, job: AbortJob, rid: str, repeat: bool = False) -> None:
         assert self._pool is not None
         body = orjson.dumps({"rid": rid})
         headers = [JSON, *job.headers]
@@ -374,6 +377,8 @@ class AbortService:
                 return
             if 200 <= status < 300:
                 self.metrics.aborts.labels(job.role, "sent").inc()
+                if self.on_sent is not None and not repeat:
+                    self.on_sent(job.role, job.url)
             else:
                 self._failed(job, rid, f"status {status}")
             return

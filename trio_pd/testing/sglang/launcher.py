@@ -430,6 +430,32 @@ class SGLangPair:
         if errors:
             raise RuntimeError("; ".join(errors))
 
+    def restart(self, role: str, timeout: float = 300.0) -> float:
+        """Start one engine again on its own ports (after a fault killed it); seconds taken.
+
+        The same command, so the same HTTP and bootstrap ports: a router in front keeps its
+        URLs. Whatever is left of the old process group is killed first.
+        """
+        old = self.prefill if role == "prefill" else self.decode
+        old.kill()
+        with _start_lock:
+            before = sglang_shm_files()
+            t0 = time.monotonic()
+            engine = spawn_engine(
+                role, old.port, old.log_path, old.command, bootstrap_port=old.bootstrap_port
+            )
+            try:
+                wait_ready([engine], timeout)
+            except BaseException:
+                engine.kill()
+                raise
+            if role == "prefill":
+                self.prefill = engine
+            else:
+                self.decode = engine
+            self.shm_files |= sglang_shm_files() - before
+            return time.monotonic() - t0
+
     def __enter__(self) -> SGLangPair:
         return self
 
