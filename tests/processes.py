@@ -46,6 +46,19 @@ class GroupedPopen(_ORIGINAL_POPEN):  # type: ignore[misc,valid-type]
         STARTED.append(Started(self, owner, command[:160]))
 
 
+@contextlib.contextmanager
+def outliving_the_test(why: str) -> Any:
+    """Processes started inside belong to the session, not to the running test: a test that
+    restarts a session fixture's engine in place (the real-engine tier's fault matrix) leaves it
+    for the later tests, reaped when the session ends."""
+    global owner
+    previous, owner = owner, f"(session: {why})"
+    try:
+        yield
+    finally:
+        owner = previous
+
+
 def install() -> None:
     subprocess.Popen = GroupedPopen  # type: ignore[misc]
 

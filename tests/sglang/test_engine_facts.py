@@ -163,7 +163,15 @@ async def test_aborted_running_request_finish_reason_abort(main_target, client):
     chat = got["/v1/chat/completions"]
     assert chat["status"] == 200 and chat["finish_reasons"] == ["abort"]
     assert chat["has_meta_info"] is False
-    assert got["/generate"] == {"prefill_status": 200, "status": 200, "finish_reason": "abort"}
+    generate = got["/generate"]
+    assert (generate["prefill_status"], generate["status"]) == (200, 200)
+    # The whole object (issue 28: what in-band detection reads), not only its type.
+    assert generate["finish_reason"] == {
+        "type": "abort",
+        "message": "Aborted",
+        "status_code": None,
+        "err_type": None,
+    }
 
 
 async def test_aborted_waiting_openai_request_is_an_http_500(main_target, client):

@@ -32,6 +32,7 @@ import httpx2
 import pytest
 import trio
 
+from tests import processes
 from tests.sglang import faults
 from tests.sglang.conftest import ROUTER_FLAGS, RouterProcess
 from tests.sglang.faults import SHAPES, Ledger, Result
@@ -401,7 +402,9 @@ async def _doomed_held(main_pair, url, client, nursery, results, *, seed: int, n
 
 
 async def _recovered(pair, router, client, role: str, ledger: Ledger, label: str) -> None:
-    restart = await trio.to_thread.run_sync(pair.restart, role)
+    # The restarted engine is the session pair's again: the later tests use it.
+    with processes.outliving_the_test(f"{role} restarted by {label}"):
+        restart = await trio.to_thread.run_sync(pair.restart, role)
     print(f"\n{label}: {role} restarted in {restart:.1f} s", file=sys.stderr)
     url = router.url
     with trio.fail_after(60):
