@@ -25,6 +25,7 @@ from trio_pd.spec import WorkerSpec
 from trio_pd.testing.engine import EngineConfig, EngineHandle, serve_engine
 
 ENGINE_DEFAULTS: dict[str, Any] = {"disconnect_poll_secs": 0.5, "waiting_timeout": 60.0}
+CLIENT_SECS = 120.0  # a cluster's clients' timeout
 ROUTER_DEFAULTS: dict[str, Any] = {
     # The production setting: a leg the router gives up on is aborted in its engine. A test of
     # teardown by the connection alone (the engine's disconnect poll) turns it off itself.
@@ -106,9 +107,12 @@ async def cluster_of(
         **{**ROUTER_DEFAULTS, **router_options},
     )
     router, url = await start_router(nursery, config)
-    client = httpx2.AsyncClient(base_url=url, timeout=httpx2.Timeout(20.0))
+    # A hang guard, not a speed bound: two requests of the suite's (a prefill 429 after 300 ms,
+    # a burst of 30) once took over 20 s on a 2-core machine at a load average of 18; a hang
+    # still fails its test, at this or at the test's own deadline (tests/deadline.py, 240 s).
+    client = httpx2.AsyncClient(base_url=url, timeout=httpx2.Timeout(CLIENT_SECS))
     admin_url = router.access.admin_url or "http://127.0.0.1:9"  # none: refused, never used
-    admin = httpx2.AsyncClient(base_url=admin_url, timeout=httpx2.Timeout(20.0))
+    admin = httpx2.AsyncClient(base_url=admin_url, timeout=httpx2.Timeout(CLIENT_SECS))
     await wait_until_ready(client)
     return Cluster(list(prefills), list(decodes), router, url, client, admin)
 
