@@ -421,7 +421,7 @@ async def _recovered(pair, router, client, role: str, ledger: Ledger, label: str
     assert http_status(router.url + "/readiness") == 200
 
 
-@pytest.mark.deadline(600)  # a restart (~30 s) and its recovery (RECOVERY_SECS)
+@pytest.mark.deadline(480)  # a restart (~30 s) and its recovery (RECOVERY_SECS)
 async def test_prefill_killed_mid_prefill(main_pair, matrix_router, probe, client, ledger):
     """SIGKILL to the prefill with every shape inside it (its scheduler frozen first, so the
     requests are provably there and the decode holds them all waiting for KV): the decode
@@ -443,7 +443,7 @@ async def test_prefill_killed_mid_prefill(main_pair, matrix_router, probe, clien
     await settled(main_pair, probe, client, time.monotonic())
 
 
-@pytest.mark.deadline(600)  # a restart (~30 s) and its recovery (RECOVERY_SECS)
+@pytest.mark.deadline(480)  # a restart (~30 s) and its recovery (RECOVERY_SECS)
 async def test_decode_killed_waiting_for_kv(main_pair, matrix_router, probe, client, ledger):
     """SIGKILL to the decode while it waits for KV (the prefill frozen with the requests in
     it); the prefill resumed: it lets go of every request (the router aborts its legs)."""
@@ -467,7 +467,7 @@ async def test_decode_killed_waiting_for_kv(main_pair, matrix_router, probe, cli
     await settled(main_pair, probe, client, time.monotonic())
 
 
-@pytest.mark.deadline(600)  # a restart (~30 s) and its recovery (RECOVERY_SECS)
+@pytest.mark.deadline(480)  # a restart (~30 s) and its recovery (RECOVERY_SECS)
 async def test_decode_killed_mid_stream(main_pair, matrix_router, probe, client, ledger):
     """SIGKILL to the decode while every shape decodes: clients get an error or a cut stream
     that is a prefix of their reference; the prefill holds nothing."""
