@@ -22,6 +22,7 @@ from 0, no replay history).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import struct
@@ -35,6 +36,7 @@ import trio.lowlevel
 import zmq
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+ATTEMPTS = 20  # ephemeral bases tried before the simulator gives up
 
 
 def page_hashes(token_ids: tuple[int, ...] | list[int], page_size: int) -> list[int]:
@@ -106,7 +108,11 @@ class RankPublisher:
         if replay_port is not None:
             self.replay = context.socket(zmq.ROUTER)
             self.replay.setsockopt(zmq.LINGER, 0)
-            self.replay_port = _bind(self.replay, host, replay_port)
+            try:
+                self.replay_port = _bind(self.replay, host, replay_port)
+            except zmq.ZMQError:
+                self.close()  # the caller retries with another base: leave no socket bound
+                raise
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.seq = 0
         self.drop = 0  # next batches not sent live (still buffered)
@@ -182,6 +188,26 @@ class KvEvents:
         self.context = zmq.Context()
         host, port = _split(self.endpoint)
         replay = _split(self.replay_endpoint) if self.replay_endpoint else None
+        # An ephemeral base takes rank 0's random port; base + r for the other ranks may be
+        # taken by then (other processes' ephemeral ports): choose another base and try again.
+        for _ in range(ATTEMPTS if port == 0 else 1):
+            try:
+                self._bind_ranks(self.context, host, port, replay)
+                break
+            except zmq.ZMQError as exc:
+                for publisher in self.publishers:
+                    publisher.close()
+                self.publishers.clear()
+                if port != 0 or exc.errno != errno.EADDRINUSE:
+                    raise
+        else:
+            raise RuntimeError(f"no free run of {self.ranks} ports for the KV event publishers")
+        for publisher in self.publishers:
+            nursery.start_soon(publisher.serve_replay)
+
+    def _bind_ranks(
+        self, context: zmq.Context[Any], host: str, port: int, replay: tuple[str, int] | None
+    ) -> None:
         for rank in range(self.ranks):
             # Rank r on base + r; an ephemeral base (port 0, a simulator-only spelling) picks
             # rank 0's port and offsets the others from it, as the engine does.
@@ -192,12 +218,11 @@ class KvEvents:
                 else (replay[1] if replay else None)
             )
             publisher = RankPublisher(
-                self.context, host, base + rank if base else 0,
+                context, host, base + rank if base else 0,
                 (rbase + rank if rbase else 0) if replay else None,
                 self.topic, rank, self.buffer_steps,
             )  # fmt: skip
             self.publishers.append(publisher)
-            nursery.start_soon(publisher.serve_replay)
 
     def close(self) -> None:
         for publisher in self.publishers:
