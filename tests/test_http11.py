@@ -545,10 +545,11 @@ async def test_connect_timeout_on_a_full_backlog():
         finally:
             for filler in fillers:
                 filler.close()
+    # The router's 0.3 s timeout ended it (its kind and message; the kernel's own SYN retries,
+    # about 2 minutes, end in a connection error instead), and not before it ran out: a busy
+    # machine can only make `elapsed` longer, so no upper bound is needed.
     assert caught.value.kind == "timeout"
-    # The 0.3 s timeout ended it: not earlier, and long before the kernel's own SYN retries
-    # would have (about 2 minutes); the upper bound is that gap, not a guess at the speed.
-    assert 0.29 <= elapsed < 30.0
+    assert elapsed >= 0.29
 
 
 async def test_tcp_nodelay_is_on(nursery):
