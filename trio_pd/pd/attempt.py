@@ -165,6 +165,9 @@ class Attempt:
     # The prefill engine's own count of prompt tokens it reused (`cached_tokens` of its answer),
     # for kv_aware's self-check; None when its answer did not say.
     prefill_cached_tokens: int | None = None
+    # Whether anyone reads it (kv_aware's self-check probed this request): else the prefill's
+    # answers are not searched for it, on every request's path.
+    note_cached: bool = False
 
     async def run(self) -> None:
         """Run both legs to completion; on return the legs' results say what happened."""
@@ -312,7 +315,7 @@ class Attempt:
 
     def _note_cached(self, body: bytes) -> None:
         """The engine's `cached_tokens` (meta_info, or usage.prompt_tokens_details), if said."""
-        if b"cached_tokens" in body:
+        if self.note_cached and b"cached_tokens" in body:
             found = CACHED_TOKENS.search(body)
             if found is not None:
                 self.prefill_cached_tokens = int(found.group(1))

@@ -153,6 +153,7 @@ async def dispatch(
         except BaseException:
             ranks.release()
             raise
+        attempt.note_cached = probe is not None  # kv_aware's self-check reads it
         responder.route_info.update(prefill=prefill.id, decode=decode.id, attempts=number)
         if number > 1:
             ctx.metrics.retries.inc()
