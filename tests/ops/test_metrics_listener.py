@@ -9,11 +9,9 @@ import contextlib
 import os
 import re
 import signal
-import socket
 from pathlib import Path
 
 import httpx2
-import pytest
 import trio
 
 from tests.conftest import start_engine
@@ -108,31 +106,6 @@ async def test_default_address_is_every_interface(nursery: trio.Nursery, tmp_pat
         assert (await scrape(router)).status_code == 200
     finally:
         await router.stop()
-
-
-@pytest.mark.parametrize("workers", [1, 2])
-async def test_a_taken_metrics_port_fails_the_start(
-    nursery: trio.Nursery, tmp_path: Path, workers: int
-) -> None:
-    prefill = await start_engine(nursery, "prefill")
-    decode = await start_engine(nursery, "decode")
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        router = await start_serve(
-            [prefill], [decode], str(tmp_path / "router.log"),
-            "--prometheus-port", str(port), "--workers", str(workers),
-        )  # fmt: skip
-        try:
-            assert await router.wait_exit(within=LOOSE * 3) == 1
-        finally:
-            await router.stop()
-    log = router.log()
-    assert f"trio-pd serve: error: cannot listen for metrics on 127.0.0.1:{port}" in log
-    assert "Address already in use" in log and "Traceback" not in log
-    assert "routing on" not in log  # nothing was served, no router process started
-    assert not listeners(router.port)
 
 
 async def test_metrics_answer_through_the_drain(nursery: trio.Nursery, tmp_path: Path) -> None:

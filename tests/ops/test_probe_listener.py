@@ -5,11 +5,9 @@ when the data port no longer accepts connections at all."""
 from __future__ import annotations
 
 import signal
-import socket
 from pathlib import Path
 
 import httpx2
-import pytest
 import trio
 
 from tests.conftest import start_engine
@@ -78,27 +76,3 @@ async def test_the_probe_listener_with_two_processes_and_a_drain(
         await router.stop()
     assert not listeners(probe_port)
     assert f"probes on http://127.0.0.1:{probe_port}" in router.log()
-
-
-@pytest.mark.parametrize("workers", [1, 2])
-async def test_a_taken_probe_port_fails_the_start(
-    nursery: trio.Nursery, tmp_path: Path, workers: int
-) -> None:
-    prefill = await start_engine(nursery, "prefill")
-    decode = await start_engine(nursery, "decode")
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        router = await start_serve(
-            [prefill], [decode], str(tmp_path / "router.log"),
-            "--health-check-port", str(port), "--workers", str(workers),
-        )  # fmt: skip
-        try:
-            assert await router.wait_exit(within=LOOSE * 3) == 1
-        finally:
-            await router.stop()
-    log = router.log()
-    assert f"trio-pd serve: error: cannot listen for probes on 127.0.0.1:{port}" in log
-    assert "Traceback" not in log and "routing on" not in log
-    assert not listeners(router.port)
