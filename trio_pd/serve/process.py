@@ -86,11 +86,10 @@ async def serve(
             own_sockets=own_sockets(listening),  # a worker URL naming any is the router itself
             admin_url=bound_url(admin.insecure_sockets[0], None) if admin is not None else None,
         )
-    except BaseException:
+        await serve_doors(router, listening, signals, parent_sentinel, task_status)
+    finally:  # also a door never served (a start-up that failed): closing twice is harmless
         for bound in listening.values():
             close_sockets(bound)
-        raise
-    await serve_doors(router, listening, signals, parent_sentinel, task_status)
 
 
 async def serve_doors(

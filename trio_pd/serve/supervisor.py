@@ -170,12 +170,11 @@ class Supervisor:
         # Every door is bound before any process exists (metrics first, as SMG: a port taken
         # fails the start); the metrics door is the parent's, the others one copy a process.
         workers = config.workers
+        doors = {door.name: door for door in (*side_doors(config), data_door(config))}
         copies: dict[DoorName, list[Sockets]] = {}
         try:
-            for door in (*side_doors(config), data_door(config)):
-                copies[door.name] = bind_door(
-                    door, config, 1 if door.name == "metrics" else workers
-                )
+            for name, door in doors.items():
+                copies[name] = bind_door(door, config, 1 if name == "metrics" else workers)
         except ListenError:
             for made in copies.values():
                 for sockets in made:
@@ -184,8 +183,7 @@ class Supervisor:
         metrics = copies.pop("metrics", None)
         if metrics is not None:
             render = partial(render_multiprocess, str(metrics_dir))
-            door = next(d for d in side_doors(config) if d.name == "metrics")
-            self.metrics_listener = MetricsThread(door, render, metrics[0])
+            self.metrics_listener = MetricsThread(doors["metrics"], render, metrics[0])
             self.metrics_listener.start()
         first = copies["data"][0]
         self.port = (*first.secure_sockets, *first.insecure_sockets)[0].getsockname()[1]
