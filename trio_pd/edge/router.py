@@ -126,10 +126,12 @@ class Router:
         startup_warnings(self.access)
         async with open_resources(self.config, self.ssl_context, self.destinations) as resources:
             try:
-                scope["state"][ROUTES] = self.route_table(resources)
                 async with trio.open_nursery() as nursery:
                     services = partial(run_background, self.services(resources))
                     await nursery.start(self.guard.supervised, "services", services)
+                    # Requests are routed from now on, through every door (`serve/process.py`
+                    # opens the routed doors after this; one open earlier would get a 503).
+                    scope["state"][ROUTES] = self.route_table(resources)
                     await send({"type": "lifespan.startup.complete"})
                     message = await receive()
                     assert message["type"] == "lifespan.shutdown"
@@ -193,7 +195,7 @@ class Router:
         started_at = trio.current_time()
         body = BodySeen(receive)
         try:
-            if routes is None:  # a side door open before the lifespan started
+            if routes is None:  # a door opened before the lifespan started
                 raise starting()
             route = find_route(routes, self.preflight, scope["method"], path, door)
             caller = self.access.check(route.access, headers, door)

@@ -85,6 +85,9 @@ class Door:
     port: int  # 0: a free one
     hint: str  # the flags that move (or close) it
     outlives_drain: bool
+    # Its requests go through the router's routes, which exist once its lifespan started: it
+    # opens then (connections wait in its backlog). The metrics page needs none: it opens first.
+    routed: bool = True
 
 
 def data_door(config: RouterConfig) -> Door:
@@ -95,10 +98,9 @@ def side_doors(config: RouterConfig) -> tuple[Door, ...]:
     """The side doors `config` asks for, in the order they are bound (metrics first, as SMG)."""
     doors = []
     if config.prometheus_port is not None:
+        host, port = config.prometheus_host, config.prometheus_port
         hint = "--prometheus-port, --prometheus-host"
-        doors.append(
-            Door("metrics", "metrics", config.prometheus_host, config.prometheus_port, hint, True)
-        )
+        doors.append(Door("metrics", "metrics", host, port, hint, True, routed=False))
     if config.admin_port is not None:
         hint = "--admin-port, --admin-host; --admin-port none starts no admin listener"
         doors.append(

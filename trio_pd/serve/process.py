@@ -101,10 +101,10 @@ async def serve_doors(
 ) -> None:
     """Every door of `router`, each served by `doors.serve_door`, around one lifespan.
 
-    The doors that outlive the drain open first (a scrape answers during start-up; a routed
-    request before the lifespan started is a 503 "starting") and close when the process is
-    done; the data port opens once the lifespan started and closes at the drain (its trigger),
-    after which the lifespan shuts down (`Router.lifespan`)."""
+    A door that does not route through the router (the metrics page) opens first, so a scrape
+    answers during start-up; the others once the lifespan started and handed the requests its
+    route table. The data port closes at the drain (its trigger), after which the lifespan shuts
+    down (`Router.lifespan`); the doors that outlive the drain close when the process is done."""
     config = router.config
     doors = {door.name: door for door in (data_door(config), *side_doors(config))}
     hc = hypercorn_config(config)
@@ -123,28 +123,31 @@ async def serve_doors(
         )  # fmt: skip
     state: dict[str, Any] = {}  # the lifespan's: every request of every door reads it
     stop = trio.Event()
+
+    async def open_door(name: DoorName, nursery: trio.Nursery) -> list[str]:
+        door = doors[name]
+        trigger = trio.sleep_forever if door.outlives_drain else stop.wait
+        serving = partial(
+            serve_door, door, door_app(door, router), listening[name], trigger, state=state,
+            data=data if name == "data" else None,
+        )  # fmt: skip
+        urls: list[str] = await nursery.start(serving)
+        return urls
+
     async with trio.open_nursery() as nursery:
         # Always: besides the signals, the drain is how a process that gave up on itself
         # (`edge/supervision.py`) stops.
         nursery.start_soon(router.drain.run, stop, signals, parent_sentinel)
-        for name, sockets in listening.items():
-            door = doors[name]
-            if door.outlives_drain:  # until the process is done
-                app = door_app(door, router)
-                await nursery.start(
-                    partial(serve_door, door, app, sockets, trio.sleep_forever, state=state)
-                )
-        urls: list[str] = []
+        for name in listening:
+            if not doors[name].routed:
+                await open_door(name, nursery)
         lifespan = run_lifespan(wrap_asgi(router, hc), hc, state)
         async with lifespan, trio.open_nursery() as drained:  # the doors the drain closes
-            for name, sockets in listening.items():
+            for name in listening:
                 door = doors[name]
-                if not door.outlives_drain:
-                    serving = partial(
-                        serve_door, door, door_app(door, router), sockets, stop.wait, state=state,
-                        data=data if name == "data" else None,
-                    )  # fmt: skip
-                    urls += await drained.start(serving)
+                if door.routed and name != "data":
+                    await open_door(name, nursery if door.outlives_drain else drained)
+            urls = await open_door("data", drained)  # the last: clients come now
             task_status.started(Serving(router, urls))
         nursery.cancel_scope.cancel(reason="served")  # the other doors end with the process
 
