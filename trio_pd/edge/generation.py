@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 GENERATION_PATHS = (payload.GENERATE, payload.COMPLETIONS, payload.CHAT)
 
 
-@attrs.define(eq=False)
+@attrs.frozen(eq=False)
 class GenerationContext:
     """What the generation routes read: config, admission, dispatch, the body parsers."""
 
