@@ -6,9 +6,10 @@ scenario run plus a combined `bench-*.json`, prints the per-scenario tables and,
 router, the teardown and storm tables that put the routers side by side, one side-by-side table of
 medians with ratios to the first router, and the storm PNG.
 
-`router-bound` (bench/router_bound.py) runs after the others as one block: it alternates its own
-targets (the floor, the instant engine alone, every router) and phases, and prints its own
-tables (medians, targets with PASS/MISS, capacity planning).
+`storm` and `router-bound` run after the others on the harness (bench/harness/run.py): each
+alternates its own targets and phases, takes its ratios against its same-run baseline (trio_pd;
+the floor) and prints its own tables; `--publish` writes their summaries under bench/published/
+(`python -m bench.publish` then rewrites docs/benchmarks.md and the README from them).
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import time
 import traceback
 from typing import Any
 
-from bench import common, overhead, router_bound, soak, storm, stream, teardown, wide
-from bench.common import print_flush
+from bench import overhead, router_bound, soak, storm, stream, teardown, wide
+from bench.harness import output, procs
+from bench.harness import run as harness
+from bench.harness.output import print_flush
 from bench.report import plot_storm, side_by_side
 
 SCENARIOS: dict[str, Any] = {
@@ -29,15 +32,14 @@ SCENARIOS: dict[str, Any] = {
     "stream": (stream.run, stream.summary, stream.COLUMNS["stream"]),
     "stream-paced": (stream.run_paced, stream.summary, stream.COLUMNS["stream-paced"]),
     "teardown": (teardown.run, teardown.summary, teardown.COLUMNS),
-    "storm": (storm.run, storm.summary, storm.COLUMNS),
     "wide": (wide.run, wide.summary, wide.COLUMNS),
     "soak": (soak.run, soak.summary, ("router", "requests", "ok", "rss_start_mb", "rss_end_mb",
                                      "rss_idle_mb", "fds_max", "fds_idle", "tcp_max", "tcp_idle")),
 }  # fmt: skip
 # Scenarios with a table of their own that puts the routers side by side (with more than one).
-COMPARE = {"teardown": teardown.compare, "storm": storm.compare}
-# Scenarios that run all their routers themselves (their own alternation and tables).
-WHOLE = {"router-bound": router_bound.run_all}
+COMPARE = {"teardown": teardown.compare}
+# Scenarios on the harness: they run all their routers themselves.
+WHOLE = {"storm": storm.SCENARIO, "router-bound": router_bound.SCENARIO}
 # `wide` (1000 concurrent streams) runs on request: `--scenarios wide`.
 DEFAULT_SCENARIOS = (
     "overhead", "stream", "stream-paced", "teardown", "storm", "soak", "router-bound",
@@ -54,11 +56,11 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"unknown scenario {name!r}; choose from {choices}")
     whole = [name for name in scenarios if name in WHOLE]
     scenarios = [name for name in scenarios if name not in WHOLE]
-    routers = common.usable_routers(routers)
+    routers = procs.usable_routers(routers)
     started = time.monotonic()
     print_flush(
         f"trio_pd bench: routers {routers}, scenarios {scenarios}, repeat {args.repeat}, "
-        f"quick={args.quick}; {common.meta()}"
+        f"quick={args.quick}; {output.meta()}"
     )
     wrk = shutil.which("wrk") or "not installed"
     print_flush(
@@ -86,37 +88,38 @@ def run(args: argparse.Namespace) -> int:
                     continue
                 result["elapsed_s"] = round(time.monotonic() - t0, 1)
                 result["repetition"] = rep + 1
-                common.write_result(f"{name}-{router}", result)
+                output.write_result(f"{name}-{router}", result)
                 results[name][router].append(result)
                 summaries[router][rep].update(SCENARIOS[name][1](result))
     whole_results: dict[str, dict[str, Any]] = {}
     for name in whole:
         try:
-            result, per_rep = WHOLE[name](routers, args.repeat, args.quick, show=False)
+            result = harness.run(WHOLE[name], routers, args.repeat, args.quick)
         except Exception as exc:
             traceback.print_exc()
             failures.append(f"{name}: {exc!r}")
             continue
-        result["results_file"] = str(common.write_result(name, result))
         whole_results[name] = result
         failures += [f"{name} {failure}" for failure in result["failures"]]
-        for rep, flat in enumerate(per_rep):
+        labels = WHOLE[name].metrics
+        for rep, flat in enumerate(result["per_repetition"]):
             for router, metrics in flat.items():
-                summaries[router][rep].update(metrics)
+                if router in routers:
+                    summaries[router][rep].update(
+                        {f"{name} {labels[k]}": v for k, v in metrics.items() if k in labels}
+                    )
+        if args.publish:
+            print_flush("published:", harness.publish(WHOLE[name], result))
     print_flush("")
     for name in scenarios:
         rows = [row for r in routers for res in results[name][r] for row in res["rows"]]
         if rows:
-            print_flush(common.table(rows, SCENARIOS[name][2], f"== {name} =="))
+            print_flush(output.table(rows, SCENARIOS[name][2], f"== {name} =="))
             print_flush("")
         ran = {r: results[name][r] for r in routers if results[name][r]}
         if name in COMPARE and len(ran) > 1:
             print_flush(COMPARE[name](ran))
             print_flush("")
-    for result in whole_results.values():
-        print_flush(router_bound.render(result))
-        print_flush("results:", result["results_file"])
-        print_flush("")
     combined: dict[str, Any] = {
         "routers": routers,
         "scenarios": scenarios + whole,
@@ -124,18 +127,19 @@ def run(args: argparse.Namespace) -> int:
         "quick": args.quick,
         "summaries": summaries,
         "failures": failures,
-        **{name: {k: r[k] for k in ("results_file", "targets", "capacity", "capacity_markdown")}
+        **{name: {k: r[k] for k in ("results_file", "medians", "ratios", "verdicts")}
            for name, r in whole_results.items()},
     }  # fmt: skip
     if len(routers) > 1 or args.repeat > 1:
         text, rows = side_by_side(summaries, reference=routers[0])
         print_flush(text)
         combined["side_by_side"] = rows
-    if "storm" in scenarios:
-        last = {r: results["storm"][r][-1] for r in routers if results["storm"][r]}
+    if "storm" in whole_results:
+        storm_runs = whole_results["storm"]["runs"]
+        last = {r["target"]: r for r in storm_runs if r["repetition"] == args.repeat}
         if last:
-            print_flush("storm plot:", plot_storm(last))
-    print_flush("results:", common.write_result("bench", combined))
+            print_flush("storm plot:", plot_storm(last, whole_results["storm"]["settings"]))
+    print_flush("results:", output.write_result("bench", combined))
     print_flush(f"total {time.monotonic() - started:.0f} s")
     for failure in failures:
         print_flush("FAILED:", failure)
@@ -147,11 +151,16 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("run", help="run scenarios")
     p.add_argument("--quick", action="store_true", help="short runs (make bench)")
-    p.add_argument("--routers", default="trio_pd", help=f"comma list of {','.join(common.ROUTERS)}")
+    p.add_argument("--routers", default="trio_pd", help=f"comma list of {','.join(procs.ROUTERS)}")
     p.add_argument(
         "--scenarios", default=None, help=f"comma list of {','.join([*SCENARIOS, *WHOLE])}"
     )
     p.add_argument("--repeat", type=int, default=None, help="default 1 (--peers: 3)")
+    p.add_argument(
+        "--publish",
+        action="store_true",
+        help="write bench/published/<scenario>.json for storm and router-bound (full runs)",
+    )
     p.add_argument(
         "--peers",
         action="store_true",
@@ -160,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.peers:
-        args.routers = args.routers if args.routers != "trio_pd" else ",".join(common.PEER_ROUTERS)
+        args.routers = args.routers if args.routers != "trio_pd" else ",".join(procs.PEER_ROUTERS)
         args.scenarios = args.scenarios or ",".join(PEER_SCENARIOS)
     if args.repeat is None:
         args.repeat = 3 if args.peers else 1

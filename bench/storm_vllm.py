@@ -32,8 +32,10 @@ from typing import Any
 import orjson
 import trio
 
-from bench import common, stats
-from bench.common import HOST, PEERS, Proc, free_port, http_get, print_flush, wait_until
+from bench import stats
+from bench.harness import cpu, output, procs
+from bench.harness.output import print_flush
+from bench.harness.procs import HOST, PEERS, Proc, free_port, http_get, wait_until
 from bench.httpc import one_request
 from bench.loadgen import sleep_until
 from bench.stats import pct
@@ -69,13 +71,13 @@ def router(kind: str, logdir: Path, prefills: list[int], decode: int) -> tuple[P
         argv = [str(PEERS / "bin" / "vllm-router"), "--vllm-pd-disaggregation", *workers,
                 "--policy", "round_robin", *off]  # fmt: skip
     else:
-        argv = [common.trio_pd_bin(), "serve", "--vllm-pd-disaggregation", *workers,
+        argv = [procs.trio_pd_bin(), "serve", "--vllm-pd-disaggregation", *workers,
                 "--policy", "round_robin", "--log-level", "warning",
                 "--prometheus-host", HOST, "--prometheus-port", str(free_port()),
                 "--admin-port", str(free_port()), *(off if kind == "trio_pd" else [])]  # fmt: skip
     proc = Proc(f"router-{kind}", argv, logdir)
     body = {"prompt": "probe", "max_tokens": 1}
-    wait_until(lambda: common.http_post(port, "/v1/completions", body) in (200, 500, 502), 60,
+    wait_until(lambda: procs.http_post(port, "/v1/completions", body) in (200, 500, 502), 60,
                f"router {kind}", proc)  # fmt: skip
     return proc, port
 
@@ -135,7 +137,7 @@ def run(kind: str, quick: bool) -> dict[str, Any]:
         procs += [healthy, broken, decode]
         router_proc, port = router(kind, logdir, [p1, p2], d)
         procs.append(router_proc)
-        meter = common.CpuMeter({"router": router_proc.pid})
+        meter = cpu.CpuMeter({"router": router_proc.pid})
         t0 = time.monotonic() + 0.2
         meter.start()
         out = trio.run(open_loop, port, s, [p1, p2], t0)
@@ -214,8 +216,8 @@ def main(argv: list[str] | None = None) -> None:
         print_flush("vllm-router is not installed (make bench-peers): trio_pd alone")
     results = [run(kind, args.quick) for kind in routers]
     rows = [r["rows"][0] for r in results]
-    print_flush(common.table(rows, COLUMNS, "== storm-vllm side by side =="))
-    path = common.write_result(NAME, {"meta": common.meta(), "results": [
+    print_flush(output.table(rows, COLUMNS, "== storm-vllm side by side =="))
+    path = output.write_result(NAME, {"meta": output.meta(), "results": [
         {k: v for k, v in r.items() if k != "records"} for r in results]})  # fmt: skip
     print_flush("wrote", path)
     if args.plot is not None:
