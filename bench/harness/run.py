@@ -79,11 +79,25 @@ class Scenario:
     load: str  # the load shape, printed with every run and published with every figure
     settings: Callable[[bool], Any]  # quick -> settings (a dict or an attrs instance)
     phases: tuple[Phase, ...]
-    baseline: str  # the same-run target every ratio is against
-    metrics: dict[str, str]  # published metric -> label, in table order
+    baseline: str  # the same-run target every ratio is against ("": the first target)
+    metrics: dict[str, str]  # published metric -> label, in table order ({}: every metric)
     verdicts: tuple[Verdict, ...] = ()
     # per repetition, across targets (e.g. latency added over the engine alone): adds metrics
     derive: Callable[[dict[str, Flat]], None] | None = None
+
+
+def adapted(name: str, load: str, runner: Callable[[str, bool], dict[str, Any]],
+            summary: Callable[[dict[str, Any]], Flat]) -> Scenario:  # fmt: skip
+    """A scenario measured router by router with `runner(router, quick)` (its own `rows`) and
+    `summary(result)` (its flat metrics), on this harness as it is; the first router is the
+    baseline."""
+
+    def measure(router: str, settings: dict[str, Any]) -> dict[str, Any]:
+        result = runner(router, settings["quick"])
+        return {**result, "metrics": summary(result)}
+
+    return Scenario(name=name, load=load, settings=lambda quick: {"quick": quick},
+                    phases=(Phase(name, list, measure),), baseline="", metrics={})  # fmt: skip
 
 
 def ratio(a: Any, b: Any) -> float | None:
@@ -140,7 +154,7 @@ def run(
         "commit": meta["commit"],
         "machine": {"nproc": meta["nproc"], "cpu_model": meta["cpu_model"]},
         "load_average": load.summary(),
-        "baseline": scenario.baseline,
+        "baseline": scenario.baseline or (targets or [""])[0],
         "targets": targets,
         "runs": runs,
         "failures": failures,
@@ -162,7 +176,7 @@ def finish(scenario: Scenario, result: dict[str, Any]) -> None:
     for flat in per_rep:
         if scenario.derive is not None:
             scenario.derive(flat)
-    base = scenario.baseline
+    base = scenario.baseline or (result["targets"] or [""])[0]
     medians: dict[str, Flat] = {}
     ratios: dict[str, Flat] = {}
     for target in result["targets"]:
@@ -186,7 +200,8 @@ def render(scenario: Scenario, result: dict[str, Any]) -> str:
     targets = result["targets"]
     base = result["baseline"]
     rows = []
-    for key, label in scenario.metrics.items():
+    found = {k: k for m in result["medians"].values() for k in m}
+    for key, label in (scenario.metrics or found).items():
         row: dict[str, Any] = {"metric": label}
         for t in targets:
             value = result["medians"].get(t, {}).get(key)
