@@ -33,18 +33,23 @@ def summary(name: str) -> dict[str, Any]:
 
 
 def num(value: Any) -> str:
-    """Three significant figures or so: 1,158 / 225 / 11.1 / 0.31; text as it is."""
+    """Three significant figures or so: 1,158 / 225 / 11.1 / 0.31 / 32; text as it is."""
     if value is None:
         return "-"
     if isinstance(value, str):
         return value
+    if float(value).is_integer():
+        return f"{int(value):,}"
     size = abs(value)
     digits = 0 if size >= 100 else 1 if size >= 10 else 2
     return f"{value:,.{digits}f}"
 
 
 def times(value: float | None) -> str:
-    return "" if value is None else f" ({value:.2f}x)"
+    if value is None:
+        return ""
+    digits = 0 if value >= 100 else 1 if value >= 10 else 2
+    return f" ({value:,.{digits}f}x)"
 
 
 def stamp(s: dict[str, Any], baseline: str) -> str:
