@@ -45,6 +45,10 @@ def num(value: Any) -> str:
     return f"{value:,.{digits}f}"
 
 
+def cores(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def times(value: float | None) -> str:
     if value is None:
         return ""
@@ -115,8 +119,8 @@ def capacity_section() -> str:
         "|---|---:|---:|---:|---:|",
     ]
     for r in router_bound.capacity(s):
-        cells = [r["router"], num(r["cpu_us_per_req"]), num(r["cores_per_1k_rps"]),
-                 num(r["cpu_us_per_event"]), num(r["cores_per_100k_tokens"])]  # fmt: skip
+        cells = [r["router"], num(r["cpu_us_per_req"]), cores(r["cores_per_1k_rps"]),
+                 num(r["cpu_us_per_event"]), cores(r["cores_per_100k_tokens"])]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -142,7 +146,7 @@ def readme_section() -> str:
         ratio = rr.get(name, {}).get("c32_cpu_us_per_req")
         return f"{g(name, 'c32_cpu_us_per_req', rm)} µs ({ratio:.2f}x the floor)" if ratio else "-"
 
-    cores = rm.get("trio_pd", {}).get("c32_cpu_us_per_req")
+    per_req = rm.get("trio_pd", {}).get("c32_cpu_us_per_req")
     return "\n".join([
         f"- In a storm of failing prefills (20 req/s, one of two prefills always 500, a decode of "
         f"16 slots; {st['date'][:10]}, commit `{st['commit'][:12]}`, medians of {st['repeat']}): "
@@ -156,7 +160,7 @@ def readme_section() -> str:
         f"`{rb['commit'][:12]}`, medians of {rb['repeat']}; ratios to a bare ASGI app on the same "
         f"serving stack measured in the same run): trio_pd {req('trio_pd')}, SMG 1.13 (Rust) "
         f"{req('smg')}, SGLang's mini_lb (Python) {req('mini_lb')}; about "
-        f"{num(None if cores is None else cores / 1000)} cores per 1,000 requests a second; "
+        f"{cores(None if per_req is None else per_req / 1000)} cores per 1,000 requests a second; "
         "`--workers N` spreads it over N cores.",
     ])  # fmt: skip
 
