@@ -121,18 +121,18 @@ def one_run(
 def run(quick: bool, rev: str, rate: float, repeat: int) -> dict[str, Any]:
     duration = 4.0 if quick else 8.0
     logdir = Path(tempfile.mkdtemp(prefix="trio-pd-bench-hostile-"))
-    procs: list[Proc] = []
+    running: list[Proc] = []
     rows: list[dict[str, Any]] = []
     try:
         prefill = procs.start_engine("prefill", logdir)
         decode = procs.start_engine("decode", logdir)
-        procs += [prefill.proc, decode.proc]
+        running += [prefill.proc, decode.proc]
         b: dict[str, int] = {}
         for name, role, mode in (("prefill", "prefill", "benign"),
                                  ("benign", "decode", "benign"),
                                  ("hostile", "decode", "hostile")):  # fmt: skip
             proc, b[name] = hostile(role, logdir, mode, rate)
-            procs.append(proc)
+            running.append(proc)
         with baseline.baseline_tree(rev) as tree:
             for rep in range(repeat):
                 for condition in CONDITIONS:
@@ -143,7 +143,7 @@ def run(quick: bool, rev: str, rate: float, repeat: int) -> dict[str, Any]:
                         rows.append(row)
                         print_flush(table([row], COLUMNS))
     finally:
-        for proc in procs:
+        for proc in running:
             proc.stop()
         shutil.rmtree(logdir, ignore_errors=True)
     return {"rows": summarize(rows), "runs": rows, "baseline": rev, "rate": rate,

@@ -106,7 +106,7 @@ def run(kind: str, quick: bool) -> dict[str, Any]:
     s = settings(quick)
     shed_part = kind.endswith("_shed")
     logdir = Path(tempfile.mkdtemp(prefix=f"overload-{kind}-"))
-    procs: list[Proc] = []
+    running: list[Proc] = []
     try:
         prefill_ms = s["shed_prefill_ms"] if shed_part else 0.2
         prefill = procs.start_engine("prefill", logdir,
@@ -121,11 +121,11 @@ def run(kind: str, quick: bool) -> dict[str, Any]:
             name="decode-saturated",
             args=["--inter-token-ms", str(s["healthy_ms"])] if shed_part else busy,
         )
-        procs += [prefill.proc, healthy.proc, saturated.proc]
+        running += [prefill.proc, healthy.proc, saturated.proc]
         port = free_port()
         router = Proc(f"router-{kind}", router_argv(kind, prefill, [healthy, saturated], port),
                       logdir)  # fmt: skip
-        procs.append(router)
+        running.append(router)
         wait_until(lambda: http_get(port, "/health") == 200, 60, f"router {kind}", router)
         probe = {"text": "probe", "sampling_params": {"max_new_tokens": 1}}
         wait_until(lambda: procs.http_post(port, "/generate", probe) == 200, 60,
@@ -137,7 +137,7 @@ def run(kind: str, quick: bool) -> dict[str, Any]:
         to_saturated = started(saturated) - before[0]
         to_healthy = started(healthy) - before[1]
     finally:
-        for proc in reversed(procs):
+        for proc in reversed(running):
             proc.stop()
         shutil.rmtree(logdir, ignore_errors=True)
     ok = [r for r in records if r["ok"]]

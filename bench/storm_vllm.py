@@ -127,23 +127,23 @@ async def open_loop(port: int, s: dict[str, Any], prefills: list[int], t0: float
 def run(kind: str, quick: bool) -> dict[str, Any]:
     s = settings(quick)
     logdir = Path(tempfile.mkdtemp(prefix=f"storm-vllm-{kind}-"))
-    procs: list[Proc] = []
+    running: list[Proc] = []
     try:
         healthy, p1 = engine("prefill-ok", logdir, ["--prefill-ms-per-token", "1"])
         broken, p2 = engine("prefill-500", logdir, ["--fault", "prefill:status:500"])
         pace = ["--inter-token-ms", str(s["inter_token_ms"]), "--max-num-seqs",
                 str(s["max_num_seqs"])]  # fmt: skip
         decode, d = engine("decode", logdir, pace)
-        procs += [healthy, broken, decode]
+        running += [healthy, broken, decode]
         router_proc, port = router(kind, logdir, [p1, p2], d)
-        procs.append(router_proc)
+        running.append(router_proc)
         meter = cpu.CpuMeter({"router": router_proc.pid})
         t0 = time.monotonic() + 0.2
         meter.start()
         out = trio.run(open_loop, port, s, [p1, p2], t0)
         meter.stop()
     finally:
-        for proc in reversed(procs):
+        for proc in reversed(running):
             proc.stop()
         shutil.rmtree(logdir, ignore_errors=True)
     records = out["records"]

@@ -97,12 +97,12 @@ def sources_at(revision: str) -> Path:
 @contextlib.contextmanager
 def started(variant: str, before: Path, sink: SpanSink) -> Iterator[Target]:
     logdir = Path(tempfile.mkdtemp(prefix="trio-pd-tc-"))
-    procs: list[procs.Proc] = []
+    running: list[procs.Proc] = []
     try:
         decode = start_instant("decode", logdir, instant_args(SETTINGS))
-        procs.append(decode.proc)
+        running.append(decode.proc)
         prefill = start_instant("prefill", logdir, instant_args(SETTINGS))
-        procs.append(prefill.proc)
+        running.append(prefill.proc)
         port = procs.free_port()
         # -P: the working directory (this tree) must not come before PYTHONPATH on sys.path,
         # or `before` would run this tree's code.
@@ -121,7 +121,7 @@ def started(variant: str, before: Path, sink: SpanSink) -> Iterator[Target]:
                 os.environ.pop("PYTHONPATH", None)
             else:
                 os.environ["PYTHONPATH"] = saved
-        procs.insert(0, router)
+        running.insert(0, router)
         procs.wait_until(lambda: procs.http_get(port, "/health") == 200, 60, variant, router)
         procs.wait_until(
             lambda: procs.http_post(port, "/generate", procs.probe_body()) == 200,
@@ -132,7 +132,7 @@ def started(variant: str, before: Path, sink: SpanSink) -> Iterator[Target]:
         yield Target(variant, port, router.pid, decode.port, "/generate",
                      [prefill.proc.pid, decode.proc.pid], router)  # fmt: skip
     finally:
-        for proc in procs:
+        for proc in running:
             with contextlib.suppress(Exception):
                 proc.stop()
         shutil.rmtree(logdir, ignore_errors=True)
