@@ -28,6 +28,7 @@ import argparse
 import shutil
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +39,7 @@ from bench import stats
 from bench.harness import output, procs
 from bench.harness.output import print_flush
 from bench.harness.procs import HOST, Proc, free_port, http_get, wait_until
-from bench.httpc import one_request
-from bench.loadgen import sleep_until
+from bench.loadgen import open_loop
 from bench.stats import pct
 
 NAME = "overload"
@@ -76,23 +76,9 @@ def router_argv(
             *off]  # fmt: skip
 
 
-async def open_loop(port: int, s: dict[str, Any], t0: float) -> list[dict[str, Any]]:
-    count = int(s["rate"] * s["seconds"])
-    records: list[dict[str, Any]] = []
-
-    async def one(i: int) -> None:
-        body = {"text": f"overload request {i} " + "word " * 20,
-                "sampling_params": {"max_new_tokens": s["tokens"], "temperature": 0}}  # fmt: skip
-        reply = await one_request(HOST, port, "POST", "/generate", orjson.dumps(body),
-                                  timeout=s["client_timeout"])  # fmt: skip
-        records.append({"t_send": reply.t_start - t0, "t_end": reply.t_end - t0,
-                        "status": reply.status, "ok": reply.ok, "error": reply.error})  # fmt: skip
-
-    async with trio.open_nursery() as nursery:
-        for i in range(count):
-            await sleep_until(t0 + i / s["rate"])
-            nursery.start_soon(one, i)
-    return records
+def body(tokens: int, i: int) -> dict[str, Any]:
+    return {"text": f"overload request {i} " + "word " * 20,
+            "sampling_params": {"max_new_tokens": tokens, "temperature": 0}}  # fmt: skip
 
 
 def started(engine: procs.Engine) -> int:
@@ -133,7 +119,8 @@ def run(kind: str, quick: bool) -> dict[str, Any]:
         time.sleep(2.5)  # two load polls: the saturated decode's figures are known
         before = (started(saturated), started(healthy))
         t0 = time.monotonic() + 0.2
-        records = trio.run(open_loop, port, s, t0)
+        records = trio.run(open_loop, port, "/generate", partial(body, s["tokens"]), s["rate"],
+                           s["seconds"], s["client_timeout"], t0)  # fmt: skip
         to_saturated = started(saturated) - before[0]
         to_healthy = started(healthy) - before[1]
     finally:

@@ -32,9 +32,9 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
-import orjson
 import trio
 
 from bench import stats, teardown
@@ -42,8 +42,7 @@ from bench.harness import procs, run
 from bench.harness.cpu import CpuMeter
 from bench.harness.output import print_flush
 from bench.harness.run import Phase, Scenario, Verdict
-from bench.httpc import one_request
-from bench.loadgen import sleep_until
+from bench.loadgen import open_loop
 from bench.stats import pct
 
 NAME = "storm"
@@ -71,34 +70,8 @@ def settings(quick: bool) -> dict[str, Any]:
     }
 
 
-async def open_loop(port: int, s: dict[str, Any], t0: float) -> list[dict[str, Any]]:
-    count = int(s["rate"] * s["seconds"])
-    records: list[dict[str, Any]] = []
-
-    async def one(i: int) -> None:
-        b: dict[str, Any] = {
-            "text": f"storm request {i}",
-            "sampling_params": {"max_new_tokens": s["tokens"]},
-        }
-        reply = await one_request(
-            procs.HOST, port, "POST", "/generate", orjson.dumps(b), timeout=s["client_timeout"]
-        )
-        records.append(
-            {
-                "i": i,
-                "t_send": reply.t_start - t0,
-                "t_end": reply.t_end - t0,
-                "status": reply.status,
-                "error": reply.error,
-                "ok": reply.ok,
-            }
-        )
-
-    async with trio.open_nursery() as nursery:
-        for i in range(count):
-            await sleep_until(t0 + i / s["rate"])
-            nursery.start_soon(one, i)
-    return records
+def storm_body(tokens: int) -> Callable[[int], dict[str, Any]]:
+    return lambda i: {"text": f"storm request {i}", "sampling_params": {"max_new_tokens": tokens}}
 
 
 def slot_intervals(events: list[dict[str, Any]], t0: float, t_end: float):
@@ -164,7 +137,8 @@ def measure(router: str, s: dict[str, Any]) -> dict[str, Any]:
         t0 = time.monotonic() + 0.2
         c0 = time.process_time()
         meter.start()
-        records = trio.run(open_loop, c.router_port, s, t0)
+        records = trio.run(open_loop, c.router_port, "/generate", storm_body(s["tokens"]),
+                           s["rate"], s["seconds"], s["client_timeout"], t0)  # fmt: skip
         meter.stop()
         loadgen_cpu = time.process_time() - c0
         t_stop = time.monotonic() - t0

@@ -37,7 +37,7 @@ from bench.harness import cpu, output, procs
 from bench.harness.output import print_flush
 from bench.harness.procs import HOST, PEERS, Proc, free_port, http_get, wait_until
 from bench.httpc import one_request
-from bench.loadgen import sleep_until
+from bench.loadgen import open_loop
 from bench.stats import pct
 
 NAME = "storm-vllm"
@@ -90,21 +90,18 @@ async def held_blocks(port: int) -> int:
         return -1
 
 
-async def open_loop(port: int, s: dict[str, Any], prefills: list[int], t0: float) -> dict:
-    count = int(s["rate"] * s["seconds"])
+async def storm_loop(port: int, s: dict[str, Any], prefills: list[int], t0: float) -> dict:
     records: list[dict[str, Any]] = []
     samples: list[tuple[float, int]] = []
     done = trio.Event()
 
-    async def one(i: int) -> None:
-        body = {"model": "sim-model", "prompt": f"storm request {i} " + "word " * 20,
+    def body(i: int) -> dict[str, Any]:
+        return {"model": "sim-model", "prompt": f"storm request {i} " + "word " * 20,
                 "max_tokens": s["tokens"]}  # fmt: skip
-        reply = await one_request(HOST, port, "POST", "/v1/completions", orjson.dumps(body),
-                                  timeout=s["client_timeout"])  # fmt: skip
+
+    def json_answer(reply: Any) -> dict[str, Any]:
         content_type = reply.headers.get("content-type", "")
-        records.append({"t_send": reply.t_start - t0, "t_end": reply.t_end - t0,
-                        "status": reply.status, "ok": reply.ok, "error": reply.error,
-                        "json": "json" in str(content_type) or reply.body[:1] == b"{"})  # fmt: skip
+        return {"json": "json" in str(content_type) or reply.body[:1] == b"{"}
 
     async def sample() -> None:
         while not done.is_set():
@@ -114,10 +111,8 @@ async def open_loop(port: int, s: dict[str, Any], prefills: list[int], t0: float
 
     async with trio.open_nursery() as outer:
         outer.start_soon(sample)
-        async with trio.open_nursery() as nursery:
-            for i in range(count):
-                await sleep_until(t0 + i / s["rate"])
-                nursery.start_soon(one, i)
+        records += await open_loop(port, "/v1/completions", body, s["rate"], s["seconds"],
+                                   s["client_timeout"], t0, json_answer)  # fmt: skip
         await trio.sleep(0.5)  # the last handoffs are read
         done.set()
     end = sum([await held_blocks(p) for p in prefills])
@@ -140,7 +135,7 @@ def run(kind: str, quick: bool) -> dict[str, Any]:
         meter = cpu.CpuMeter({"router": router_proc.pid})
         t0 = time.monotonic() + 0.2
         meter.start()
-        out = trio.run(open_loop, port, s, [p1, p2], t0)
+        out = trio.run(storm_loop, port, s, [p1, p2], t0)
         meter.stop()
     finally:
         for proc in reversed(running):
