@@ -94,3 +94,12 @@ def test_only_a_full_run_of_a_committed_tree_is_published() -> None:
     assert summary["load_average"]["samples"] >= 1
     assert summary["medians"]["router"] == {"cpu_us": 200.0}  # only the published metrics
     assert summary["ratios"]["router"] == {"cpu_us": 2.0}
+
+
+def test_a_band_on_a_ratio_already_taken_judges_the_value() -> None:
+    """`--workers 2`'s CPU per request over one worker's is derived per repetition: the verdict
+    reads it as it is (no reference) and holds it within the band."""
+    band = Verdict("w2 / w1", "cpu_vs_w1", "w2", None, "band", 0.1, "1.0x +/- 10%")
+    assert band.judge({"w2": {"cpu_vs_w1": 1.32}})["verdict"] == "MISS"
+    assert band.judge({"w2": {"cpu_vs_w1": 1.05}})["verdict"] == "PASS"
+    assert band.judge({})["verdict"] == "n/a"

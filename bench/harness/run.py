@@ -55,7 +55,7 @@ class Verdict:
     def judge(self, medians: dict[str, Flat]) -> dict[str, Any]:
         value = medians.get(self.target, {}).get(self.metric)
         ref = medians.get(self.reference, {}).get(self.metric) if self.reference else None
-        if self.kind in ("ratio", "band"):
+        if self.kind in ("ratio", "band") and self.reference is not None:
             measure = ratio(value, ref)
         elif self.kind == "diff":
             measure = None if value is None or ref is None else round(value - ref, 1)
@@ -253,7 +253,7 @@ def publish(scenario: Scenario, result: dict[str, Any]) -> Path:
 def main(scenario: Scenario, doc: str | None, argv: Sequence[str] | None, routers: str,
          repeat: int) -> int:  # fmt: skip
     """The command line of a scenario module: `[--quick] [--routers ...] [--repeat N]
-    [--publish]`."""
+    [--publish] [--from JSON]`."""
     from bench.harness import procs
 
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
@@ -267,8 +267,22 @@ def main(scenario: Scenario, doc: str | None, argv: Sequence[str] | None, router
         action="store_true",
         help=f"write bench/published/{scenario.name}.json (a full run only)",
     )
+    parser.add_argument(
+        "--from",
+        dest="saved",
+        type=Path,
+        metavar="JSON",
+        help="run nothing: judge a saved bench/results/ file again (and publish)",
+    )
     args = parser.parse_args(argv)
-    result = run(scenario, procs.usable_routers(args.routers.split(",")), args.repeat, args.quick)
+    if args.saved is not None:  # the measured commit stays the run's
+        result = orjson.loads(args.saved.read_bytes())
+        result["results_file"] = args.saved.name
+        finish(scenario, result)
+        print_flush(render(scenario, result))
+    else:
+        routers = procs.usable_routers(args.routers.split(","))
+        result = run(scenario, routers, args.repeat, args.quick)
     if args.publish:
         print_flush("published:", publish(scenario, result))
     return 1 if result["failures"] else 0
