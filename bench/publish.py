@@ -8,6 +8,7 @@ marked section by hand: re-run the scenario with `--publish`, commit its summary
 from __future__ import annotations
 
 import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,11 @@ BENCHMARKS = ROOT / "docs" / "benchmarks.md"
 README = ROOT / "README.md"
 END = "<!-- end -->"
 LABELS = {**router_bound.LABELS, "trio_pd": "trio_pd"}
+
+
+def prose(text: str, indent: str = "") -> str:
+    """Wrapped at 100 columns, as the pages are."""
+    return textwrap.fill(text, width=100, subsequent_indent=indent, break_on_hyphens=False)
 
 
 def marker(name: str) -> str:
@@ -58,7 +64,7 @@ def times(value: float | None) -> str:
 
 def stamp(s: dict[str, Any], baseline: str) -> str:
     m, load = s["machine"], s["load_average"]
-    return (
+    return prose(
         f"Measured {s['date'][:16].replace('T', ' ')} UTC at commit `{s['commit'][:12]}` on "
         f"{m['nproc']} x {m['cpu_model']}, medians of {s['repeat']} repetitions with the targets "
         f"alternating (`bench/published/{s['scenario']}.json`; raw: `bench/results/"
@@ -101,7 +107,7 @@ def router_bound_section() -> str:
     s = summary(router_bound.NAME)
     return "\n\n".join([
         stamp(s, s["baseline"]),
-        f"Load: {s['load_shape']}.",
+        prose(f"Load: {s['load_shape']}."),
         metric_table(router_bound.SCENARIO, s, s["targets"]),
         "Against the project's performance targets (medians of the same run):",
         verdict_table(s),
@@ -111,8 +117,10 @@ def router_bound_section() -> str:
 def capacity_section() -> str:
     s = summary(router_bound.NAME)
     lines = [
-        f"From the router-bound run above ({s['date'][:10]}, commit `{s['commit'][:12]}`): "
-        "non-stream CPU at c=32, one streamed token = one SSE event of the paced streams.",
+        prose(
+            f"From the router-bound run above ({s['date'][:10]}, commit `{s['commit'][:12]}`): "
+            "non-stream CPU at c=32, one streamed token = one SSE event of the paced streams."
+        ),
         "",
         "| router | CPU µs / non-stream request | cores per 1,000 req/s | CPU µs / streamed token "
         "| cores per 100,000 tokens/s |",
@@ -129,10 +137,15 @@ def storm_section() -> str:
     s = summary(storm.NAME)
     return "\n\n".join([
         stamp(s, s["baseline"]),
-        f"Load: {s['load_shape']}.",
+        prose(f"Load: {s['load_shape']}."),
         metric_table(storm.SCENARIO, s, s["targets"]),
         verdict_table(s),
     ])  # fmt: skip
+
+
+def load(s: dict[str, Any]) -> str:
+    return (f"load average {s['load_average']['min']:.0f}-{s['load_average']['max']:.0f} on "
+            f"{s['machine']['nproc']} cores")  # fmt: skip
 
 
 def readme_section() -> str:
@@ -147,9 +160,10 @@ def readme_section() -> str:
         return f"{g(name, 'c32_cpu_us_per_req', rm)} µs ({ratio:.2f}x the floor)" if ratio else "-"
 
     per_req = rm.get("trio_pd", {}).get("c32_cpu_us_per_req")
-    return "\n".join([
+    return "\n".join(prose(line, "  ") for line in [
         f"- In a storm of failing prefills (20 req/s, one of two prefills always 500, a decode of "
-        f"16 slots; {st['date'][:10]}, commit `{st['commit'][:12]}`, medians of {st['repeat']}): "
+        f"16 slots; {st['date'][:10]}, commit `{st['commit'][:12]}`, medians of {st['repeat']}, "
+        f"{load(st)}): "
         f"trio_pd delivered {g('trio_pd', 'goodput')} req/s of the 10 there were, successes' p99 "
         f"{g('trio_pd', 'ok_p99_ms')} ms, and doomed requests held decode slots for "
         f"{g('trio_pd', 'wasted_slot_s')} slot-seconds ({g('trio_pd_noabort', 'wasted_slot_s')} "
@@ -157,8 +171,9 @@ def readme_section() -> str:
         f"{g('smg', 'ok_p99_ms')} ms, {g('smg', 'wasted_slot_s')} slot-seconds), SGLang's "
         f"mini_lb {g('mini_lb', 'goodput')} req/s.",
         f"- Router CPU per non-stream request at 32 concurrent clients ({rb['date'][:10]}, commit "
-        f"`{rb['commit'][:12]}`, medians of {rb['repeat']}; ratios to a bare ASGI app on the same "
-        f"serving stack measured in the same run): trio_pd {req('trio_pd')}, SMG 1.13 (Rust) "
+        f"`{rb['commit'][:12]}`, medians of {rb['repeat']}, {load(rb)}; ratios to a bare ASGI "
+        f"app on the same serving stack measured in the same run): trio_pd {req('trio_pd')}, SMG "
+        f"1.13 (Rust) "
         f"{req('smg')}, SGLang's mini_lb (Python) {req('mini_lb')}; about "
         f"{cores(None if per_req is None else per_req / 1000)} cores per 1,000 requests a second; "
         "`--workers N` spreads it over N cores.",
