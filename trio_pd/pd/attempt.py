@@ -182,7 +182,7 @@ class Attempt:
     metrics: RouterMetrics
     request_started: float  # the client request's start: time to first token counts from it
     rules: EngineRules
-    engine: str = "sglang"  # the pair's engine (`WorkerSpec.engine`), for the outcome
+    engine: str  # the pair's engine (`WorkerSpec.engine`), for the outcome
     account: Account | None = None  # the request's share of --max-buffered-bytes
     event_limit: int = DEFAULT_EVENT_LIMIT  # --max-sse-event-bytes
     # Set once prefill's first answer is known (read, failed, or the leg ended): a decode whose
