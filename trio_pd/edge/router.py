@@ -51,7 +51,7 @@ from trio_pd.observe.metrics import RouterMetrics
 from trio_pd.pd.aborts import AbortService
 from trio_pd.pd.budget import MemoryBudget
 from trio_pd.pd.dispatch import DispatchContext
-from trio_pd.pd.relay import error_frame
+from trio_pd.pd.frames import error_frame
 from trio_pd.respond import Responder, deny_websocket, final_status
 from trio_pd.upstream.destinations import Destinations, parse_allow
 from trio_pd.upstream.headers import RouterKeys
