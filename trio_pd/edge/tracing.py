@@ -50,7 +50,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 import trio_pd
 from trio_pd.asgi import ClientGone
-from trio_pd.errors import RouterError
+from trio_pd.errors import RouterError, first_router_error
 from trio_pd.pd.outcome import LegFailure, LegSuccess
 from trio_pd.respond import CLIENT_GONE_STATUS, final_status
 
@@ -273,16 +273,6 @@ class RequestTrace:
         if status >= 500:
             span.set_status(Status(StatusCode.ERROR, f"status {status}"))
         span.end()
-
-
-def first_router_error(group: BaseExceptionGroup) -> RouterError:
-    found = group.subgroup(RouterError)
-    assert found is not None
-    error: BaseException = found
-    while isinstance(error, BaseExceptionGroup):
-        error = error.exceptions[0]
-    assert isinstance(error, RouterError)
-    return error
 
 
 class AttemptTrace:
