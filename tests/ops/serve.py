@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import resource
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import attrs
 import httpx2
@@ -30,6 +33,17 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def taking_turns_for(port: int) -> Iterator[int]:
+    """A fixed port (SGLang's default bootstrap port, which a published command line implies)
+    taken in turn by every test process on this machine, the suite's xdist workers and other
+    checkouts' suites alike: an exclusive lock on a file named by the port, held by the test
+    until it ends. Two tests that both bind 8998 failed `make test` once, side by side."""
+    with open(Path(tempfile.gettempdir()) / f"trio_pd-tests-port-{port}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a sync fixture: waits before the test's trio run
+        yield port
 
 
 @attrs.define

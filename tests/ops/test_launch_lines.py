@@ -19,7 +19,7 @@ import trio
 
 from tests.conftest import start_engine
 from tests.ops.serve import ServeProcess, free_port
-from tests.ops.test_sglang_command_lines import DEFAULT_BOOTSTRAP_PORT, as_trio_pd, served_by
+from tests.ops.test_sglang_command_lines import as_trio_pd, served_by
 from tests.router.helpers import generate_body
 from tests.test_launch import help_examples
 
@@ -33,14 +33,16 @@ async def start_launch(argv: list[str], port: int, log_path: Path) -> ServeProce
     return served
 
 
-async def test_smg_help_pd_line_routes(nursery: trio.Nursery, tmp_path: Path) -> None:
+async def test_smg_help_pd_line_routes(
+    nursery: trio.Nursery, tmp_path: Path, default_bootstrap_port: int
+) -> None:
     """Two prefills (bootstrap port 9000, and none), two decodes, cache_aware."""
     line = "python -m smg.launch_router " + " ".join(help_examples()[1])
     assert "--prefill http://prefill1:8000 9000 --prefill http://prefill2:8000" in line
     engines = {
         "http://prefill1:8000": await start_engine(nursery, "prefill"),
         "http://prefill2:8000": await start_engine(
-            nursery, "prefill", bootstrap_port=DEFAULT_BOOTSTRAP_PORT
+            nursery, "prefill", bootstrap_port=default_bootstrap_port
         ),
         "http://decode1:8001": await start_engine(nursery, "decode"),
         "http://decode2:8001": await start_engine(nursery, "decode"),

@@ -23,8 +23,6 @@ from tests.ops.serve import ServeProcess, free_port
 from tests.router.helpers import generate_body
 from trio_pd.testing.engine import EngineHandle
 
-DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
-
 # SMG's README at the sglang-router 0.3.2 release (lightseekorg/smg c7f9bf9f5, README.md,
 # "Prefill/Decode Disaggregation (PD)", Python launcher).
 SMG_README_PD = (
@@ -82,12 +80,14 @@ def served_by(engine: EngineHandle) -> int:
     return len(engine.events.find("request_start"))
 
 
-async def test_smg_readme_pd_line(nursery: trio.Nursery, tmp_path: Path) -> None:
+async def test_smg_readme_pd_line(
+    nursery: trio.Nursery, tmp_path: Path, default_bootstrap_port: int
+) -> None:
     """Two prefills (one with bootstrap port 9001, one without), two decodes, cache_aware."""
     engines = {
         "http://prefill1:30001": await start_engine(nursery, "prefill"),
         "http://prefill2:30002": await start_engine(
-            nursery, "prefill", bootstrap_port=DEFAULT_BOOTSTRAP_PORT
+            nursery, "prefill", bootstrap_port=default_bootstrap_port
         ),
         "http://decode1:30011": await start_engine(nursery, "decode"),
         "http://decode2:30012": await start_engine(nursery, "decode"),
@@ -116,10 +116,12 @@ async def test_smg_readme_pd_line(nursery: trio.Nursery, tmp_path: Path) -> None
         await router.stop()
 
 
-async def test_sglang_docs_pd_line(nursery: trio.Nursery, tmp_path: Path) -> None:
+async def test_sglang_docs_pd_line(
+    nursery: trio.Nursery, tmp_path: Path, default_bootstrap_port: int
+) -> None:
     engines = {
         "http://127.0.0.1:30000": await start_engine(
-            nursery, "prefill", bootstrap_port=DEFAULT_BOOTSTRAP_PORT
+            nursery, "prefill", bootstrap_port=default_bootstrap_port
         ),
         "http://127.0.0.1:30001": await start_engine(nursery, "decode"),
     }
@@ -142,10 +144,12 @@ async def test_sglang_docs_pd_line(nursery: trio.Nursery, tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("line", [SMG_README_MINI_LB])
-async def test_smg_readme_mini_lb_line(nursery: trio.Nursery, tmp_path: Path, line: str) -> None:
+async def test_smg_readme_mini_lb_line(
+    nursery: trio.Nursery, tmp_path: Path, default_bootstrap_port: int, line: str
+) -> None:
     engines = {
         "http://localhost:30001": await start_engine(
-            nursery, "prefill", bootstrap_port=DEFAULT_BOOTSTRAP_PORT
+            nursery, "prefill", bootstrap_port=default_bootstrap_port
         ),
         "http://localhost:30011": await start_engine(nursery, "decode"),
     }
