@@ -258,10 +258,9 @@ async def test_the_kv_gauges_sync_across_processes(
     await cluster.client.aclose()
 
 
-async def test_long_prompts_route_by_their_head_and_chat_stays_out(nursery, tokenizer) -> None:
-    """A prompt past the routing text's cap (32768 characters) is hashed from its head, cut at a
-    word; chat (its template is the engine's) uses the approximate tree; neither feeds the
-    self-check, whose prompt length it cannot know."""
+async def test_long_prompts_are_hashed_whole(nursery, tokenizer) -> None:
+    """A prompt past the routing text's cap (32768 characters) is tokenized from the body, whole:
+    routed to its holder, and the engine's report feeds the self-check."""
     cluster = await kv_cluster(nursery, tokenizer)
     url = cluster.prefills[1].url
     long = " ".join(prompt(seed) for seed in range(220))  # ~8,800 words, past the cap
@@ -269,14 +268,69 @@ async def test_long_prompts_route_by_their_head_and_chat_stays_out(nursery, toke
     await warm(cluster.prefills[1], long)
     await wait_kv(cluster, url, lambda kv: kv["blocks"] > 2000)
     assert await routed(cluster, "long", long + f" {WORDS[3]}") == 1
-    policy = cluster.router.fleet.kv_policy()
-    probes = policy.probes
-    chat = {"model": "sim-model", "messages": [{"role": "user", "content": prompt(1)}]}
-    answer = await cluster.client.post("/v1/chat/completions", json=chat)
+    check = (await kv_of(cluster))[url]["self_check"]
+    assert check["samples"] == 1 and check["error"] == 0.0, check
+    await cluster.client.aclose()
+
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+def with_chat_template(path: str, template: str) -> str:
+    """The test model with a chat template: the simulator's chat ids are its messages' words
+    (`workload.parse_workload`), which this template renders."""
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template}
+    (Path(path) / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+async def routed_chat(cluster, rid: str, body: dict[str, Any]) -> int:
+    answer = await cluster.client.post(
+        "/v1/chat/completions", json={"model": "sim-model", "max_tokens": 2, **body},
+        headers={"x-request-id": rid},
+    )  # fmt: skip
     assert answer.status_code == 200, answer.text
-    assert policy.probes == probes  # never tokenized as if it were the prompt
+    [p] = who_started(cluster.prefills, rid)
+    return p
+
+
+async def test_chat_and_token_ids_route_by_what_the_engine_holds(nursery, tokenizer) -> None:
+    """A chat request is scored by the ids of the model's chat template, `/generate` and
+    completions `input_ids` by the ids as given (nothing tokenized); a chat the router cannot
+    render as the engine does (tools, media) is left to the approximate tree."""
+    cluster = await kv_cluster(nursery, with_chat_template(tokenizer, CHAT_TEMPLATE))
+    urls = [e.url for e in cluster.prefills]
+    for seed, holder in ((1, 1), (2, 0), (3, 1)):
+        await warm(cluster.prefills[holder], prompt(seed))
+    await wait_kv(cluster, urls[1], lambda kv: kv["blocks"] == 20)
+    await wait_kv(cluster, urls[0], lambda kv: kv["blocks"] == 10)
+    policy = cluster.router.fleet.kv_policy()
+    words = prompt(1).split()
+    chat = {"messages": [
+        {"role": "system", "content": " ".join(words[:17])},
+        {"role": "user", "content": [{"type": "text", "text": " ".join(words[17:])}]},
+        {"role": "user", "content": f"{WORDS[5]} {WORDS[6]}"},
+    ]}  # fmt: skip
+    assert await routed_chat(cluster, "chat-1", chat) == 1
+    ids = [word_id(w) for w in prompt(2).split()] + [word_id(WORDS[7])]
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}
+    answer = await cluster.client.post("/generate", json=body, headers={"x-request-id": "ids-2"})
+    assert answer.status_code == 200, answer.text
+    assert who_started(cluster.prefills, "ids-2") == [0]
+    completion = {"model": "sim-model", "prompt": [word_id(w) for w in prompt(3).split()]}
+    answer = await cluster.client.post(
+        "/v1/completions", json={**completion, "max_tokens": 2}, headers={"x-request-id": "ids-3"}
+    )
+    assert answer.status_code == 200, answer.text
+    assert who_started(cluster.prefills, "ids-3") == [1]
+    assert (policy.precise_choices, policy.fallback_choices) == (3, 0)  # all three by the index
     kv = await kv_of(cluster)
-    assert all(k["self_check"]["samples"] == 0 for k in kv.values()), kv
+    assert kv[urls[0]]["self_check"]["samples"] == 1  # /generate reported its cached tokens
+    assert kv[urls[0]]["self_check"]["error"] == 0.0, kv
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    await routed_chat(cluster, "chat-tools", {**chat, "tools": tools})
+    await routed_chat(cluster, "chat-none", {**chat, "tools": tools, "tool_choice": "none"})
+    assert (policy.precise_choices, policy.fallback_choices) == (4, 1)  # tools: approximate
     await cluster.client.aclose()
 
 

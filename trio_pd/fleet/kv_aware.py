@@ -1,7 +1,8 @@
 """`kv_aware`: prefill chosen by what the engines' own KV events say they hold.
 
-vllm-router's name for it. Before selection the prompt is tokenized as the engine does
-(`kv_tokens.py`, a worker thread) and hashed at each advertised block size (`kv_hash.py`):
+vllm-router's name for it. Before selection the prompt's ids are made as the engine makes them
+(`kv_tokens.py`, a worker thread: text tokenized, chat through the model's chat template,
+token ids as given) and hashed at each advertised block size (`kv_hash.py`):
 a `KvProbe` in the request's hints. Among candidates that are all `precise` (`kv_feeds.py`):
 1. loads imbalanced by both `--balance-abs-threshold` and `--balance-rel-threshold`: the least
    loaded (as cache_aware);
@@ -9,10 +10,10 @@ a `KvProbe` in the request's hints. Among candidates that are all `precise` (`kv
    than `--cache-threshold` of the prompt (ties: least loaded, then at random); else the least
    loaded.
 When any candidate is not precise (no publisher, syncing, stale, or its self-check tripped), or
-the prompt could not be tokenized (no text, too long), the approximate tree (`cache_aware`)
-chooses, and `kv_feeds` says why per worker. The tree gets every routed text either way, so
-it is warm when needed. After the request, `observe` feeds the engine's reported cached tokens
-to the chosen worker's self-check (`kv_check.py`).
+the prompt's ids could not be known (too long, a batch, tools or media in a chat), the
+approximate tree (`cache_aware`) chooses, and `kv_feeds` says why per worker. The tree gets
+every routed text either way, so it is warm when needed. After the request, `observe` feeds the
+engine's reported cached tokens to the chosen worker's self-check (`kv_check.py`).
 """
 
 from __future__ import annotations
@@ -74,27 +75,23 @@ class KvAwarePolicy:
 
     # -- before selection ----------------------------------------------------------------------
 
-    async def probe(self, text: str | None, capped: bool = False) -> KvProbe | None:
-        """The prompt's tokens and block hashes at every block size a subscribed worker uses.
-        `capped`: `text` is the head of a longer prompt (the routing text's cap): it is cut at
-        its last whitespace and its last token dropped, so its tokens are the full prompt's
-        (whitespace-splitting tokenizers), and the self-check skips it (its length is unknown)."""
+    async def probe(self, path: str, body: bytes) -> KvProbe | None:
+        """The prompt's ids as the engine will make them (`kv_tokens.py`: text tokenized, a
+        chat rendered by the model's template, token ids taken as given) and their block hashes
+        at every block size a subscribed worker uses; None when it cannot be known (the
+        approximate tree routes it)."""
         # Each block size's indexes (the dicts themselves: a thread's `in` is atomic under the
         # GIL), so hashing stops at the first block no worker holds.
         indexes: dict[int, list[dict[int, None]]] = {}
         for kv in self.feeds.by_id.values():
             indexes.setdefault(kv.block_size, []).extend(f.index.blocks for f in kv.feeds)
-        if not text or self.tokenizer is None or not indexes:
+        if self.tokenizer is None or not indexes:
             return None
         started = trio.current_time()
         self.probes += 1
-        if capped:
-            text = text.rsplit(None, 1)[0] if text.strip() else ""
-        tokens = await self.tokenizer.tokens(text)
+        tokens = await self.tokenizer.tokens(path, body)
         if not tokens:
             return None
-        if capped:
-            tokens = tokens[:-1]
 
         def hash_all() -> dict[int, list[int]]:
             return {
@@ -103,7 +100,7 @@ class KvAwarePolicy:
             }
 
         hashes = await trio.to_thread.run_sync(hash_all, limiter=self.tokenizer.limiter)
-        return KvProbe(len(tokens), hashes, started, capped)
+        return KvProbe(len(tokens), hashes, started)
 
     # -- selection -----------------------------------------------------------------------------
 
@@ -161,7 +158,7 @@ class KvAwarePolicy:
         and (when the engine stored new blocks) the event now due from it."""
         predicted = probe.predicted.get(worker.id)
         kv = self.feeds.get(worker)
-        if predicted is None or kv is None or reported is None or probe.capped:
+        if predicted is None or kv is None or reported is None:
             return
         if probe.quiet:
             kv.check.observe(predicted, reported, probe.tokens)

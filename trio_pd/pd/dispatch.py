@@ -42,7 +42,7 @@ from trio_pd.pd.injection import (
     splice,
 )
 from trio_pd.pd.outcome import FailureHistory, LegFailure, LegSuccess, record_outcome
-from trio_pd.pd.payload import COMPLETIONS, GENERATE, Inspected
+from trio_pd.pd.payload import GENERATE, Inspected
 from trio_pd.pd.samples import dispatch_samples
 from trio_pd.pd.trace import RequestTrace
 from trio_pd.pd.vllm_attempt import VllmAttempt, VllmBodies, engine_headers
@@ -125,10 +125,10 @@ async def dispatch(
     inspected = request.inspected
     kv = ctx.fleet.kv_policy()
     probe = None
-    # kv_aware: a text prompt the engine tokenizes as it is (chat goes through the model's chat
-    # template, a batch is several prompts: those use the approximate tree).
-    if kv is not None and request.path in (GENERATE, COMPLETIONS) and inspected.batch is None:
-        probe = await kv.probe(inspected.text, capped=inspected.length > len(inspected.text or ""))
+    # kv_aware: the prompt's ids as the engine makes them (a batch is several prompts: the
+    # approximate tree routes it).
+    if kv is not None and inspected.batch is None:
+        probe = await kv.probe(request.path, inspected.body)
     hints = RouteHints(
         inspected.text, inspected.length, request.routing_key, model, request.affinity, probe
     )
