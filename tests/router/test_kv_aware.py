@@ -372,3 +372,23 @@ async def test_workers_added_and_removed_are_subscribed_and_unsubscribed(
     assert extra.url not in await kv_of(cluster)
     await cluster.client.aclose()
     await cluster.admin.aclose()
+
+
+async def test_a_prefill_back_from_failed_health_checks_is_resynced(nursery, tokenizer) -> None:
+    """An engine restarted on its own ports publishes nothing until its first prefill: the
+    router resubscribes a worker whose health checks failed once it is healthy again, so the
+    cache it lost is gone from the index before any new event (the sequence going back to 0
+    would only show at that event)."""
+    cluster = await kv_cluster(nursery, tokenizer)
+    engine, url = cluster.prefills[1], cluster.prefills[1].url
+    await warm(engine, prompt(1))
+    await wait_kv(cluster, url, lambda kv: kv["blocks"] == 10)
+    engine.state.health_status = 503
+    await wait_kv(cluster, url, lambda kv: kv["down"])
+    engine.state.kv.restart()  # a new engine process meanwhile: empty cache, no event yet
+    engine.state.health_status = 200
+    kv = await wait_kv(cluster, url, lambda kv: kv["rejoins"] == 1)
+    kv = await wait_kv(cluster, url, lambda kv: kv["state"] == "precise")
+    assert kv["blocks"] == 0 and kv["restarts"] == 0 and not kv["partial"], kv
+    assert (await kv_of(cluster))[cluster.prefills[0].url]["rejoins"] == 0
+    await cluster.client.aclose()
