@@ -392,3 +392,27 @@ async def test_a_prefill_back_from_failed_health_checks_is_resynced(nursery, tok
     assert kv["blocks"] == 0 and kv["restarts"] == 0 and not kv["partial"], kv
     assert (await kv_of(cluster))[cluster.prefills[0].url]["rejoins"] == 0
     await cluster.client.aclose()
+
+
+async def test_evictions_leave_the_index_what_the_engine_holds(nursery, tokenizer) -> None:
+    """A prefill with a 100-token KV pool evicts (BlockRemoved): the router's index holds the
+    very blocks the engine does, and an evicted prompt is predicted as the engine reports it."""
+    prefills = [
+        await start_engine(
+            nursery, "prefill", kv_events_config=KV_CONFIG, page_size=PAGE, max_total_tokens=100
+        )
+        for _ in range(2)
+    ]
+    cluster = await router_for(nursery, prefills, [await start_engine(nursery, "decode")],
+                               tokenizer)  # fmt: skip
+    engine, url = prefills[1], prefills[1].url
+    for seed in range(4):  # 4 x 10 blocks into a 25-block pool
+        await warm(engine, prompt(seed), room=8 + seed)
+    kv = await wait_kv(cluster, url, lambda kv: kv["removed"] >= 15)
+    [rank] = engine.state.kv.caches
+    assert kv["blocks"] == len(rank.blocks) == 25 and kv["removed"] == 15, kv
+    assert await routed(cluster, "kept", prompt(3) + f" {WORDS[4]}") == 1  # still held
+    await routed(cluster, "evicted", prompt(0) + f" {WORDS[4]}")  # gone from both
+    check = (await kv_of(cluster))[url]["self_check"]
+    assert check["error"] == 0.0, check
+    await cluster.client.aclose()
