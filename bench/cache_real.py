@@ -54,7 +54,7 @@ PROBE = {"text": "warm up", "sampling_params": {"max_new_tokens": 1}}
 METRIC = re.compile(r"^(sglang:(?:cached|prompt)_tokens_total)\{[^}]*\} ([0-9.e+]+)$", re.M)
 
 
-def start_engines(logdir: Path) -> list[Engine]:
+def start_engines(logdir: Path, pool: int) -> list[Engine]:
     """Two prefills (KV events, small pools, metrics) and a decode, started together."""
     ports = distinct_free_ports(9)
     engines = []
@@ -65,7 +65,7 @@ def start_engines(logdir: Path) -> list[Engine]:
             "replay_endpoint": f"tcp://127.0.0.1:{replay}",
         }  # fmt: skip
         extra = (
-            "--kv-events-config", json.dumps(events), "--max-total-tokens", str(POOL_TOKENS),
+            "--kv-events-config", json.dumps(events), "--max-total-tokens", str(pool),
             "--enable-metrics", "--enable-cache-report",
         )  # fmt: skip
         command = engine_command("prefill", port, bootstrap_port=bootstrap, extra_args=extra)
@@ -220,7 +220,7 @@ def main(args: argparse.Namespace) -> None:
     before = sglang_shm_files()
     with tempfile.TemporaryDirectory(prefix="bench-cache-real-") as tmp:
         logdir = Path(tmp)
-        engines = start_engines(logdir)
+        engines = start_engines(logdir, args.pool)
         try:
             results = [run_row(row, engines, prompts, args, logdir) for row in rows]
         finally:
@@ -232,10 +232,11 @@ def main(args: argparse.Namespace) -> None:
                     os.unlink(os.path.join("/dev/shm", name))
     setup = (f"{len(prompts)} requests, {args.tenants} tenants, {args.sessions} sessions x "
              f"{args.turns} turns, {args.concurrency} clients; 2 router replicas; real SGLang "
-             f"0.5.23: 2 prefills ({POOL_TOKENS}-token KV pools, page 1), 1 decode")  # fmt: skip
+             f"0.5.23: 2 prefills ({args.pool}-token KV pools, page 1), 1 decode")  # fmt: skip
     columns = ["policy", "cached/prompt", "prompt tokens", "p50 ms", "p99 ms",
                "router cpu ms/req", "self-check error", "failures", "wall s"]  # fmt: skip
-    print(common.table(results, columns, setup))
+    shown = [{**r, "cached/prompt": f"{r['cached/prompt']:.3f}"} for r in results]
+    print(common.table(shown, columns, setup))
     path = common.write_result("cache-real", {"setup": setup, "rows": results})
     print(f"written {path}")
 
@@ -248,6 +249,7 @@ def cli(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--pool", type=int, default=POOL_TOKENS, help="each prefill's KV tokens")
     # A `timeout` or Ctrl-C still reaches the finally that kills the engines (own sessions).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     main(parser.parse_args(argv))

@@ -416,3 +416,23 @@ async def test_evictions_leave_the_index_what_the_engine_holds(nursery, tokenize
     check = (await kv_of(cluster))[url]["self_check"]
     assert check["error"] == 0.0, check
     await cluster.client.aclose()
+
+
+async def test_a_prompt_no_engine_holds_goes_where_it_went_before(nursery, tokenizer) -> None:
+    """Rule 3: when no engine holds enough of a prompt (evicted, flushed), the approximate
+    tree's routing history chooses, so a tenant stays on one prefill and its prefix is cached
+    there again; the least loaded would scatter it (a 1 in 64 chance of passing here)."""
+    cluster = await kv_cluster(nursery, tokenizer)
+    first = [await routed(cluster, f"first-{seed}", prompt(seed)) for seed in range(6)]
+    assert set(first) == {0, 1}, first  # by the tree: the prefill with the least routed text
+    async with httpx2.AsyncClient() as client:
+        for engine in cluster.prefills:
+            assert (await client.post(engine.url + "/flush_cache")).status_code == 200
+    for url in (e.url for e in cluster.prefills):
+        await wait_kv(cluster, url, lambda kv: kv["cleared"] == 1 and kv["blocks"] == 0)
+    policy = cluster.router.fleet.kv_policy()
+    precise = policy.precise_choices
+    again = [await routed(cluster, f"again-{seed}", prompt(seed) + " " + WORDS[seed])
+             for seed in range(6)]  # fmt: skip
+    assert again == first and policy.precise_choices == precise + 6, (first, again)
+    await cluster.client.aclose()

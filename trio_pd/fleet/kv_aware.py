@@ -7,8 +7,12 @@ a `KvProbe` in the request's hints. Among candidates that are all `precise` (`kv
 1. loads imbalanced by both `--balance-abs-threshold` and `--balance-rel-threshold`: the least
    loaded (as cache_aware);
 2. else the candidate holding the longest prefix of the prompt's blocks, if that prefix is more
-   than `--cache-threshold` of the prompt (ties: least loaded, then at random); else the least
-   loaded.
+   than `--cache-threshold` of the prompt (ties: least loaded, then at random);
+3. else (no engine holds enough of it) the approximate tree's choice: where this text went
+   before, else the prefill with the least routed text. Routing history keeps a tenant on one
+   prefill while its prefix is evicted and comes back; the least loaded would spread it over
+   all of them and multiply the working set (measured on real engines with small KV pools:
+   docs/benchmarks.md).
 When any candidate is not precise (no publisher, syncing, stale, or its self-check tripped), or
 the prompt's ids could not be known (too long, a batch, tools or media in a chat), the
 approximate tree (`cache_aware`) chooses, and `kv_feeds` says why per worker. The tree gets
@@ -111,14 +115,15 @@ class KvAwarePolicy:
             kvs = [self.feeds.get(w) for w in candidates]
             if all(kv is not None and kv.state() == "precise" for kv in kvs):
                 chosen = self._pick(candidates, kvs, probe)  # type: ignore[arg-type]
+                self.precise_choices += 1
+                if chosen is None:  # nothing held worth it: by routing history (rule 3)
+                    chosen = self.approximate.choose(candidates, hints)
+                elif hints.text:
+                    self.approximate.record(hints.text, chosen)
         if chosen is None:
             if len(candidates) > 1:
                 self.fallback_choices += 1
             chosen = self.approximate.choose(candidates, hints)
-        else:
-            self.precise_choices += 1
-            if hints.text:
-                self.approximate.record(hints.text, chosen)
         if probe is not None:
             kv = self.feeds.get(chosen)
             if kv is not None:
@@ -133,7 +138,7 @@ class KvAwarePolicy:
 
     def _pick(
         self, candidates: Sequence[Worker], kvs: Sequence[WorkerKv], probe: KvProbe
-    ) -> Worker:
+    ) -> Worker | None:
         cfg = self.config
         loads = [w.load() for w in candidates]
         low, high = min(loads), max(loads)
@@ -144,7 +149,7 @@ class KvAwarePolicy:
         if best > 0 and best / max(probe.tokens, 1) > cfg.cache_threshold:
             holders = [i for i, m in enumerate(matched) if m == best]
             return self._least_loaded([candidates[i] for i in holders], [loads[i] for i in holders])
-        return self._least_loaded(candidates, loads)
+        return None
 
     def _least_loaded(self, candidates: Sequence[Worker], loads: Sequence[int]) -> Worker:
         low = min(loads)
