@@ -191,6 +191,8 @@ def run_row(row: str, engines: list[Engine], prompts: list[str], args: argparse.
         errors = [k["self_check"]["error"] for _, port in replicas for k in kv_workers(port)
                   if row == "kv_aware" and k.get("self_check", {}).get("samples")]  # fmt: skip
         routers_cpu = sum(v for k, v in cpu.items() if k != "machine")
+        trips = sum(p.log.read_text(errors="replace").count("disagree with the KV index")
+                    for p, _ in replicas)  # fmt: skip
         latencies.sort()
         return {
             "policy": row,
@@ -202,6 +204,7 @@ def run_row(row: str, engines: list[Engine], prompts: list[str], args: argparse.
             ),
             "router cpu ms/req": round(routers_cpu / len(prompts) * 1e3, 2),
             "self-check error": round(sum(errors) / len(errors), 4) if errors else None,
+            "self-check trips": trips if row == "kv_aware" else None,
             "failures": failures,
             "wall s": round(meter.wall, 1),
         }
@@ -233,8 +236,8 @@ def main(args: argparse.Namespace) -> None:
     setup = (f"{len(prompts)} requests, {args.tenants} tenants, {args.sessions} sessions x "
              f"{args.turns} turns, {args.concurrency} clients; 2 router replicas; real SGLang "
              f"0.5.23: 2 prefills ({args.pool}-token KV pools, page 1), 1 decode")  # fmt: skip
-    columns = ["policy", "cached/prompt", "prompt tokens", "p50 ms", "p99 ms",
-               "router cpu ms/req", "self-check error", "failures", "wall s"]  # fmt: skip
+    columns = ["policy", "cached/prompt", "prompt tokens", "p50 ms", "p99 ms", "router cpu ms/req",
+               "self-check error", "self-check trips", "failures", "wall s"]  # fmt: skip
     shown = [{**r, "cached/prompt": f"{r['cached/prompt']:.3f}"} for r in results]
     print(common.table(shown, columns, setup))
     path = common.write_result("cache-real", {"setup": setup, "rows": results})
