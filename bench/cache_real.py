@@ -225,7 +225,8 @@ def main(args: argparse.Namespace) -> None:
         logdir = Path(tmp)
         engines = start_engines(logdir, args.pool)
         try:
-            results = [run_row(row, engines, prompts, args, logdir) for row in rows]
+            runs = [run_row(row, engines, prompts, args, logdir)
+                    for _ in range(args.repeat) for row in rows]  # fmt: skip
         finally:
             for engine in engines:
                 with contextlib.suppress(Exception):
@@ -238,10 +239,36 @@ def main(args: argparse.Namespace) -> None:
              f"0.5.23: 2 prefills ({args.pool}-token KV pools, page 1), 1 decode")  # fmt: skip
     columns = ["policy", "cached/prompt", "prompt tokens", "p50 ms", "p99 ms", "router cpu ms/req",
                "self-check error", "self-check trips", "failures", "wall s"]  # fmt: skip
-    shown = [{**r, "cached/prompt": f"{r['cached/prompt']:.3f}"} for r in results]
-    print(common.table(shown, columns, setup))
-    path = common.write_result("cache-real", {"setup": setup, "rows": results})
+    results = [summary(row, [r for r in runs if r["policy"] == row]) for row in rows]
+    shown = [{**r, "cached/prompt": " ".join(f"{v:.3f}" for v in r["cached/prompt"])}
+             for r in results]  # fmt: skip
+    print(common.table(shown, columns, setup + f"; {args.repeat} run(s) a row, medians"))
+    path = common.write_result("cache-real", {"setup": setup, "rows": results, "runs": runs})
     print(f"written {path}")
+
+
+def summary(row: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A row over its runs: every ratio (run order), the medians, the self-check's worst."""
+
+    def median(key: str) -> Any:
+        values = sorted(r[key] for r in runs if r[key] is not None)
+        return values[len(values) // 2] if values else None
+
+    return {
+        "policy": row,
+        "cached/prompt": [r["cached/prompt"] for r in runs],
+        **{
+            key: median(key)
+            for key in ("prompt tokens", "p50 ms", "p99 ms", "router cpu ms/req", "wall s")
+        },
+        "self-check error": max(
+            (r["self-check error"] for r in runs if r["self-check error"] is not None), default=None
+        ),
+        "self-check trips": sum(r["self-check trips"] or 0 for r in runs)
+        if row == "kv_aware"
+        else None,
+        "failures": sum(r["failures"] for r in runs),
+    }
 
 
 def cli(argv: list[str] | None = None) -> None:
@@ -252,6 +279,7 @@ def cli(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--repeat", type=int, default=1, help="runs of every row, interleaved")
     parser.add_argument("--pool", type=int, default=POOL_TOKENS, help="each prefill's KV tokens")
     # A `timeout` or Ctrl-C still reaches the finally that kills the engines (own sessions).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
