@@ -436,3 +436,41 @@ async def test_a_prompt_no_engine_holds_goes_where_it_went_before(nursery, token
              for seed in range(6)]  # fmt: skip
     assert again == first and policy.precise_choices == precise + 6, (first, again)
     await cluster.client.aclose()
+
+
+def test_what_the_router_cannot_know_is_left_to_the_approximate_tree(tokenizer) -> None:
+    """Media, both text and ids, batches of ids, tools, a chat without a template: no ids."""
+    from trio_pd.fleet.kv_tokens import CHAT, COMPLETIONS, GENERATE, PromptTokenizer
+
+    tok = PromptTokenizer(tokenizer)  # no chat template in this model directory
+    ids = PromptTokenizer.prompt_ids
+    text = prompt(1)
+    assert ids(tok, GENERATE, json.dumps({"text": text}).encode()) == [
+        word_id(w) for w in text.split()
+    ]
+    assert ids(tok, GENERATE, json.dumps({"input_ids": [5, 6]}).encode()) == [5, 6]
+    for path, body in (
+        (GENERATE, {"text": text, "image_data": "http://x/a.png"}),
+        (GENERATE, {"text": text, "input_ids": [5]}),
+        (GENERATE, {"input_ids": [5, -1]}),
+        (GENERATE, {"input_ids": [5, True]}),
+        (COMPLETIONS, {"prompt": [[5, 6]]}),
+        (CHAT, {"messages": [{"role": "user", "content": text}]}),
+    ):
+        assert ids(tok, path, json.dumps(body).encode()) is None, body
+    assert ids(tok, CHAT, json.dumps({"messages": [], "input_ids": [7]}).encode()) == [7]
+    chat = PromptTokenizer(with_chat_template(tokenizer, CHAT_TEMPLATE))
+    user = {"role": "user", "content": text}
+    assert ids(chat, CHAT, json.dumps({"messages": [user]}).encode()) == [
+        word_id(w) for w in text.split()
+    ]
+    image = {"type": "image_url", "image_url": {"url": "http://x/a.png"}}
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for body in (
+        {"messages": [user], "tools": tools},
+        {"messages": [{"role": "user", "content": [image]}]},
+        {"messages": [user, {"role": "assistant", "content": "x", "tool_calls": [{}]}]},
+        {"messages": [user], "continue_final_message": True},
+        {"messages": [user], "chat_template_kwargs": {"tokenize": True}},
+    ):
+        assert ids(chat, CHAT, json.dumps(body).encode()) is None, body

@@ -12,8 +12,9 @@ loads the same file with HF `tokenizers` (the Rust library the fast tokenizer wr
   with special tokens only when the tokenizer adds none of its own.
 The body is parsed again here (the router's inspection keeps only a capped routing text), in a
 worker thread, one at a time (`CapacityLimiter(1)`: a CPU budget of one core at most); bodies
-over `MAX_BODY_BYTES`, prompts over `MAX_CHARS` characters or `MAX_IDS` ids, and anything not
-rendered as the engine would are routed by the approximate tree (None).
+over `MAX_BODY_BYTES`, prompts over `MAX_CHARS` characters or `MAX_IDS` ids, media (whose tokens
+the engine's processor adds), and anything not rendered as the engine would are routed by the
+approximate tree (None).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ CHAT = "/v1/chat/completions"
 MAX_CHARS = 262_144  # characters of prompt tokenized at most (about 64k tokens)
 MAX_IDS = 262_144  # token ids of a prompt taken at most
 MAX_BODY_BYTES = 4 * MAX_CHARS  # bodies parsed at most (a chat's JSON around its text)
+MEDIA_KEYS = ("image_data", "video_data", "audio_data")
 
 
 class PromptTokenizer:
@@ -72,6 +74,8 @@ class PromptTokenizer:
             text, ids = payload.get("text"), payload.get("input_ids")
             if text is not None and ids is not None:
                 return None  # the engine refuses both
+            if any(payload.get(k) not in (None, [], "") for k in MEDIA_KEYS):
+                return None  # its media processor puts the media's own tokens in the prompt
         elif path == COMPLETIONS:
             text = ids = payload.get("prompt")
         else:
