@@ -74,9 +74,13 @@ bench-overload: $(STAMP)
 bench-aborts: $(STAMP)
 	$(BIN)/python -m bench.abort_rate $(BENCH_ARGS)
 
-# Prefill policies by the engines' own reused tokens, two router replicas (issue 30; simulator).
-bench-cache: $(STAMP)
+# Prefill policies by the engines' own reused tokens, two router replicas (issue 30): the
+# simulator, then three real SGLang servers with SMG 1.13's cache_aware beside trio_pd's rows
+# (bench/cache_real.py, about 6 minutes; it starts engines: run it under the real-engine lock).
+bench-cache: $(STAMP) $(SGLANG_STAMP)
+	$(PEERS_INSTALL)
 	$(BIN)/python -m bench.cache $(BENCH_ARGS)
+	$(BIN)/python -m bench.cache_real $(BENCH_ARGS)
 
 # The router-bound scenario alone, all four routers, 3 repetitions (about 12 minutes on 2 cores;
 # BENCH_ARGS=--quick about 6).

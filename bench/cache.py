@@ -5,7 +5,8 @@ is sent through TWO router replicas taking turns (as behind a load balancer), in
 same simulated engines: two prefills publishing SGLang's KV events with a small KV pool (so they
 evict) and one decode. Each policy gets fresh engines and the same trace. The figure is the
 engines' own count: cached tokens / prompt tokens over all prefills (`testing/engine/kv_events.py`),
-with wall time per request. The real-engine half and SMG 1.13 are not in it yet (issue 30).
+with wall time per request; the table is printed and written to bench/results/cache-sim-*.json.
+The real-engine half, with SMG 1.13, is `bench/cache_real.py` (`make bench-cache` runs both).
 
     .venv/bin/python -m bench.cache [--sessions 24] [--turns 6]
 """
@@ -25,6 +26,7 @@ import httpx2
 import trio
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from bench import common
 from trio_pd.config import HealthConfig, PolicyConfig
 from trio_pd.testing.cluster import cluster_of, start_engine
 
@@ -137,6 +139,11 @@ async def main(args: argparse.Namespace) -> None:
     for row in rows:
         per = row.secs / row.requests * 1e3
         print(f"{row.policy:<14}{row.ratio:>15.3f}{row.prompt_tokens:>15}{per:>12.1f}")
+    setup_line = f"{len(prompts)} requests, {args.tenants} tenants; {setup}"
+    results = [{"policy": r.policy, "cached/prompt": round(r.ratio, 3),
+                "prompt tokens": r.prompt_tokens, "ms/request": round(r.secs / r.requests * 1e3, 1)}
+               for r in rows]  # fmt: skip
+    print(f"written {common.write_result('cache-sim', {'setup': setup_line, 'rows': results})}")
 
 
 def cli(argv: list[str] | None = None) -> None:

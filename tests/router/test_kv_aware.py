@@ -258,10 +258,9 @@ async def test_the_kv_gauges_sync_across_processes(
     await cluster.client.aclose()
 
 
-async def test_long_prompts_route_by_their_head_and_chat_stays_out(nursery, tokenizer) -> None:
-    """A prompt past the routing text's cap (32768 characters) is hashed from its head, cut at a
-    word; chat (its template is the engine's) uses the approximate tree; neither feeds the
-    self-check, whose prompt length it cannot know."""
+async def test_long_prompts_are_hashed_whole(nursery, tokenizer) -> None:
+    """A prompt past the routing text's cap (32768 characters) is tokenized from the body, whole:
+    routed to its holder, and the engine's report feeds the self-check."""
     cluster = await kv_cluster(nursery, tokenizer)
     url = cluster.prefills[1].url
     long = " ".join(prompt(seed) for seed in range(220))  # ~8,800 words, past the cap
@@ -269,14 +268,69 @@ async def test_long_prompts_route_by_their_head_and_chat_stays_out(nursery, toke
     await warm(cluster.prefills[1], long)
     await wait_kv(cluster, url, lambda kv: kv["blocks"] > 2000)
     assert await routed(cluster, "long", long + f" {WORDS[3]}") == 1
-    policy = cluster.router.fleet.kv_policy()
-    probes = policy.probes
-    chat = {"model": "sim-model", "messages": [{"role": "user", "content": prompt(1)}]}
-    answer = await cluster.client.post("/v1/chat/completions", json=chat)
+    check = (await kv_of(cluster))[url]["self_check"]
+    assert check["samples"] == 1 and check["error"] == 0.0, check
+    await cluster.client.aclose()
+
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+def with_chat_template(path: str, template: str) -> str:
+    """The test model with a chat template: the simulator's chat ids are its messages' words
+    (`workload.parse_workload`), which this template renders."""
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template}
+    (Path(path) / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+async def routed_chat(cluster, rid: str, body: dict[str, Any]) -> int:
+    answer = await cluster.client.post(
+        "/v1/chat/completions", json={"model": "sim-model", "max_tokens": 2, **body},
+        headers={"x-request-id": rid},
+    )  # fmt: skip
     assert answer.status_code == 200, answer.text
-    assert policy.probes == probes  # never tokenized as if it were the prompt
+    [p] = who_started(cluster.prefills, rid)
+    return p
+
+
+async def test_chat_and_token_ids_route_by_what_the_engine_holds(nursery, tokenizer) -> None:
+    """A chat request is scored by the ids of the model's chat template, `/generate` and
+    completions `input_ids` by the ids as given (nothing tokenized); a chat the router cannot
+    render as the engine does (tools, media) is left to the approximate tree."""
+    cluster = await kv_cluster(nursery, with_chat_template(tokenizer, CHAT_TEMPLATE))
+    urls = [e.url for e in cluster.prefills]
+    for seed, holder in ((1, 1), (2, 0), (3, 1)):
+        await warm(cluster.prefills[holder], prompt(seed))
+    await wait_kv(cluster, urls[1], lambda kv: kv["blocks"] == 20)
+    await wait_kv(cluster, urls[0], lambda kv: kv["blocks"] == 10)
+    policy = cluster.router.fleet.kv_policy()
+    words = prompt(1).split()
+    chat = {"messages": [
+        {"role": "system", "content": " ".join(words[:17])},
+        {"role": "user", "content": [{"type": "text", "text": " ".join(words[17:])}]},
+        {"role": "user", "content": f"{WORDS[5]} {WORDS[6]}"},
+    ]}  # fmt: skip
+    assert await routed_chat(cluster, "chat-1", chat) == 1
+    ids = [word_id(w) for w in prompt(2).split()] + [word_id(WORDS[7])]
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}
+    answer = await cluster.client.post("/generate", json=body, headers={"x-request-id": "ids-2"})
+    assert answer.status_code == 200, answer.text
+    assert who_started(cluster.prefills, "ids-2") == [0]
+    completion = {"model": "sim-model", "prompt": [word_id(w) for w in prompt(3).split()]}
+    answer = await cluster.client.post(
+        "/v1/completions", json={**completion, "max_tokens": 2}, headers={"x-request-id": "ids-3"}
+    )
+    assert answer.status_code == 200, answer.text
+    assert who_started(cluster.prefills, "ids-3") == [1]
+    assert (policy.precise_choices, policy.fallback_choices) == (3, 0)  # all three by the index
     kv = await kv_of(cluster)
-    assert all(k["self_check"]["samples"] == 0 for k in kv.values()), kv
+    assert kv[urls[0]]["self_check"]["samples"] == 1  # /generate reported its cached tokens
+    assert kv[urls[0]]["self_check"]["error"] == 0.0, kv
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    await routed_chat(cluster, "chat-tools", {**chat, "tools": tools})
+    await routed_chat(cluster, "chat-none", {**chat, "tools": tools, "tool_choice": "none"})
+    assert (policy.precise_choices, policy.fallback_choices) == (4, 1)  # tools: approximate
     await cluster.client.aclose()
 
 
@@ -318,3 +372,105 @@ async def test_workers_added_and_removed_are_subscribed_and_unsubscribed(
     assert extra.url not in await kv_of(cluster)
     await cluster.client.aclose()
     await cluster.admin.aclose()
+
+
+async def test_a_prefill_back_from_failed_health_checks_is_resynced(nursery, tokenizer) -> None:
+    """An engine restarted on its own ports publishes nothing until its first prefill: the
+    router resubscribes a worker whose health checks failed once it is healthy again, so the
+    cache it lost is gone from the index before any new event (the sequence going back to 0
+    would only show at that event)."""
+    cluster = await kv_cluster(nursery, tokenizer)
+    engine, url = cluster.prefills[1], cluster.prefills[1].url
+    await warm(engine, prompt(1))
+    await wait_kv(cluster, url, lambda kv: kv["blocks"] == 10)
+    engine.state.health_status = 503
+    await wait_kv(cluster, url, lambda kv: kv["down"])
+    engine.state.kv.restart()  # a new engine process meanwhile: empty cache, no event yet
+    engine.state.health_status = 200
+    kv = await wait_kv(cluster, url, lambda kv: kv["rejoins"] == 1)
+    kv = await wait_kv(cluster, url, lambda kv: kv["state"] == "precise")
+    assert kv["blocks"] == 0 and kv["restarts"] == 0 and not kv["partial"], kv
+    assert (await kv_of(cluster))[cluster.prefills[0].url]["rejoins"] == 0
+    await cluster.client.aclose()
+
+
+async def test_evictions_leave_the_index_what_the_engine_holds(nursery, tokenizer) -> None:
+    """A prefill with a 100-token KV pool evicts (BlockRemoved): the router's index holds the
+    very blocks the engine does, and an evicted prompt is predicted as the engine reports it."""
+    prefills = [
+        await start_engine(
+            nursery, "prefill", kv_events_config=KV_CONFIG, page_size=PAGE, max_total_tokens=100
+        )
+        for _ in range(2)
+    ]
+    cluster = await router_for(nursery, prefills, [await start_engine(nursery, "decode")],
+                               tokenizer)  # fmt: skip
+    engine, url = prefills[1], prefills[1].url
+    for seed in range(4):  # 4 x 10 blocks into a 25-block pool
+        await warm(engine, prompt(seed), room=8 + seed)
+    kv = await wait_kv(cluster, url, lambda kv: kv["removed"] >= 15)
+    [rank] = engine.state.kv.caches
+    assert kv["blocks"] == len(rank.blocks) == 25 and kv["removed"] == 15, kv
+    assert await routed(cluster, "kept", prompt(3) + f" {WORDS[4]}") == 1  # still held
+    await routed(cluster, "evicted", prompt(0) + f" {WORDS[4]}")  # gone from both
+    check = (await kv_of(cluster))[url]["self_check"]
+    assert check["error"] == 0.0, check
+    await cluster.client.aclose()
+
+
+async def test_a_prompt_no_engine_holds_goes_where_it_went_before(nursery, tokenizer) -> None:
+    """Rule 3: when no engine holds enough of a prompt (evicted, flushed), the approximate
+    tree's routing history chooses, so a tenant stays on one prefill and its prefix is cached
+    there again; the least loaded would scatter it (a 1 in 64 chance of passing here)."""
+    cluster = await kv_cluster(nursery, tokenizer)
+    first = [await routed(cluster, f"first-{seed}", prompt(seed)) for seed in range(6)]
+    assert set(first) == {0, 1}, first  # by the tree: the prefill with the least routed text
+    async with httpx2.AsyncClient() as client:
+        for engine in cluster.prefills:
+            assert (await client.post(engine.url + "/flush_cache")).status_code == 200
+    for url in (e.url for e in cluster.prefills):
+        await wait_kv(cluster, url, lambda kv: kv["cleared"] == 1 and kv["blocks"] == 0)
+    policy = cluster.router.fleet.kv_policy()
+    precise = policy.precise_choices
+    again = [await routed(cluster, f"again-{seed}", prompt(seed) + " " + WORDS[seed])
+             for seed in range(6)]  # fmt: skip
+    assert again == first and policy.precise_choices == precise + 6, (first, again)
+    await cluster.client.aclose()
+
+
+def test_what_the_router_cannot_know_is_left_to_the_approximate_tree(tokenizer) -> None:
+    """Media, both text and ids, batches of ids, tools, a chat without a template: no ids."""
+    from trio_pd.fleet.kv_tokens import CHAT, COMPLETIONS, GENERATE, PromptTokenizer
+
+    tok = PromptTokenizer(tokenizer)  # no chat template in this model directory
+    ids = PromptTokenizer.prompt_ids
+    text = prompt(1)
+    assert ids(tok, GENERATE, json.dumps({"text": text}).encode()) == [
+        word_id(w) for w in text.split()
+    ]
+    assert ids(tok, GENERATE, json.dumps({"input_ids": [5, 6]}).encode()) == [5, 6]
+    for path, body in (
+        (GENERATE, {"text": text, "image_data": "http://x/a.png"}),
+        (GENERATE, {"text": text, "input_ids": [5]}),
+        (GENERATE, {"input_ids": [5, -1]}),
+        (GENERATE, {"input_ids": [5, True]}),
+        (COMPLETIONS, {"prompt": [[5, 6]]}),
+        (CHAT, {"messages": [{"role": "user", "content": text}]}),
+    ):
+        assert ids(tok, path, json.dumps(body).encode()) is None, body
+    assert ids(tok, CHAT, json.dumps({"messages": [], "input_ids": [7]}).encode()) == [7]
+    chat = PromptTokenizer(with_chat_template(tokenizer, CHAT_TEMPLATE))
+    user = {"role": "user", "content": text}
+    assert ids(chat, CHAT, json.dumps({"messages": [user]}).encode()) == [
+        word_id(w) for w in text.split()
+    ]
+    image = {"type": "image_url", "image_url": {"url": "http://x/a.png"}}
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for body in (
+        {"messages": [user], "tools": tools},
+        {"messages": [{"role": "user", "content": [image]}]},
+        {"messages": [user, {"role": "assistant", "content": "x", "tool_calls": [{}]}]},
+        {"messages": [user], "continue_final_message": True},
+        {"messages": [user], "chat_template_kwargs": {"tokenize": True}},
+    ):
+        assert ids(chat, CHAT, json.dumps(body).encode()) is None, body

@@ -26,7 +26,6 @@ class KvProbe:
     tokens: int  # the prompt's tokens, by the router's tokenizer
     hashes: dict[int, list[int]]  # block size -> the prompt's block hashes at that size
     started: float  # when it was routed
-    capped: bool = False  # hashed from the head of a longer prompt: no self-check
     quiet: bool = True  # no other prefill of this router ran on the chosen worker when chosen
     predicted: dict[str, int] = attrs.Factory(dict)  # worker id -> cached tokens predicted
 

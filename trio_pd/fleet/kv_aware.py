@@ -1,18 +1,23 @@
 """`kv_aware`: prefill chosen by what the engines' own KV events say they hold.
 
-vllm-router's name for it. Before selection the prompt is tokenized as the engine does
-(`kv_tokens.py`, a worker thread) and hashed at each advertised block size (`kv_hash.py`):
+vllm-router's name for it. Before selection the prompt's ids are made as the engine makes them
+(`kv_tokens.py`, a worker thread: text tokenized, chat through the model's chat template,
+token ids as given) and hashed at each advertised block size (`kv_hash.py`):
 a `KvProbe` in the request's hints. Among candidates that are all `precise` (`kv_feeds.py`):
 1. loads imbalanced by both `--balance-abs-threshold` and `--balance-rel-threshold`: the least
    loaded (as cache_aware);
 2. else the candidate holding the longest prefix of the prompt's blocks, if that prefix is more
-   than `--cache-threshold` of the prompt (ties: least loaded, then at random); else the least
-   loaded.
+   than `--cache-threshold` of the prompt (ties: least loaded, then at random);
+3. else (no engine holds enough of it) the approximate tree's choice: where this text went
+   before, else the prefill with the least routed text. Routing history keeps a tenant on one
+   prefill while its prefix is evicted and comes back; the least loaded would spread it over
+   all of them and multiply the working set (measured on real engines with small KV pools:
+   docs/benchmarks.md).
 When any candidate is not precise (no publisher, syncing, stale, or its self-check tripped), or
-the prompt could not be tokenized (no text, too long), the approximate tree (`cache_aware`)
-chooses, and `kv_feeds` says why per worker. The tree gets every routed text either way, so
-it is warm when needed. After the request, `observe` feeds the engine's reported cached tokens
-to the chosen worker's self-check (`kv_check.py`).
+the prompt's ids could not be known (too long, a batch, tools or media in a chat), the
+approximate tree (`cache_aware`) chooses, and `kv_feeds` says why per worker. The tree gets
+every routed text either way, so it is warm when needed. After the request, `observe` feeds the
+engine's reported cached tokens to the chosen worker's self-check (`kv_check.py`).
 """
 
 from __future__ import annotations
@@ -74,27 +79,23 @@ class KvAwarePolicy:
 
     # -- before selection ----------------------------------------------------------------------
 
-    async def probe(self, text: str | None, capped: bool = False) -> KvProbe | None:
-        """The prompt's tokens and block hashes at every block size a subscribed worker uses.
-        `capped`: `text` is the head of a longer prompt (the routing text's cap): it is cut at
-        its last whitespace and its last token dropped, so its tokens are the full prompt's
-        (whitespace-splitting tokenizers), and the self-check skips it (its length is unknown)."""
+    async def probe(self, path: str, body: bytes) -> KvProbe | None:
+        """The prompt's ids as the engine will make them (`kv_tokens.py`: text tokenized, a
+        chat rendered by the model's template, token ids taken as given) and their block hashes
+        at every block size a subscribed worker uses; None when it cannot be known (the
+        approximate tree routes it)."""
         # Each block size's indexes (the dicts themselves: a thread's `in` is atomic under the
         # GIL), so hashing stops at the first block no worker holds.
         indexes: dict[int, list[dict[int, None]]] = {}
         for kv in self.feeds.by_id.values():
             indexes.setdefault(kv.block_size, []).extend(f.index.blocks for f in kv.feeds)
-        if not text or self.tokenizer is None or not indexes:
+        if self.tokenizer is None or not indexes:
             return None
         started = trio.current_time()
         self.probes += 1
-        if capped:
-            text = text.rsplit(None, 1)[0] if text.strip() else ""
-        tokens = await self.tokenizer.tokens(text)
+        tokens = await self.tokenizer.tokens(path, body)
         if not tokens:
             return None
-        if capped:
-            tokens = tokens[:-1]
 
         def hash_all() -> dict[int, list[int]]:
             return {
@@ -103,7 +104,7 @@ class KvAwarePolicy:
             }
 
         hashes = await trio.to_thread.run_sync(hash_all, limiter=self.tokenizer.limiter)
-        return KvProbe(len(tokens), hashes, started, capped)
+        return KvProbe(len(tokens), hashes, started)
 
     # -- selection -----------------------------------------------------------------------------
 
@@ -114,14 +115,15 @@ class KvAwarePolicy:
             kvs = [self.feeds.get(w) for w in candidates]
             if all(kv is not None and kv.state() == "precise" for kv in kvs):
                 chosen = self._pick(candidates, kvs, probe)  # type: ignore[arg-type]
+                self.precise_choices += 1
+                if chosen is None:  # nothing held worth it: by routing history (rule 3)
+                    chosen = self.approximate.choose(candidates, hints)
+                elif hints.text:
+                    self.approximate.record(hints.text, chosen)
         if chosen is None:
             if len(candidates) > 1:
                 self.fallback_choices += 1
             chosen = self.approximate.choose(candidates, hints)
-        else:
-            self.precise_choices += 1
-            if hints.text:
-                self.approximate.record(hints.text, chosen)
         if probe is not None:
             kv = self.feeds.get(chosen)
             if kv is not None:
@@ -136,7 +138,7 @@ class KvAwarePolicy:
 
     def _pick(
         self, candidates: Sequence[Worker], kvs: Sequence[WorkerKv], probe: KvProbe
-    ) -> Worker:
+    ) -> Worker | None:
         cfg = self.config
         loads = [w.load() for w in candidates]
         low, high = min(loads), max(loads)
@@ -147,7 +149,7 @@ class KvAwarePolicy:
         if best > 0 and best / max(probe.tokens, 1) > cfg.cache_threshold:
             holders = [i for i, m in enumerate(matched) if m == best]
             return self._least_loaded([candidates[i] for i in holders], [loads[i] for i in holders])
-        return self._least_loaded(candidates, loads)
+        return None
 
     def _least_loaded(self, candidates: Sequence[Worker], loads: Sequence[int]) -> Worker:
         low = min(loads)
@@ -161,7 +163,7 @@ class KvAwarePolicy:
         and (when the engine stored new blocks) the event now due from it."""
         predicted = probe.predicted.get(worker.id)
         kv = self.feeds.get(worker)
-        if predicted is None or kv is None or reported is None or probe.capped:
+        if predicted is None or kv is None or reported is None:
             return
         if probe.quiet:
             kv.check.observe(predicted, reported, probe.tokens)

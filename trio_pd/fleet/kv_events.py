@@ -93,6 +93,7 @@ class FeedCounters:
     resyncs: int = 0  # index rebuilt from scratch (start, restart, lost gap, cleared)
     restarts: int = 0  # the publisher's sequence went back: the engine restarted
     cleared: int = 0  # AllBlocksCleared received
+    removed: int = 0  # blocks the engine said it evicted (BlockRemoved)
     lost: int = 0  # gaps the replay buffer could no longer fill
     bad: int = 0  # batches or events that did not decode
 
@@ -258,6 +259,7 @@ class RankFeed:
             elif isinstance(event, BlockRemoved):
                 if event.medium in (None, "GPU"):
                     index.remove(event.block_hashes)
+                    self.counters.removed += len(event.block_hashes)
             else:
                 index.clear()
                 self.counters.cleared += 1

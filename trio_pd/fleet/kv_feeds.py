@@ -4,10 +4,14 @@ Every RECONCILE_SECS, and at once on a membership change, the prefill workers wh
 `/server_info` advertises a publisher (`ServerInfo.kv_events`, learned by the health checks)
 are subscribed, one `RankFeed` per DP rank; a worker that leaves, or whose advertisement
 changes (an engine restarted on other ports), is unsubscribed (its feeds' scope cancelled,
-sockets closed). A worker is `precise` (routed by its index) only while every rank synced, no
-event it should have sent is overdue (`stale_secs` after a prefill that stored new blocks), and
-its self-check holds; otherwise the policy uses the approximate tree for it and this says why,
-in the log (once per change), `GET /workers` (`kv_events`) and the metrics.
+sockets closed). A worker whose health checks failed after it was healthy is resubscribed
+when it is healthy again (`rejoins`): an engine restarted on the same ports publishes nothing
+until its first prefill, and until then the index would still show the cache it lost (its
+sequence going back to 0 catches a restart the health checks missed). A worker is `precise`
+(routed by its index) only while every rank synced, no event it should have sent is overdue
+(`stale_secs` after a prefill that stored new blocks), and its self-check holds; otherwise the
+policy uses the approximate tree for it and this says why, in the log (once per change),
+`GET /workers` (`kv_events`) and the metrics.
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ class WorkerKv:
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     awaiting_since: float | None = None  # a prefill stored blocks at this time; no event since
     last_state: str = "syncing"
+    was_healthy: bool = False  # healthy at some reconciliation since it was subscribed
+    down: bool = False  # its health checks failed after that
+    rejoins: int = 0  # resubscribed after its health checks failed (kept across them)
 
     @property
     def block_size(self) -> int:
@@ -106,6 +113,8 @@ class WorkerKv:
             "ranks": len(self.feeds),
             "blocks": blocks,
             "partial": any(f.partial for f in self.feeds),
+            "down": self.down,
+            "rejoins": self.rejoins,
             **counters,
             "self_check": self.check.to_json(),
         }
@@ -150,17 +159,25 @@ class KvFeeds:
             wanted[worker.id] = worker
             current = self.by_id.get(worker.id)
             if current is not None and current.info == info:
-                continue
+                if not worker.healthy:
+                    current.down = current.was_healthy
+                    continue
+                current.was_healthy = True
+                if not current.down:
+                    continue
+                log.warning("kv_aware: worker %s is healthy again: resyncing its index", worker.id)
             if current is not None:
                 current.scope.cancel()
-            self._subscribe(worker, info, nursery, context)
+            kv = self._subscribe(worker, info, nursery, context)
+            if current is not None and current.info == info:
+                kv.rejoins = current.rejoins + 1
         for worker_id in [w for w in self.by_id if w not in wanted]:
             log.info("kv_aware: worker %s unsubscribed", worker_id)
             self.by_id.pop(worker_id).scope.cancel()
 
     def _subscribe(
         self, worker: Worker, info: KvEventsInfo, nursery: trio.Nursery, context: zmq.Context[Any]
-    ) -> None:
+    ) -> WorkerKv:
         host = urlsplit(worker.url).hostname or "127.0.0.1"
         feeds = [
             RankFeed(endpoint, replay, info.topic, self.max_blocks)
@@ -168,7 +185,7 @@ class KvFeeds:
         ]
         check = self.checks.setdefault(worker.id, SelfCheck(worker.id))
         check.reset()
-        kv = WorkerKv(worker.id, info, feeds, check, self.stale_secs)
+        kv = WorkerKv(worker.id, info, feeds, check, self.stale_secs, was_healthy=worker.healthy)
         self.by_id[worker.id] = kv
         worker.kv_report = kv.to_json
         log.info("kv_aware: worker %s subscribed to %s", worker.id, [f.endpoint for f in feeds])
@@ -180,6 +197,7 @@ class KvFeeds:
                         feeds_nursery.start_soon(feed.run, context)
 
         nursery.start_soon(follow)
+        return kv
 
 
 def _no_publisher() -> dict[str, object]:

@@ -26,7 +26,7 @@ from trio_pd.pd.cancel import RequestCancel
 from trio_pd.pd.ending import account_cancelled_legs, count_failures
 from trio_pd.pd.engines import engine_for
 from trio_pd.pd.outcome import AttemptOutcome, record_outcome
-from trio_pd.pd.payload import COMPLETIONS, GENERATE, Inspected
+from trio_pd.pd.payload import GENERATE, Inspected
 from trio_pd.pd.request import DispatchContext, PDRequest, Ranks
 from trio_pd.pd.retry_state import Answer, EndStream, RetryState
 from trio_pd.pd.samples import dispatch_samples
@@ -76,8 +76,8 @@ async def dispatch(
     probe = None
     # kv_aware: a text prompt the engine tokenizes as it is (chat goes through the model's chat
     # template, a batch is several prompts: those use the approximate tree).
-    if kv is not None and request.path in (GENERATE, COMPLETIONS) and inspected.batch is None:
-        probe = await kv.probe(inspected.text, capped=inspected.length > len(inspected.text or ""))
+    if kv is not None and inspected.batch is None:
+        probe = await kv.probe(request.path, inspected.body)
     hints = RouteHints(
         inspected.text, inspected.length, request.routing_key, model, request.affinity, probe
     )
