@@ -34,12 +34,12 @@ from typing import Any
 
 import httpx2
 import trio
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench import common
 from bench.common import HOST, PEERS, Proc, free_port, print_flush, wait_until
 from trio_pd.testing.vllm import KV_LEASE_SECS, SERVED_MODEL_NAME, VllmPair
 from trio_pd.testing.vllm.dead_decode import PassingThenDead
+from trio_pd.testing.vllm.engine_metrics import idle, summed
 
 NAME = "doomed-vllm"
 ROUTERS = ("trio_pd", "vllm_router")
@@ -57,24 +57,9 @@ LATE = "vllm:nixl_num_notifications_after_expiry_total"
 
 
 async def metrics(client: httpx2.AsyncClient, url: str) -> dict[str, float]:
-    """Every sample of an engine's `/metrics`, summed over labels, by sample name."""
     r = await client.get(url + "/metrics")
     r.raise_for_status()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(r.text):
-        for sample in family.samples:
-            out[sample.name] = out.get(sample.name, 0.0) + sample.value
-            if sample.name == "vllm:cache_config_info":
-                out["num_gpu_blocks"] = float(sample.labels.get("num_gpu_blocks") or 0)
-    return out
-
-
-def free(m: dict[str, float]) -> bool:
-    return (
-        m.get("vllm:kv_cache_usage_perc", 1.0) == 0.0
-        and m.get("vllm:num_requests_running", 1.0) == 0.0
-        and m.get("vllm:num_requests_waiting", 1.0) == 0.0
-    )
+    return summed(r.text)
 
 
 def blocks(m: dict[str, float]) -> float:
@@ -105,7 +90,7 @@ async def measure(pair: VllmPair, router_url: str, act: Act) -> dict[str, Any]:
                     deadline = deadline or now + FREED_WITHIN_SECS
                     # The engines publish their figures a moment after answering: free for a
                     # second in a row, not one sample, ends it.
-                    free_since = (free_since or now) if free(p) and free(d) else None
+                    free_since = (free_since or now) if idle(p) and idle(d) else None
                     if (free_since is not None and now - free_since >= SETTLED_SECS) or (
                         now > deadline
                     ):
@@ -139,7 +124,7 @@ async def measure(pair: VllmPair, router_url: str, act: Act) -> dict[str, Any]:
             "vllm:generation_tokens_total", 0)),
         "leases_expired": round(p1.get(EXPIRED, 0) - p0.get(EXPIRED, 0)),
         "late_notifications": round(p1.get(LATE, 0) - p0.get(LATE, 0)),
-        "freed": free(p1) and free(d1),
+        "freed": idle(p1) and idle(d1),
     }  # fmt: skip
 
 
