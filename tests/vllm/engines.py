@@ -21,7 +21,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from trio_pd.testing.sglang.launcher import Engine
-from trio_pd.testing.vllm import KV_LEASE_SECS, SERVED_MODEL_NAME
+from trio_pd.testing.vllm import KV_LEASE_SECS, SERVED_MODEL_NAME, engine_metrics
 
 # Blocks a finished request left are freed by the decode's read (ms) or at worst by the lease.
 FREED_WITHIN_SECS = KV_LEASE_SECS + 30.0
@@ -33,11 +33,7 @@ async def metrics(client: httpx2.AsyncClient, url: str) -> dict[str, float]:
     counter is `name_total`, a histogram's count `name_count`)."""
     r = await client.get(url + "/metrics")
     r.raise_for_status()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(r.text):
-        for sample in family.samples:
-            out[sample.name] = out.get(sample.name, 0.0) + sample.value
-    return out
+    return engine_metrics.summed(r.text)
 
 
 async def labelled(client: httpx2.AsyncClient, url: str, name: str) -> dict[str, float]:
@@ -81,17 +77,7 @@ async def wait_for(
 
 async def wait_kv_free(client: httpx2.AsyncClient, url: str, timeout: float = FREED_WITHIN_SECS):
     """Until the engine holds no KV block (`vllm:kv_cache_usage_perc` 0) and runs nothing."""
-    return await wait_for(
-        client,
-        url,
-        lambda m: (
-            m.get("vllm:kv_cache_usage_perc", 1.0) == 0.0
-            and m.get("vllm:num_requests_running", 1.0) == 0.0
-            and m.get("vllm:num_requests_waiting", 1.0) == 0.0
-        ),
-        timeout,
-        "no KV block held",
-    )
+    return await wait_for(client, url, engine_metrics.idle, timeout, "no KV block held")
 
 
 def completion(prompt: str = "the tiny model says", max_tokens: int = 4, **kw: Any) -> dict:
