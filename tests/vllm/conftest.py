@@ -7,7 +7,10 @@ A pair that dies mid-session fails the tests that use it, with the engines' log 
 
 from __future__ import annotations
 
+import json
 import sys
+import time
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -15,8 +18,8 @@ import httpx2
 import pytest
 
 from tests.real_tier import StartedRouters, alive, session_log_dir
-from trio_pd.testing.real_pair import ServeProcess
-from trio_pd.testing.vllm import VllmPair
+from trio_pd.testing.real_pair import ServeProcess, post
+from trio_pd.testing.vllm import KV_LEASE_SECS, SERVED_MODEL_NAME, VllmPair, engine_metrics
 from trio_pd.testing.vllm.launcher import REPO_ROOT
 
 LOG_DIR = REPO_ROOT / ".cache" / "vllm-logs"
@@ -32,9 +35,36 @@ def pair_session(log_dir: Path) -> Iterator[VllmPair]:
     pair = VllmPair.start(log_dir=log_dir, name="main")
     print(f"\nvLLM pair: {pair.describe()}", file=sys.stderr)
     try:
+        print(f"warm-up: the first KV read took {warm_up(pair):.1f} s", file=sys.stderr)
         yield pair
     finally:
         pair.stop()
+
+
+def warm_up(pair: VllmPair) -> float:
+    """One PD request straight to the engines before any test, then until both are idle; the
+    seconds its decode took. The decode's first read opens its NIXL connection to the prefill
+    (measured 5.7 s on an idle machine); on a loaded one it once came after the prefill's 30 s
+    lease (2026-12-05: the session's first test then saw a lease expire and a read after it,
+    finding 4 by itself), so no test's snapshot may hold it."""
+    body = {"model": SERVED_MODEL_NAME, "prompt": "warm up", "max_tokens": 1}
+    prefill = {**body, "kv_transfer_params": {"do_remote_decode": True}}
+    status, raw, _ = post(pair.prefill_url + "/v1/completions", prefill, 120.0)
+    assert status == 200, raw
+    params = json.loads(raw)["kv_transfer_params"]
+    status, raw, secs = post(
+        pair.decode_url + "/v1/completions", {**body, "kv_transfer_params": params}, 120.0
+    )
+    assert status == 200, raw
+    deadline = time.monotonic() + KV_LEASE_SECS + 30.0
+    for engine in pair.engines:
+        while True:
+            with urllib.request.urlopen(engine.url + "/metrics", timeout=10) as response:
+                if engine_metrics.idle(engine_metrics.summed(response.read().decode())):
+                    break
+            assert time.monotonic() < deadline, f"{engine.role} not idle after the warm-up"
+            time.sleep(0.05)
+    return secs
 
 
 @pytest.fixture
