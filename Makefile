@@ -58,10 +58,16 @@ bench-peers: $(STAMP)
 	$(PEERS_INSTALL)
 	$(BIN)/python -m bench run --peers $(BENCH_ARGS)
 
-# The storm in vLLM mode, trio_pd against vllm-router 0.1.17 (bench/storm_vllm.py, ~1 minute).
+# The storm in vLLM mode, trio_pd against vllm-router 0.1.17 (bench/storm_vllm.py, ~1 minute),
+# then both in front of a real vLLM pair: the KV blocks doomed requests hold and for how long
+# (bench/vllm_doomed.py, ~3-4 minutes, two ~2 GB engines; needs `make vllm-env`, skipped
+# without it; on a shared machine run it all under `flock /work/real-engine.lock`).
+VLLM_DOOMED_ARGS ?=
 bench-vllm: $(STAMP)
 	$(PEERS_INSTALL)
 	$(BIN)/python -m bench.storm_vllm $(BENCH_ARGS)
+	@if test -x $(VLLM_VENV)/bin/python; then $(BIN)/python -m bench.vllm_doomed $(VLLM_DOOMED_ARGS); \
+	else echo "no $(VLLM_VENV) (make vllm-env): the real vLLM pair's row is skipped"; fi
 
 # Engine-aware admission (bench/overload.py, docs/overload.md): one decode saturated, overload
 # protection on and off, trio_pd and SMG 1.13's `smg launch` in one run (about 3 minutes).

@@ -26,7 +26,7 @@ import httpx2
 import trio
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from bench import common
+from bench.harness import output
 from trio_pd.config import HealthConfig, PolicyConfig
 from trio_pd.testing.cluster import cluster_of, start_engine
 
@@ -143,7 +143,7 @@ async def main(args: argparse.Namespace) -> None:
     results = [{"policy": r.policy, "cached/prompt": round(r.ratio, 3),
                 "prompt tokens": r.prompt_tokens, "ms/request": round(r.secs / r.requests * 1e3, 1)}
                for r in rows]  # fmt: skip
-    print(f"written {common.write_result('cache-sim', {'setup': setup_line, 'rows': results})}")
+    print(f"written {output.write_result('cache-sim', {'setup': setup_line, 'rows': results})}")
 
 
 def cli(argv: list[str] | None = None) -> None:

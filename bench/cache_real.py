@@ -36,8 +36,9 @@ from typing import Any
 
 import httpx2
 
-from bench import common
 from bench.cache import trace, vocabulary
+from bench.harness import cpu as cpu_meter
+from bench.harness import output, procs
 from trio_pd.testing.sglang.launcher import (
     MODEL_DIR,
     Engine,
@@ -102,40 +103,40 @@ def router_argv(row: str, prefills: list[Engine], decode: Engine, port: int) -> 
     workers: list[str] = []
     for prefill in prefills:
         workers += ["--prefill", prefill.url, str(prefill.bootstrap_port)]
-    workers += ["--decode", decode.url, "--host", common.HOST, "--port", str(port)]
-    metrics = ["--prometheus-host", common.HOST, "--prometheus-port", str(common.free_port())]
+    workers += ["--decode", decode.url, "--host", procs.HOST, "--port", str(port)]
+    metrics = ["--prometheus-host", procs.HOST, "--prometheus-port", str(procs.free_port())]
     if row == "smg_cache_aware":
-        smg = str(common.PEERS / "bin" / "smg")
+        smg = str(procs.PEERS / "bin" / "smg")
         return [smg, "launch", "--pd-disaggregation", *workers, "--policy", "cache_aware",
                 "--log-level", "warn", *metrics]  # fmt: skip
-    argv = [common.trio_pd_bin(), "serve", *workers, "--log-level", "warning", *metrics,
-            "--admin-port", str(common.free_port())]  # fmt: skip
+    argv = [procs.trio_pd_bin(), "serve", *workers, "--log-level", "warning", *metrics,
+            "--admin-port", str(procs.free_port())]  # fmt: skip
     if row == "kv_aware":
         return [*argv, "--policy", "round_robin", "--prefill-policy", "kv_aware",
                 "--tokenizer-path", str(MODEL_DIR)]  # fmt: skip
     return [*argv, "--policy", row]
 
 
-def start_replicas(row: str, engines: list[Engine], logdir: Path) -> list[tuple[common.Proc, int]]:
+def start_replicas(row: str, engines: list[Engine], logdir: Path) -> list[tuple[procs.Proc, int]]:
     replicas = []
     for i in range(2):
-        port = common.free_port()
-        proc = common.Proc(f"{row}-{i}", router_argv(row, engines[:2], engines[2], port), logdir)
+        port = procs.free_port()
+        proc = procs.Proc(f"{row}-{i}", router_argv(row, engines[:2], engines[2], port), logdir)
         replicas.append((proc, port))
     for proc, port in replicas:
-        common.wait_until(lambda p=port: common.http_get(p, "/health") == 200, 60, proc.name, proc)
+        procs.wait_until(lambda p=port: procs.http_get(p, "/health") == 200, 60, proc.name, proc)
         if row.startswith("smg"):
-            common.wait_until(lambda p=port: common.smg_workers_registered(p, 3), 60,
+            procs.wait_until(lambda p=port: procs.smg_workers_registered(p, 3), 60,
                               f"{proc.name} workers", proc)  # fmt: skip
-        common.wait_until(lambda p=port: common.http_post(p, "/generate", PROBE, 30) == 200, 120,
+        procs.wait_until(lambda p=port: procs.http_post(p, "/generate", PROBE, 30) == 200, 120,
                           f"{proc.name} first request", proc)  # fmt: skip
         if row == "kv_aware":
-            common.wait_until(lambda p=port: kv_precise(p), 60, f"{proc.name} precise", proc)
+            procs.wait_until(lambda p=port: kv_precise(p), 60, f"{proc.name} precise", proc)
     return replicas
 
 
 def kv_workers(port: int) -> list[dict[str, Any]]:
-    data = common.http_get_json(port, "/workers") or {}
+    data = procs.http_get_json(port, "/workers") or {}
     return [w.get("kv_events") or {} for w in data.get("workers", [])
             if w.get("worker_type") == "prefill"]  # fmt: skip
 
@@ -158,7 +159,7 @@ def run_row(row: str, engines: list[Engine], prompts: list[str], args: argparse.
         flush(engines[:2])
         time.sleep(1.0)  # the AllBlocksCleared events reach kv_aware's index
         cached0, prompt0 = engine_counts(engines[:2])
-        meter = common.CpuMeter({p.name: p.pid for p, _ in replicas})
+        meter = cpu_meter.CpuMeter({p.name: p.pid for p, _ in replicas})
         latencies: list[float] = []
         failures = 0
         queue = list(enumerate(prompts))
@@ -175,7 +176,7 @@ def run_row(row: str, engines: list[Engine], prompts: list[str], args: argparse.
                     body = {"text": text, "sampling_params": {"max_new_tokens": 1}}
                     t0 = time.perf_counter()
                     try:
-                        answer = http.post(f"http://{common.HOST}:{port}/generate", json=body)
+                        answer = http.post(f"http://{procs.HOST}:{port}/generate", json=body)
                         failures += answer.status_code != 200
                     except httpx2.HTTPError:
                         failures += 1
@@ -217,7 +218,7 @@ def main(args: argparse.Namespace) -> None:
     words = vocabulary(2000)
     prompts = trace(words, args.tenants, args.sessions, args.turns, args.seed)
     rows = [r for r in args.rows.split(",") if r]
-    if "smg_cache_aware" in rows and not (common.PEERS / "bin" / "smg").exists():
+    if "smg_cache_aware" in rows and not (procs.PEERS / "bin" / "smg").exists():
         print("no bench/.peers/bin/smg (make bench-peers installs smg==1.13.0): SMG row skipped")
         rows.remove("smg_cache_aware")
     before = sglang_shm_files()
@@ -242,8 +243,8 @@ def main(args: argparse.Namespace) -> None:
     results = [summary(row, [r for r in runs if r["policy"] == row]) for row in rows]
     shown = [{**r, "cached/prompt": " ".join(f"{v:.3f}" for v in r["cached/prompt"])}
              for r in results]  # fmt: skip
-    print(common.table(shown, columns, setup + f"; {args.repeat} run(s) a row, medians"))
-    path = common.write_result("cache-real", {"setup": setup, "rows": results, "runs": runs})
+    print(output.table(shown, columns, setup + f"; {args.repeat} run(s) a row, medians"))
+    path = output.write_result("cache-real", {"setup": setup, "rows": results, "runs": runs})
     print(f"written {path}")
 
 

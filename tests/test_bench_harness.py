@@ -5,6 +5,7 @@ complete run of a committed tree is published, with its date, commit, machine an
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -103,3 +104,12 @@ def test_a_band_on_a_ratio_already_taken_judges_the_value() -> None:
     assert band.judge({"w2": {"cpu_vs_w1": 1.32}})["verdict"] == "MISS"
     assert band.judge({"w2": {"cpu_vs_w1": 1.05}})["verdict"] == "PASS"
     assert band.judge({})["verdict"] == "n/a"
+
+
+@pytest.mark.parametrize(
+    "module", sorted(p.stem for p in (Path(__file__).parents[1] / "bench").glob("*.py"))
+)
+def test_every_bench_module_imports(module: str) -> None:
+    """mypy checks trio_pd only: a bench script importing a moved helper breaks here, not in a
+    benchmark run (bench/vllm_doomed.py imported the removed bench.common once)."""
+    importlib.import_module(f"bench.{module}")

@@ -7,29 +7,27 @@ A pair that dies mid-session fails the tests that use it, with the engines' log 
 
 from __future__ import annotations
 
-import contextlib
-import subprocess
+import json
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import httpx2
 import pytest
 
-from trio_pd.testing.sglang.launcher import free_port, http_status
-from trio_pd.testing.vllm import VllmPair
+from tests.real_tier import StartedRouters, alive, session_log_dir
+from trio_pd.testing.real_pair import ServeProcess, post
+from trio_pd.testing.vllm import KV_LEASE_SECS, SERVED_MODEL_NAME, VllmPair, engine_metrics
 from trio_pd.testing.vllm.launcher import REPO_ROOT
 
 LOG_DIR = REPO_ROOT / ".cache" / "vllm-logs"
-ROUTER_READY_SECS = 60.0
 
 
 @pytest.fixture(scope="session")
 def log_dir() -> Path:
-    path = LOG_DIR / time.strftime("%Y%m%d-%H%M%S")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return session_log_dir(LOG_DIR)
 
 
 @pytest.fixture(scope="session")
@@ -37,17 +35,41 @@ def pair_session(log_dir: Path) -> Iterator[VllmPair]:
     pair = VllmPair.start(log_dir=log_dir, name="main")
     print(f"\nvLLM pair: {pair.describe()}", file=sys.stderr)
     try:
+        print(f"warm-up: the first KV read took {warm_up(pair):.1f} s", file=sys.stderr)
         yield pair
     finally:
         pair.stop()
 
 
+def warm_up(pair: VllmPair) -> float:
+    """One PD request straight to the engines before any test, then until both are idle; the
+    seconds its decode took. The decode's first read opens its NIXL connection to the prefill
+    (measured 5.7 s on an idle machine); on a loaded one it once came after the prefill's 30 s
+    lease (2026-12-05: the session's first test then saw a lease expire and a read after it,
+    finding 4 by itself), so no test's snapshot may hold it."""
+    body = {"model": SERVED_MODEL_NAME, "prompt": "warm up", "max_tokens": 1}
+    prefill = {**body, "kv_transfer_params": {"do_remote_decode": True}}
+    status, raw, _ = post(pair.prefill_url + "/v1/completions", prefill, 120.0)
+    assert status == 200, raw
+    params = json.loads(raw)["kv_transfer_params"]
+    status, raw, secs = post(
+        pair.decode_url + "/v1/completions", {**body, "kv_transfer_params": params}, 120.0
+    )
+    assert status == 200, raw
+    deadline = time.monotonic() + KV_LEASE_SECS + 30.0
+    for engine in pair.engines:
+        while True:
+            with urllib.request.urlopen(engine.url + "/metrics", timeout=10) as response:
+                if engine_metrics.idle(engine_metrics.summed(response.read().decode())):
+                    break
+            assert time.monotonic() < deadline, f"{engine.role} not idle after the warm-up"
+            time.sleep(0.05)
+    return secs
+
+
 @pytest.fixture
 def pair(pair_session: VllmPair) -> VllmPair:
-    for engine in pair_session.engines:
-        if not engine.alive():
-            pytest.fail(f"{engine.role} engine died:\n{engine.log_tail()}")
-    return pair_session
+    return alive(pair_session)
 
 
 @pytest.fixture
@@ -56,60 +78,19 @@ async def engines():
         yield c
 
 
-class RouterProcess:
+class RouterProcess(ServeProcess):
     """A real `trio-pd serve --vllm-pd-disaggregation` (the router's venv) in front of the
     pair, or of whatever decode URLs a test gives."""
 
     def __init__(
         self, prefills: Sequence[str], decodes: Sequence[str], log_path: Path, extra: Sequence[str]
     ) -> None:
-        self.port = free_port()
-        self.metrics_port = free_port()
-        self.log_path = log_path
-        command = [
-            sys.executable, "-m", "trio_pd", "serve", "--vllm-pd-disaggregation",
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
-            "--admin-port", "0", "--log-level", "info",
-        ]  # fmt: skip
+        workers = ["--vllm-pd-disaggregation"]
         for url in prefills:
-            command += ["--prefill", url]
+            workers += ["--prefill", url]
         for url in decodes:
-            command += ["--decode", url]
-        command += list(extra)
-        with open(log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-            )
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.metrics_port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + ROUTER_READY_SECS
-        while http_status(self.url + "/readiness") != 200:
-            if self.process.poll() is not None:
-                raise AssertionError(f"trio-pd serve exited early:\n{self.log()}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"trio-pd serve not ready:\n{self.log()[-4000:]}")
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+            workers += ["--decode", url]
+        super().__init__(workers, log_path, extra)
 
 
 @pytest.fixture
@@ -117,27 +98,17 @@ def start_router(
     request: pytest.FixtureRequest, log_dir: Path
 ) -> Iterator[Callable[..., RouterProcess]]:
     """`start_router(pair, *flags, decodes=None, ready=True)`: a router, stopped after the test."""
-    started: list[RouterProcess] = []
+    routers = StartedRouters(request, log_dir)
 
     def start(
         pair: VllmPair, *extra: str, decodes: Sequence[str] | None = None, ready: bool = True
     ) -> RouterProcess:
-        name = request.node.name.replace("/", "_")[:80]
-        router = RouterProcess(
-            [pair.prefill_url],
-            [pair.decode_url] if decodes is None else decodes,
-            log_dir / f"router-{name}-{len(started)}.log",
-            extra,
-        )
-        started.append(router)
-        if ready:
-            router.wait_ready()
-        return router
+        decode_urls = [pair.decode_url] if decodes is None else decodes
+        router = RouterProcess([pair.prefill_url], decode_urls, routers.log_path(), extra)
+        return routers.add(router, ready)
 
     yield start
-    for router in started:
-        with contextlib.suppress(Exception):
-            router.stop()
+    routers.stop_all()
 
 
 # One attempt, so each outcome is seen as it is (a test that wants retries says so).

@@ -9,15 +9,19 @@ the prefill's `vllm:nixl_num_kv_expired_reqs` counter, not with a clock.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx2
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from trio_pd.testing.vllm import KV_LEASE_SECS, SERVED_MODEL_NAME
+from trio_pd.testing.sglang.launcher import Engine
+from trio_pd.testing.vllm import KV_LEASE_SECS, SERVED_MODEL_NAME, engine_metrics
 
 # Blocks a finished request left are freed by the decode's read (ms) or at worst by the lease.
 FREED_WITHIN_SECS = KV_LEASE_SECS + 30.0
@@ -29,11 +33,7 @@ async def metrics(client: httpx2.AsyncClient, url: str) -> dict[str, float]:
     counter is `name_total`, a histogram's count `name_count`)."""
     r = await client.get(url + "/metrics")
     r.raise_for_status()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(r.text):
-        for sample in family.samples:
-            out[sample.name] = out.get(sample.name, 0.0) + sample.value
-    return out
+    return engine_metrics.summed(r.text)
 
 
 async def labelled(client: httpx2.AsyncClient, url: str, name: str) -> dict[str, float]:
@@ -77,17 +77,7 @@ async def wait_for(
 
 async def wait_kv_free(client: httpx2.AsyncClient, url: str, timeout: float = FREED_WITHIN_SECS):
     """Until the engine holds no KV block (`vllm:kv_cache_usage_perc` 0) and runs nothing."""
-    return await wait_for(
-        client,
-        url,
-        lambda m: (
-            m.get("vllm:kv_cache_usage_perc", 1.0) == 0.0
-            and m.get("vllm:num_requests_running", 1.0) == 0.0
-            and m.get("vllm:num_requests_waiting", 1.0) == 0.0
-        ),
-        timeout,
-        "no KV block held",
-    )
+    return await wait_for(client, url, engine_metrics.idle, timeout, "no KV block held")
 
 
 def completion(prompt: str = "the tiny model says", max_tokens: int = 4, **kw: Any) -> dict:
@@ -105,3 +95,49 @@ def chat(content: str = "hello there", max_tokens: int = 4, **kw: Any) -> dict:
 
 # Over the prefill's --max-model-len 512, under the decode's 2048 (3 tokens per "word").
 LONG_PROMPT = "word " * 300
+
+
+async def router_sum(client: httpx2.AsyncClient, metrics_url: str, name: str, **labels: str):
+    """A `trio-pd serve`'s own metric (its `--prometheus-port`), summed over the samples whose
+    labels include `labels`."""
+    r = await client.get(metrics_url + "/metrics")
+    r.raise_for_status()
+    total = 0.0
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                total += sample.value
+    return total
+
+
+async def wait_router(
+    client: httpx2.AsyncClient,
+    metrics_url: str,
+    name: str,
+    condition: Callable[[float], bool],
+    what: str,
+    timeout: float = FREED_WITHIN_SECS,
+    **labels: str,
+) -> float:
+    """Poll the router's metric every 20 ms until `condition` holds on it."""
+    value = 0.0
+    with trio.move_on_after(timeout):
+        while True:
+            value = await router_sum(client, metrics_url, name, **labels)
+            if condition(value):
+                return value
+            await trio.sleep(0.02)
+    raise AssertionError(f"router {name}{labels}: {what} not seen within {timeout} s: {value}")
+
+
+@contextlib.contextmanager
+def stopped(engine: Engine) -> Iterator[None]:
+    """The engine's whole process group (API server, engine core, NIXL's threads) stopped with
+    SIGSTOP, continued on leaving: its kernel still accepts connections and queues what they
+    carry, it reads and answers nothing. Makes "in flight on that engine" an event a test can
+    wait for instead of a time it must guess."""
+    os.killpg(engine.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.killpg(engine.pid, signal.SIGCONT)

@@ -1,8 +1,9 @@
 """Engine-direct scenarios of vLLM's PD protocol: the observables trio_pd relies on.
 
 Each scenario talks to a prefill and a decode directly (no router), as trio_pd does, and returns
-a JSON-able dict: statuses, body *shapes* (keys and types, `tests/sglang/scenarios.shape`), the
-handoff's fields, id rules, what a stream carries. `tests/vllm/test_recording.py` runs them
+a JSON-able dict: statuses, body *shapes* (keys and types at every depth, lists element by
+element: `tests/sglang/scenarios.shape`), the handoff's fields, id rules, what a stream carries.
+`tests/vllm/test_recording.py` runs them
 against the real pair and compares with (or, with `TRIO_PD_VLLM_RECORD=1`, writes)
 `tests/data/vllm_0.32.0_observables.json`; `tests/engine/test_vllm_differential.py` runs the
 same functions against the simulator's vLLM mode in `make test` and compares with the
@@ -20,51 +21,45 @@ from typing import Any
 import httpx2
 import orjson
 
-# Shapes to a depth, the lists by their first element, `null` matching anything: the comparison
-# the SGLang recording used before issue 28 made it strict (`tests/sglang/scenarios.py`). The
-# vLLM recording was made with it; making it strict needs a re-recording from the real pair.
+from tests.sglang import scenarios as sglang_scenarios
+from tests.sglang.scenarios import shape_differences
+
+# The vLLM rules of the strict comparison (`tests/sglang/scenarios.shape_differences`): which
+# lists may differ in length between the real tiny tokenizer and the simulator's one token a
+# word (token lists, block ids: one list per KV-cache group, one id per 16 tokens), compared
+# element by element against the recording's last; no field may be `null` in one and a value
+# in the other.
+SHAPE_RULES: dict[str, list[str]] = {
+    "optional": [],
+    "any_length": sorted(
+        {
+            "remote_block_ids",
+            "tokens",
+            "token_logprobs",
+            "top_logprobs",
+            "text_offset",
+            "prompt_logprobs",
+            "content",
+        }
+    ),
+}
 
 
-def shape(value: Any, depth: int = 3) -> Any:
-    """Keys and types of a JSON value; dicts below `depth` levels collapse to "object"."""
+# Lists of dicts keyed by token (completions' `top_logprobs`) or token id (`prompt_logprobs`):
+# the keys are the tokenizer's, not the protocol's, so each entry's shape is one `<token>` key.
+TOKEN_KEYED = ("top_logprobs", "prompt_logprobs")
+
+
+def shape(value: Any, field: str = "") -> Any:
+    """`tests/sglang/scenarios.shape` (every depth, lists element by element), with the
+    token-keyed dicts of `TOKEN_KEYED` lists reduced to one `<token>` key."""
     if isinstance(value, dict):
-        if depth <= 0:
-            return "object"
-        return {k: shape(v, depth - 1) for k, v in sorted(value.items())}
+        return {k: shape(v, k) for k, v in sorted(value.items())}
     if isinstance(value, list):
-        if depth <= 0 or not value:
-            return ["list"]
-        return [shape(value[0], depth - 1)]
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "bool"
-    if isinstance(value, int):
-        return "int"
-    if isinstance(value, float):
-        return "float"
-    if isinstance(value, str):
-        return "str"
-    return type(value).__name__
-
-
-def shape_differences(recorded: Any, live: Any, path: str = "$") -> list[str]:
-    """Where two shapes differ; `null` matches any type, as do `int` and `float`."""
-    if recorded == live or "null" in (recorded, live):
-        return []
-    if isinstance(recorded, str) and isinstance(live, str) and {recorded, live} <= {"int", "float"}:
-        return []
-    if isinstance(recorded, dict) and isinstance(live, dict):
-        out = [f"{path}.{k}: missing" for k in recorded if k not in live]
-        out += [f"{path}.{k}: unexpected" for k in live if k not in recorded]
-        for k in recorded.keys() & live.keys():
-            out += shape_differences(recorded[k], live[k], f"{path}.{k}")
-        return out
-    if isinstance(recorded, list) and isinstance(live, list):
-        if ["list"] in (recorded, live):
-            return []
-        return shape_differences(recorded[0], live[0], f"{path}[0]")
-    return [f"{path}: recorded {recorded!r}, live {live!r}"]
+        if field in TOKEN_KEYED:
+            return [{"<token>": shape(next(iter(v.values())))} if v else shape(v) for v in value]
+        return [shape(v, field) for v in value]
+    return sglang_scenarios.shape(value)
 
 
 RECORDING = Path(__file__).resolve().parents[1] / "data" / "vllm_0.32.0_observables.json"
@@ -126,15 +121,15 @@ async def pd_non_stream(t: Target, client: httpx2.AsyncClient) -> Observables:
         prefix = "chatcmpl-" if name == "chat" else "cmpl-"
         out[name] = {
             "prefill_status": p.status_code,
-            "prefill_shape": shape(p.json(), 2),
+            "prefill_shape": shape(p.json()),
             "handoff_keys": sorted(params),
-            "handoff_shape": shape(params, 1),
+            "handoff_shape": shape(params),
             "prefill_id_is_prefix_plus_x_request_id": p.json()["id"] == prefix + request_id,
             "remote_request_id_starts_with_id": params["remote_request_id"].startswith(
                 p.json()["id"]
             ),
             "decode_status": d.status_code,
-            "decode_shape": shape(d.json(), 2),
+            "decode_shape": shape(d.json()),
             "decode_kv_transfer_params": d.json().get("kv_transfer_params", "absent"),
             "decode_id_is_prefix_plus_x_request_id": d.json()["id"] == prefix + request_id + "d",
             "decode_completion_tokens": d.json()["usage"]["completion_tokens"],
@@ -164,19 +159,45 @@ async def pd_stream(t: Target, client: httpx2.AsyncClient) -> Observables:
         "status": status,
         "ends_with_done": events[-1] == "[DONE]",
         "any_event_names_kv_transfer_params": any("kv_transfer_params" in e for e in chunks),
-        "chunk_shape": shape(chunks[0], 1),
+        "chunk_shape": shape(chunks[0]),
+        "last_chunk_shape": shape(chunks[-1]),
     }
 
 
 async def prefill_over_its_context(t: Target, client: httpx2.AsyncClient) -> Observables:
     r = await prefill(t, client, "/v1/completions", completion(t.long_prompt), rid())
-    return {"status": r.status_code, "shape": shape(r.json(), 2)}
+    return {"status": r.status_code, "shape": shape(r.json())}
+
+
+async def prefill_echo_logprobs(t: Target, client: httpx2.AsyncClient) -> Observables:
+    """What trio_pd asks of a prefill for `echo` with `logprobs` (docs/vllm.md §5): the prompt's
+    logprobs and text come from the prefill's answer."""
+    body = {**completion(), "echo": True, "logprobs": 2}
+    p = await prefill(t, client, "/v1/completions", body, rid())
+    choice = p.json()["choices"][0]
+    # The decode reads the handoff, so the prefill's blocks are freed now, not by the lease.
+    d = await client.post(
+        t.decode_url + "/v1/completions",
+        json={
+            **completion(),
+            "model": t.model,
+            "kv_transfer_params": p.json()["kv_transfer_params"],
+        },
+    )
+    return {
+        "decode_status": d.status_code,
+        "status": p.status_code,
+        "shape": shape(p.json()),
+        "text_starts_with_prompt": choice["text"].startswith(body["prompt"]),
+        "has_prompt_logprobs": choice.get("prompt_logprobs") is not None,
+    }
 
 
 SCENARIOS: dict[str, Scenario] = {
     "pd_non_stream": pd_non_stream,
     "pd_stream": pd_stream,
     "prefill_over_its_context": prefill_over_its_context,
+    "prefill_echo_logprobs": prefill_echo_logprobs,
 }
 
 
@@ -185,13 +206,13 @@ async def run_all(t: Target, client: httpx2.AsyncClient) -> Observables:
 
 
 def differences(recorded: Any, live: Any, path: str = "$") -> list[str]:
-    """Values exactly, `*shape*` keys by shape (`shape_differences`)."""
+    """Values exactly, `*shape*` keys by shape, strictly (`shape_differences`, `SHAPE_RULES`)."""
     if isinstance(recorded, dict) and isinstance(live, dict):
         out = [f"{path}.{k}: missing" for k in recorded if k not in live]
         out += [f"{path}.{k}: unexpected" for k in live if k not in recorded]
         for k in recorded.keys() & live.keys():
             if "shape" in k:
-                out += shape_differences(recorded[k], live[k], f"{path}.{k}")
+                out += shape_differences(recorded[k], live[k], f"{path}.{k}", SHAPE_RULES)
             else:
                 out += differences(recorded[k], live[k], f"{path}.{k}")
         return out

@@ -2,7 +2,8 @@
 
 Health checks of every worker (learning, as a check passes, what the engine says about itself:
 its DP width, KV transfer backend and model), load polling, the abort sender, the membership
-sources, cache-tree eviction, idle-connection pruning and, with `--workers N`, the metrics sync.
+sources, cache-tree eviction, idle-connection pruning, vLLM prefills' lease counters and, with
+`--workers N`, the metrics sync.
 Each runs under the process's `ServiceGuard` (`supervision.py`): restarted when it crashes, and
 fatal to the process when it cannot be kept alive.
 """
@@ -27,6 +28,7 @@ from trio_pd.control.engine_info import (
     fetch_server_info,
 )
 from trio_pd.control.release_audit import ReleaseAudit
+from trio_pd.control.vllm_leases import MAX_PAGE, LeaseWatch
 from trio_pd.edge.supervision import ServiceGuard
 from trio_pd.fleet.health import ProbeFailed, run_health_checks
 from trio_pd.fleet.loads import poll_loads, polled_roles
@@ -96,6 +98,9 @@ async def run_background(ctx: ServiceContext, *, task_status: trio.TaskStatus[No
                 run_eviction, ctx.fleet, ctx.config.policy.eviction_interval_secs
             ),
             "pool_pruning": partial(prune_idle_connections, ctx.pool),
+            "vllm_leases": LeaseWatch(
+                ctx.fleet, partial(engine_metrics, ctx), health.interval_secs
+            ).run,
         }
         kv = ctx.fleet.kv_policy()
         if kv is not None:  # the prefill engines' KV events (`fleet/kv_feeds.py`)
@@ -181,6 +186,15 @@ async def worker_load(ctx: ServiceContext, worker: Worker) -> EngineLoad | None:
     except LoadReportRejected as exc:
         ctx.fleet.reject_load(worker, exc.reason, str(exc))
         return None
+
+
+async def engine_metrics(ctx: ServiceContext, worker: Worker) -> str:
+    """A worker's Prometheus page (`GET /metrics`), refused when larger than `MAX_PAGE`."""
+    response = await ctx.client.get(worker.url + "/metrics", headers=worker_headers(ctx, worker))
+    response.raise_for_status()
+    if len(response.content) > MAX_PAGE:
+        raise ValueError(f"a metrics page of {len(response.content)} bytes")
+    return response.text
 
 
 async def prune_idle_connections(pool: UpstreamPool) -> None:

@@ -59,6 +59,10 @@ class Worker:
     # What its engine still held beyond this router's legs at the last release audit
     # (`control/release_audit.py`).
     held_beyond_router: int = 0
+    # A vLLM prefill's KV reads after their lease expired and its expired leases, counted
+    # since the router started from its own /metrics (`control/vllm_leases.py`).
+    vllm_reads_after_lease: int = 0
+    vllm_leases_expired: int = 0
     reported_load: int | None = None
     reported_at: float | None = None
     load_fault: str | None = None  # why its last load report was refused (None: believed)

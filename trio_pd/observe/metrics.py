@@ -349,7 +349,31 @@ class FleetCollector(Collector):
         for (source, role), count in sorted(counted.items()):
             members.add_metric([source, role], count)
         yield from (in_flight, held_beyond, healthy, breaker, pool, queue, sources, members, info)
+        yield from self._vllm_leases()
         yield from self._kv()
+
+    def _vllm_leases(self) -> Iterator[GaugeMetricFamily]:
+        """vLLM prefills: what their own /metrics say of their KV leases (counts since the
+        router started, `control/vllm_leases.py`; docs/vllm.md §8 says what they mean)."""
+        late = GaugeMetricFamily(
+            "trio_pd_vllm_kv_reads_after_lease",
+            "KV reads a vLLM prefill was told of after the request's lease expired (its "
+            "vllm:nixl_num_notifications_after_expiry): the decode may have answered 200 from "
+            "another request's blocks. Counted since the router started, every decode's.",
+            labels=WORKER_LABELS,
+        )
+        expired = GaugeMetricFamily(
+            "trio_pd_vllm_kv_leases_expired",
+            "KV leases a vLLM prefill let expire (its vllm:nixl_num_kv_expired_reqs): blocks "
+            "no decode read, held until the lease. Counted since the router started.",
+            labels=WORKER_LABELS,
+        )
+        for worker in self.fleet.workers("prefill"):
+            if worker.spec.engine == "vllm":
+                key = [worker.id, worker.role, worker.url]
+                late.add_metric(key, worker.vllm_reads_after_lease)
+                expired.add_metric(key, worker.vllm_leases_expired)
+        yield from (late, expired)
 
     def _kv(self) -> Iterator[GaugeMetricFamily]:
         """kv_aware: per prefill, whether its KV events route it, and its self-check."""
@@ -408,6 +432,9 @@ MULTIPROCESS_MODES = {
     "trio_pd_membership_source_up": "livemin",
     "trio_pd_membership_workers": "livemax",  # every process registers the same workers
     "trio_pd_worker_info": "livemax",
+    # each process reads the same vLLM prefill's counters (`control/vllm_leases.py`)
+    "trio_pd_vllm_kv_reads_after_lease": "livemax",
+    "trio_pd_vllm_kv_leases_expired": "livemax",
     # kv_aware: each process follows the events itself (`fleet/kv_feeds.py`)
     "trio_pd_kv_events_precise": "livemin",  # one process falling back shows
     "trio_pd_kv_self_check_error": "livemax",

@@ -26,7 +26,7 @@ from trio_pd.pd.cancel import RequestCancel
 from trio_pd.pd.ending import account_cancelled_legs, count_failures
 from trio_pd.pd.engines import engine_for
 from trio_pd.pd.outcome import AttemptOutcome, record_outcome
-from trio_pd.pd.payload import GENERATE, Inspected
+from trio_pd.pd.payload import Inspected
 from trio_pd.pd.request import DispatchContext, PDRequest, Ranks
 from trio_pd.pd.retry_state import Answer, EndStream, RetryState
 from trio_pd.pd.samples import dispatch_samples
@@ -74,8 +74,8 @@ async def dispatch(
     inspected = request.inspected
     kv = ctx.fleet.kv_policy()
     probe = None
-    # kv_aware: a text prompt the engine tokenizes as it is (chat goes through the model's chat
-    # template, a batch is several prompts: those use the approximate tree).
+    # kv_aware: the prompt's ids as the engine makes them (a batch is several prompts: the
+    # approximate tree routes it).
     if kv is not None and inspected.batch is None:
         probe = await kv.probe(request.path, inspected.body)
     hints = RouteHints(

@@ -135,9 +135,12 @@ class VllmApp:
             validate(path, body)
             tokens = len(prompt_of(path, body).split())
             if tokens >= state.config.max_model_len:  # the renderer's check, vLLM 0.32
-                raise Refused(
+                raise Refused(  # `param` as vLLM 0.32's (renderers/params.py), recorded
                     f"This model's maximum context length is {state.config.max_model_len} "
-                    f"tokens. However, your request has {tokens} input tokens."
+                    f"tokens. However, your prompt contains {tokens} input tokens, which "
+                    "exceeds this limit even without any output tokens. Please reduce the "
+                    "length of the input prompt.",
+                    "input_tokens",
                 )
             status = job.faults.get("status")
             if status is not None and int(status) >= 400:

@@ -10,30 +10,20 @@ Everything is stopped on the way out, Ctrl-C included.
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
-from trio_pd.testing.sglang.launcher import REPO_ROOT, SGLangPair, free_port, http_status
+from trio_pd.testing import real_pair
+from trio_pd.testing.sglang.launcher import REPO_ROOT, SGLangPair
 
 LOG_DIR = REPO_ROOT / ".cache" / "sglang-logs" / "demo"
 PREFILL_CONTEXT = 1024
 
 
 def post(url: str, body: dict, timeout: float = 60.0) -> tuple[int, bytes, float]:
-    request = urllib.request.Request(
-        url, json.dumps(body).encode(), {"content-type": "application/json"}
-    )
-    t0 = time.monotonic()
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, response.read(), time.monotonic() - t0
-    except urllib.error.HTTPError as e:
-        return e.code, e.read(), time.monotonic() - t0
+    return real_pair.post(url, body, timeout)
 
 
 def busy(decode_url: str) -> int:
@@ -45,28 +35,6 @@ def busy(decode_url: str) -> int:
         total += load["num_running_reqs"] + load["num_waiting_reqs"]
         total += sum(v for k, v in queues.items() if k.endswith("_queue_reqs"))
     return total
-
-
-def start_router(pair: SGLangPair) -> tuple[subprocess.Popen, str, Path]:
-    port, metrics = free_port(), free_port()
-    log_path = LOG_DIR / "router.log"
-    command = [
-        sys.executable, "-m", "trio_pd", "serve",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--prefill", pair.prefill_url, str(pair.bootstrap_port),
-        "--decode", pair.decode_url,
-        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics), "--admin-port", "0",
-        "--policy", "round_robin", "--disable-retries",
-    ]  # fmt: skip
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while http_status(url + "/readiness") != 200:
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"trio-pd serve did not become ready; see {log_path}")
-        time.sleep(0.2)
-    return process, url, log_path
 
 
 def demo(pair: SGLangPair, url: str) -> None:
@@ -107,30 +75,21 @@ def demo(pair: SGLangPair, url: str) -> None:
 
 
 def main() -> int:
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
-    # Ctrl-C and SIGTERM end the demo through the finally blocks below.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    print("starting a real SGLang prefill/decode pair (about 30-60 s on 2 cores) ...")
-    pair = SGLangPair.start(prefill_context_length=PREFILL_CONTEXT, log_dir=LOG_DIR, name="demo")
-    router = None
-    try:
-        print(pair.describe())
-        router, url, log_path = start_router(pair)
-        print(f"trio-pd serve at {url} (log {log_path})")
-        demo(pair, url)
-        return 0
-    except KeyboardInterrupt:
-        print("\ninterrupted")
-        return 130
-    finally:
-        if router is not None and router.poll() is None:
-            router.terminate()
-            try:
-                router.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                router.kill()
-        pair.stop()
-        print(f"stopped; logs in {LOG_DIR}")
+    return real_pair.run_demo(
+        lambda: SGLangPair.start(
+            prefill_context_length=PREFILL_CONTEXT, log_dir=LOG_DIR, name="demo"
+        ),
+        lambda pair: [
+            "--prefill",
+            pair.prefill_url,
+            str(pair.bootstrap_port),
+            "--decode",
+            pair.decode_url,
+        ],
+        demo,
+        LOG_DIR,
+        "SGLang prefill/decode pair (about 30-60 s on 2 cores)",
+    )
 
 
 if __name__ == "__main__":

@@ -20,17 +20,24 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import socket
-import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from trio_pd.testing import real_pair
+
+# What both real-engine tiers share lives in `testing/real_pair.py`; named here too, where the
+# SGLang tier's tests and tools have always imported them from.
+from trio_pd.testing.real_pair import Engine as Engine
+from trio_pd.testing.real_pair import EngineStartError as EngineStartError
+from trio_pd.testing.real_pair import PairBase, with_port_retries
+from trio_pd.testing.real_pair import distinct_free_ports as distinct_free_ports
+from trio_pd.testing.real_pair import free_port as free_port
+from trio_pd.testing.real_pair import group_pids as group_pids
+from trio_pd.testing.real_pair import http_status as http_status
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parents[2]
@@ -72,69 +79,15 @@ ENGINE_ENV: dict[str, str] = {
 }
 
 
-class EngineStartError(RuntimeError):
-    """An engine died or did not become ready; the message carries its log tail."""
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 now (the engine binds it a few seconds later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def distinct_free_ports(n: int) -> list[int]:
-    ports: list[int] = []
-    while len(ports) < n:
-        port = free_port()
-        if port not in ports:
-            ports.append(port)
-    return ports
-
-
 def check_environment() -> None:
-    if not ENGINE_PYTHON.exists():
-        raise EngineStartError(f"{ENGINE_PYTHON} is missing: run `make sglang-env` first")
+    real_pair.check_venv(ENGINE_PYTHON, "sglang-env")
 
 
 def ensure_model(directory: Path = MODEL_DIR) -> Path:
-    """Write the tiny model once (under the engines' python, which has `tokenizers`)."""
+    """Write the tiny model once."""
     check_environment()
-    subprocess.run(
-        [str(ENGINE_PYTHON), str(PACKAGE_DIR / "make_model.py"), str(directory)],
-        check=True,
-        env={**os.environ, **ENGINE_ENV},
-    )
-    return directory
-
-
-def http_status(url: str, timeout: float = 2.0, headers: dict[str, str] | None = None) -> int:
-    """The status of a GET, 0 when nothing answers."""
-    request = urllib.request.Request(url, headers=headers or {})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except (OSError, TimeoutError):
-        return 0
-
-
-def group_pids(pgid: int) -> list[int]:
-    """Live processes of a process group (zombies excluded), read from /proc."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # Fields after the parenthesised command: state, ppid, pgrp, ...
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(entry.name))
-    return pids
+    env = {**os.environ, **ENGINE_ENV}
+    return real_pair.write_model(ENGINE_PYTHON, PACKAGE_DIR / "make_model.py", directory, env)
 
 
 def sglang_shm_files() -> set[str]:
@@ -143,63 +96,6 @@ def sglang_shm_files() -> set[str]:
     if not shm.is_dir():
         return set()
     return {p.name for p in shm.iterdir() if p.name.startswith(("sglang_loads_", "sgl_shm_"))}
-
-
-@dataclass
-class Engine:
-    """One `sglang.launch_server` process group."""
-
-    role: str
-    port: int
-    process: subprocess.Popen
-    log_path: Path
-    command: list[str]
-    bootstrap_port: int | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def pids(self) -> list[int]:
-        """Every live process of this engine: the server, its scheduler, detokenizer, ..."""
-        return group_pids(self.process.pid)
-
-    def log_tail(self, lines: int = 60) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
-
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def kill(self, timeout: float = 20.0) -> None:
-        """SIGKILL the whole group, wait until none of it lives, then reap the leader.
-
-        SIGTERM to the server takes ~12 s (it sleeps 5 s for "crash diagnostics" when a child
-        ends first) and still leaves its shared-memory files behind, so the tier kills.
-        """
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        deadline = time.monotonic() + timeout
-        while self.pids() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        left = self.pids()
-        if left:
-            raise RuntimeError(f"{self.role} engine: processes {left} survived SIGKILL")
 
 
 def engine_command(
@@ -238,19 +134,8 @@ def engine_command(
 
 
 def spawn_engine(role: str, port: int, log_path: Path, command: list[str], **kw) -> Engine:
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **ENGINE_ENV, "PYTHONPATH": str(ENGINE_PYTHONPATH)}
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=str(log_path.parent),
-            start_new_session=True,
-        )
-    return Engine(role, port, process, log_path, command, **kw)
+    return real_pair.spawn_engine(role, port, log_path, command, env, **kw)
 
 
 def wait_ready(engines: Sequence[Engine], timeout: float) -> None:
@@ -258,24 +143,7 @@ def wait_ready(engines: Sequence[Engine], timeout: float) -> None:
 
     A process that exits meanwhile fails the start at once with its log tail.
     """
-    deadline = time.monotonic() + timeout
-    waiting = list(engines)
-    while waiting:
-        for engine in list(waiting):
-            if not engine.alive():
-                raise EngineStartError(
-                    f"{engine.role} engine exited with {engine.process.returncode} during "
-                    f"start-up; log {engine.log_path}:\n{engine.log_tail()}"
-                )
-            if http_status(engine.url + "/ready", timeout=1.0) == 200:
-                waiting.remove(engine)
-        if not waiting:
-            return
-        if time.monotonic() > deadline:
-            names = ", ".join(e.role for e in waiting)
-            tails = "\n".join(f"--- {e.role} ({e.log_path}):\n{e.log_tail(30)}" for e in waiting)
-            raise EngineStartError(f"{names} not ready after {timeout:.0f} s\n{tails}")
-        time.sleep(0.25)
+    real_pair.wait_ready(engines, timeout, "/ready", poll_secs=0.25, probe_secs=1.0)
 
 
 # Pairs start one at a time, so the shared-memory files a start creates are its own.
@@ -283,32 +151,17 @@ _start_lock = threading.Lock()
 
 
 @dataclass
-class SGLangPair:
+class SGLangPair(PairBase):
     """A real prefill and decode, the KV cache handed over by Mooncake on TCP."""
 
-    prefill: Engine
-    decode: Engine
-    startup_secs: float
     api_key: str | None = None
     admin_api_key: str | None = None
     shm_files: set[str] = field(default_factory=set)
 
     @property
-    def prefill_url(self) -> str:
-        return self.prefill.url
-
-    @property
-    def decode_url(self) -> str:
-        return self.decode.url
-
-    @property
     def bootstrap_port(self) -> int:
         assert self.prefill.bootstrap_port is not None
         return self.prefill.bootstrap_port
-
-    @property
-    def engines(self) -> tuple[Engine, Engine]:
-        return (self.prefill, self.decode)
 
     @classmethod
     def start(
@@ -331,23 +184,19 @@ class SGLangPair:
         choosing it and the engine binding it (other engines open many sockets at start-up;
         measured once in a full tier run) gets new ports, up to three tries.
         """
-        for attempt in range(3):
-            try:
-                return cls._start_once(
-                    prefill_args=prefill_args,
-                    decode_args=decode_args,
-                    api_key=api_key,
-                    admin_api_key=admin_api_key,
-                    prefill_context_length=prefill_context_length,
-                    decode_context_length=decode_context_length,
-                    log_dir=log_dir,
-                    name=name,
-                    timeout=timeout,
-                )
-            except EngineStartError as e:
-                if "address already in use" not in str(e) or attempt == 2:
-                    raise
-        raise AssertionError("unreachable")
+        return with_port_retries(
+            lambda: cls._start_once(
+                prefill_args=prefill_args,
+                decode_args=decode_args,
+                api_key=api_key,
+                admin_api_key=admin_api_key,
+                prefill_context_length=prefill_context_length,
+                decode_context_length=decode_context_length,
+                log_dir=log_dir,
+                name=name,
+                timeout=timeout,
+            )
+        )
 
     @classmethod
     def _start_once(
@@ -415,17 +264,9 @@ class SGLangPair:
             pair.shm_files = sglang_shm_files() - before
             return pair
 
-    def pids(self) -> list[int]:
-        return [pid for engine in self.engines for pid in engine.pids()]
-
     def stop(self) -> None:
         """Kill both process groups; raises if any process of either survives."""
-        errors = []
-        for engine in self.engines:
-            try:
-                engine.kill()
-            except RuntimeError as e:
-                errors.append(str(e))
+        errors = self.kill_engines()
         _unlink_shm(self.shm_files)
         if errors:
             raise RuntimeError("; ".join(errors))
@@ -455,12 +296,6 @@ class SGLangPair:
                 self.decode = engine
             self.shm_files |= sglang_shm_files() - before
             return time.monotonic() - t0
-
-    def __enter__(self) -> SGLangPair:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def describe(self) -> str:
         return (

@@ -7,12 +7,10 @@ Starts a real vLLM pair, prints its URLs as one JSON line, and keeps it until SI
 from __future__ import annotations
 
 import argparse
-import json
-import signal
 import sys
-import threading
 from pathlib import Path
 
+from trio_pd.testing import real_pair
 from trio_pd.testing.vllm.launcher import REPO_ROOT, VllmPair
 
 
@@ -22,30 +20,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-max-model-len", type=int, default=2048)
     parser.add_argument("--log-dir", default=str(REPO_ROOT / ".cache" / "vllm-logs"))
     args = parser.parse_args(argv)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    pair = VllmPair.start(
-        prefill_max_model_len=args.prefill_max_model_len,
-        decode_max_model_len=args.decode_max_model_len,
-        log_dir=Path(args.log_dir),
-        name="manual",
-    )
-    try:
-        info = {
+    return real_pair.hold(
+        lambda: VllmPair.start(
+            prefill_max_model_len=args.prefill_max_model_len,
+            decode_max_model_len=args.decode_max_model_len,
+            log_dir=Path(args.log_dir),
+            name="manual",
+        ),
+        lambda pair: {
             "prefill_url": pair.prefill_url,
             "decode_url": pair.decode_url,
             "startup_secs": round(pair.startup_secs, 1),
-            "logs": [str(e.log_path) for e in pair.engines],
-        }
-        print(json.dumps(info), flush=True)
-        while not stop.wait(1.0):
-            if not (pair.prefill.alive() and pair.decode.alive()):
-                print("an engine died", file=sys.stderr)
-                return 1
-        return 0
-    finally:
-        pair.stop()
+        },
+    )
 
 
 if __name__ == "__main__":

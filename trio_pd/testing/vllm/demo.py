@@ -10,29 +10,18 @@ way out, Ctrl-C included.
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
-from trio_pd.testing.sglang.launcher import free_port, http_status
+from trio_pd.testing import real_pair
 from trio_pd.testing.vllm.launcher import REPO_ROOT, SERVED_MODEL_NAME, VllmPair
 
 LOG_DIR = REPO_ROOT / ".cache" / "vllm-logs" / "demo"
 
 
 def post(url: str, body: dict, timeout: float = 120.0) -> tuple[int, bytes, float]:
-    request = urllib.request.Request(
-        url, json.dumps(body).encode(), {"content-type": "application/json"}
-    )
-    t0 = time.monotonic()
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, response.read(), time.monotonic() - t0
-    except urllib.error.HTTPError as e:
-        return e.code, e.read(), time.monotonic() - t0
+    return real_pair.post(url, body, timeout)
 
 
 def metric(url: str, name: str) -> float:
@@ -43,26 +32,6 @@ def metric(url: str, name: str) -> float:
         for line in text.splitlines()
         if line.startswith(name + "{") or line.startswith(name + " ")
     )
-
-
-def start_router(pair: VllmPair) -> tuple[subprocess.Popen, str]:
-    port, metrics = free_port(), free_port()
-    command = [
-        sys.executable, "-m", "trio_pd", "serve", "--vllm-pd-disaggregation",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--prefill", pair.prefill_url, "--decode", pair.decode_url,
-        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics), "--admin-port", "0",
-        "--policy", "round_robin", "--disable-retries",
-    ]  # fmt: skip
-    with open(LOG_DIR / "router.log", "ab") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while http_status(url + "/readiness") != 200:
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"trio-pd serve did not become ready; see {LOG_DIR}/router.log")
-        time.sleep(0.2)
-    return process, url
 
 
 def demo(pair: VllmPair, url: str) -> None:
@@ -100,29 +69,19 @@ def demo(pair: VllmPair, url: str) -> None:
 
 
 def main() -> int:
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    print("starting a real vLLM prefill/decode pair (about 30-100 s on 2 cores) ...")
-    pair = VllmPair.start(log_dir=LOG_DIR, name="demo")
-    router = None
-    try:
-        print(pair.describe())
-        router, url = start_router(pair)
-        print(f"trio-pd serve --vllm-pd-disaggregation at {url}")
-        demo(pair, url)
-        return 0
-    except KeyboardInterrupt:
-        print("\ninterrupted")
-        return 130
-    finally:
-        if router is not None and router.poll() is None:
-            router.terminate()
-            try:
-                router.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                router.kill()
-        pair.stop()
-        print(f"stopped; logs in {LOG_DIR}")
+    return real_pair.run_demo(
+        lambda: VllmPair.start(log_dir=LOG_DIR, name="demo"),
+        lambda pair: [
+            "--vllm-pd-disaggregation",
+            "--prefill",
+            pair.prefill_url,
+            "--decode",
+            pair.decode_url,
+        ],
+        demo,
+        LOG_DIR,
+        "vLLM prefill/decode pair (about 30-100 s on 2 cores)",
+    )
 
 
 if __name__ == "__main__":

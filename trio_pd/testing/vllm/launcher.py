@@ -7,9 +7,9 @@ under the router's venv and starts the stock OpenAI server
 (`make vllm-env`), each server in its own process group, so `stop()` ends the API server and its
 engine-core child together. No vLLM file is patched and nothing is shimmed.
 
-Synchronous on purpose, as the SGLang launcher (`trio_pd/testing/sglang/launcher.py`, whose
-process helpers this reuses): pytest-trio cannot run session-scoped async fixtures, and a pair
-costs ~30-100 s and ~2 GB of RAM per server, so the tier starts it once.
+Synchronous on purpose, as the SGLang launcher (the process helpers both share are in
+`trio_pd/testing/real_pair.py`): pytest-trio cannot run session-scoped async fixtures, and a
+pair costs ~30-100 s and ~2 GB of RAM per server, so the tier starts it once.
 
 What makes the stock engine run here (docs/vllm-tier.md):
 - `--kv-transfer-config` NixlConnector, `kv_buffer_device: cpu`, UCX backend, with
@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 import tempfile
 import threading
 import time
@@ -34,11 +33,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trio_pd.testing.sglang.launcher import (
+from trio_pd.testing import real_pair
+from trio_pd.testing.real_pair import (
     Engine,
-    EngineStartError,
+    PairBase,
     distinct_free_ports,
-    http_status,
+    with_port_retries,
 )
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -105,19 +105,14 @@ def kv_transfer_config(role: str) -> str:
 
 
 def check_environment() -> None:
-    if not ENGINE_PYTHON.exists():
-        raise EngineStartError(f"{ENGINE_PYTHON} is missing: run `make vllm-env` first")
+    real_pair.check_venv(ENGINE_PYTHON, "vllm-env")
 
 
 def ensure_model(directory: Path = MODEL_DIR) -> Path:
-    """Write the tiny model once (under the engines' python, which has `tokenizers`)."""
+    """Write the tiny model once."""
     check_environment()
-    subprocess.run(
-        [str(ENGINE_PYTHON), str(PACKAGE_DIR / "make_model.py"), str(directory)],
-        check=True,
-        env={**os.environ, **ENGINE_ENV},
-    )
-    return directory
+    env = {**os.environ, **ENGINE_ENV}
+    return real_pair.write_model(ENGINE_PYTHON, PACKAGE_DIR / "make_model.py", directory, env)
 
 
 def engine_command(
@@ -139,19 +134,10 @@ def engine_command(
 def spawn_engine(
     role: str, port: int, side_channel_port: int, log_path: Path, command: list[str]
 ) -> Engine:
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **ENGINE_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port)}
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=str(log_path.parent),
-            start_new_session=True,
-        )
-    return Engine(role, port, process, log_path, command, bootstrap_port=side_channel_port)
+    return real_pair.spawn_engine(
+        role, port, log_path, command, env, bootstrap_port=side_channel_port
+    )
 
 
 def wait_ready(engines: Sequence[Engine], timeout: float) -> None:
@@ -159,24 +145,7 @@ def wait_ready(engines: Sequence[Engine], timeout: float) -> None:
 
     A process that exits meanwhile fails the start at once with its log tail.
     """
-    deadline = time.monotonic() + timeout
-    waiting = list(engines)
-    while waiting:
-        for engine in list(waiting):
-            if not engine.alive():
-                raise EngineStartError(
-                    f"{engine.role} engine exited with {engine.process.returncode} during "
-                    f"start-up; log {engine.log_path}:\n{engine.log_tail()}"
-                )
-            if http_status(engine.url + "/health", timeout=2.0) == 200:
-                waiting.remove(engine)
-        if not waiting:
-            return
-        if time.monotonic() > deadline:
-            names = ", ".join(e.role for e in waiting)
-            tails = "\n".join(f"--- {e.role} ({e.log_path}):\n{e.log_tail(30)}" for e in waiting)
-            raise EngineStartError(f"{names} not ready after {timeout:.0f} s\n{tails}")
-        time.sleep(0.5)
+    real_pair.wait_ready(engines, timeout, "/health", poll_secs=0.5, probe_secs=2.0)
 
 
 _start_lock = threading.Lock()
@@ -207,26 +176,11 @@ def dist_init_files() -> set[Path]:
 
 
 @dataclass
-class VllmPair:
+class VllmPair(PairBase):
     """A real vLLM prefill (kv_producer) and decode (kv_consumer), NIXL between them."""
 
-    prefill: Engine
-    decode: Engine
-    startup_secs: float
     # What the engines leave behind after a SIGKILL, unlinked by `stop()`.
     leftovers: set[Path] = field(default_factory=set)
-
-    @property
-    def prefill_url(self) -> str:
-        return self.prefill.url
-
-    @property
-    def decode_url(self) -> str:
-        return self.decode.url
-
-    @property
-    def engines(self) -> tuple[Engine, Engine]:
-        return (self.prefill, self.decode)
 
     @classmethod
     def start(
@@ -246,21 +200,17 @@ class VllmPair:
         whatever was started is killed before the error propagates; a port taken between
         choosing it and binding it gets new ports, up to three tries.
         """
-        for attempt in range(3):
-            try:
-                return cls._start_once(
-                    prefill_max_model_len=prefill_max_model_len,
-                    decode_max_model_len=decode_max_model_len,
-                    prefill_args=prefill_args,
-                    decode_args=decode_args,
-                    log_dir=Path(log_dir),
-                    name=name,
-                    timeout=timeout,
-                )
-            except EngineStartError as e:
-                if "address already in use" not in str(e).lower() or attempt == 2:
-                    raise
-        raise AssertionError("unreachable")
+        return with_port_retries(
+            lambda: cls._start_once(
+                prefill_max_model_len=prefill_max_model_len,
+                decode_max_model_len=decode_max_model_len,
+                prefill_args=prefill_args,
+                decode_args=decode_args,
+                log_dir=Path(log_dir),
+                name=name,
+                timeout=timeout,
+            )
+        )
 
     @classmethod
     def _start_once(
@@ -303,28 +253,14 @@ class VllmPair:
             pair.leftovers = dist_init_files() - before
             return pair
 
-    def pids(self) -> list[int]:
-        return [pid for engine in self.engines for pid in engine.pids()]
-
     def stop(self) -> None:
         """Kill both process groups and unlink their shared-memory segments and rendezvous
         files; raises if any process of either survives."""
-        errors = []
         self.leftovers |= shared_files(self.pids())
-        for engine in self.engines:
-            try:
-                engine.kill()
-            except RuntimeError as e:
-                errors.append(str(e))
+        errors = self.kill_engines()
         _unlink(self.leftovers)
         if errors:
             raise RuntimeError("; ".join(errors))
-
-    def __enter__(self) -> VllmPair:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def describe(self) -> str:
         return (
