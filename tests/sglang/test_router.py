@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
+from functools import partial
 
 import httpx2
 import pytest
@@ -185,7 +186,7 @@ async def test_hand_offs_sit_in_the_prefill_bootstrap_queue(router, client, main
         t0 = time.monotonic()
         async with trio.open_nursery() as burst:
             for _ in range(16):
-                burst.start_soon(client.post, "/generate", body)
+                burst.start_soon(partial(client.post, "/generate", json=body))
         probe.stop()
     samples = [s for s in probe.samples["prefill"] if s.sent >= t0 and s.held is not None]
     bootstrap = max(s.queues.get("prefill_bootstrap_queue_reqs", 0) for s in samples)
