@@ -19,6 +19,9 @@ to the simulator's process reproduces as the real engine shows them:
 - **The decode SIGKILLed** while it waits for KV (the prefill still computing): the prefill
   lets go, asked by the router; and **while it streams**: the clients get a cut stream or an
   error, the prefill holds nothing.
+- **An abort inside the KV-transfer window** (`--kv-transfer-ms`): every client resets the
+  moment the prefill reports transfers in flight (`prefill_inflight_queue_reqs`, as the real
+  row triggers): both engines let go, the prefill fails the transfers, both stay healthy.
 - **The prefill SIGSTOPped**, then SIGCONTed, with every shape in flight: every answer equals
   its unfaulted reference, nothing is held after.
 
@@ -379,3 +382,27 @@ async def _nothing(engines: httpx2.AsyncClient, engine: EngineProcess) -> bool:
 
 async def _decoding(decode: EngineProcess, count: int) -> bool:
     return len(decode.events("first_token")) >= count
+
+
+async def test_an_abort_inside_the_kv_transfer_window(nursery: trio.Nursery, tmp_path: Path):
+    async with matrix(nursery, tmp_path, ("--kv-transfer-ms", "2000"), ()) as (
+        prefill, decode, client, engines,
+    ):  # fmt: skip
+
+        async def in_flight() -> bool:
+            load = (await engines.get(prefill.url + "/v1/loads")).json()["loads"][0]
+            return load["disaggregation"]["prefill_inflight_queue_reqs"] >= len(SHAPES)
+
+        async with trio.open_nursery() as requests:
+            for route, stream in SHAPES:
+                requests.start_soon(answer, client, route, stream, shaped(route, stream, 20, 4))
+            await until(in_flight)  # the provoked thing: every KV is in flight
+            requests.cancel_scope.cancel()  # the clients leave; the router aborts both legs
+        await until(lambda: _nothing(engines, prefill))
+        await until(lambda: _nothing(engines, decode))
+        # Every transfer was failed by an abort: the router's, or a stream's own on disconnect.
+        ends = [e.get("ended") or "" for e in prefill.events("request_end")]
+        assert len(ends) == len(SHAPES) and all(e.startswith("aborted_") for e in ends), ends
+        assert not prefill.events("kv_sent")  # no KV reached the decode
+        for engine in (prefill, decode):
+            assert (await engines.get(engine.url + "/health")).status_code == 200
