@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install test lint format demo bench bench-peers bench-router-bound bench-vllm bench-aborts \
 	bench-overload bench-cache clean sglang-env image \
-	test-sglang demo-sglang chaos-sglang vllm-env test-vllm demo-vllm
+	test-sglang demo-sglang chaos-sglang chaos-sglang-smg vllm-env test-vllm demo-vllm
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -130,6 +130,12 @@ test-sglang: $(STAMP) $(SGLANG_STAMP)
 CHAOS_ARGS ?= --secs 180
 chaos-sglang: $(STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m tests.sglang.chaos $(CHAOS_ARGS)
+
+# The same harness with SMG 1.13 (`smg launch`, installed into bench/.peers) in front of the same
+# pair after trio_pd: docs/behaviour.md's side-by-side (twice CHAOS_ARGS's time). Not in .ci/run.
+chaos-sglang-smg: $(STAMP) $(SGLANG_STAMP)
+	$(PEERS_INSTALL)
+	$(BIN)/python -m tests.sglang.chaos --router both $(CHAOS_ARGS)
 
 demo-sglang: $(STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m trio_pd.testing.sglang.demo

@@ -10,6 +10,7 @@ import pytest
 
 from trio_pd.control.engine_info import (
     EngineInfoError,
+    LoadReportRejected,
     parse_legacy_load,
     parse_server_info,
     parse_v1_loads,
@@ -41,12 +42,26 @@ def test_a_pd_decode_tells_kv_waiting_from_queued() -> None:
     assert shown["num_reqs"] == 9 and len(shown["dp_loads"]) == 2
 
 
-def test_a_prefill_has_no_kv_waiting() -> None:
+def test_a_pd_prefill_tells_its_hand_offs_from_queued() -> None:
+    """SGLang counts a PD prefill's bootstrap queue (requests waiting for their decode's
+    handshake) in `num_waiting_reqs` (`load_inquirer.py`): they are the hand-off, not queued
+    for compute; its KV transfers in flight are held beside them."""
     load = parse_v1_loads(v1_loads({
-        "dp_rank": 0, "num_running_reqs": 1, "num_waiting_reqs": 2,
-        "disaggregation": {"mode": "prefill", "prefill_bootstrap_queue_reqs": 3},
+        "dp_rank": 0, "num_running_reqs": 1, "num_waiting_reqs": 5,
+        "disaggregation": {"mode": "prefill", "prefill_bootstrap_queue_reqs": 3,
+                           "prefill_inflight_queue_reqs": 2},
     }))  # fmt: skip
-    assert load.ranks[0].waiting_for_kv == 0 and load.ranks[0].queued == 2
+    (rank,) = load.ranks
+    assert (rank.waiting_for_kv, rank.bootstrapping, rank.queued) == (0, 3, 2)
+    assert rank.held == 1 + 5 + 2
+
+
+def test_more_bootstrapping_than_waiting_is_refused() -> None:
+    with pytest.raises(LoadReportRejected, match="contradictory"):
+        parse_v1_loads(v1_loads({
+            "dp_rank": 0, "num_running_reqs": 1, "num_waiting_reqs": 2,
+            "disaggregation": {"mode": "prefill", "prefill_bootstrap_queue_reqs": 3},
+        }))  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,13 @@ import trio
 import trio.testing
 
 from trio_pd.observe.metrics import RouterMetrics
-from trio_pd.pd.aborts import REPEAT_SECS, SENDERS_PER_WORKER, AbortJob, AbortService
+from trio_pd.pd.aborts import (
+    EARLY_REPEAT_SECS,
+    REPEAT_SECS,
+    SENDERS_PER_WORKER,
+    AbortJob,
+    AbortService,
+)
 
 
 class Answer:
@@ -62,15 +68,19 @@ async def test_the_repeat_does_not_hold_a_sender(
     legs = SENDERS_PER_WORKER * 10
     for i in range(legs):
         service.request(AbortJob("decode", "http://d", (f"rid-{i}",)))
-    await trio.sleep(REPEAT_SECS / 2)
+    await trio.sleep(EARLY_REPEAT_SECS / 2)
     first = [t for t, _, _ in pool.sent]
     assert len(first) == legs  # provoked: all of them were sent ...
-    assert max(first) < 0.1  # ... within milliseconds, not seconds
+    assert max(first) < EARLY_REPEAT_SECS / 2  # ... within milliseconds, not seconds
+    await trio.sleep(REPEAT_SECS / 2)
+    assert len(pool.sent) == 2 * legs  # each once more, EARLY_REPEAT_SECS later
+    early = [t for t, _, _ in pool.sent[legs:]]
+    assert min(early) >= EARLY_REPEAT_SECS and max(early) < REPEAT_SECS / 2
     await trio.sleep(REPEAT_SECS)
-    assert len(pool.sent) == 2 * legs  # and each once more, REPEAT_SECS later
-    repeats = [t for t, _, _ in pool.sent[legs:]]
+    assert len(pool.sent) == 3 * legs  # and a last time, REPEAT_SECS after the first
+    repeats = [t for t, _, _ in pool.sent[2 * legs :]]
     assert min(repeats) >= REPEAT_SECS
-    assert counted(service.metrics, "decode", "sent") == 2 * legs
+    assert counted(service.metrics, "decode", "sent") == 3 * legs
     assert counted(service.metrics, "decode", "dropped") == 0
 
 
@@ -86,12 +96,12 @@ async def test_equal_jobs_are_coalesced_and_never_crash_the_service(
     service.request(AbortJob("decode", "http://d", ("same", "other")))
     await trio.sleep(REPEAT_SECS * 3)
     rids = sorted(rid for _, _, rid in pool.sent)
-    assert rids == ["other", "other", "same", "same"]  # each rid: its POST and its repeat
+    assert rids == ["other"] * 3 + ["same"] * 3  # each rid: its POST and its two repeats
     assert counted(service.metrics, "decode", "coalesced") == 2
     # Once retired, the same rid may be aborted again (a new leg, later).
     service.request(job)
-    await trio.sleep(0.1)
-    assert [rid for _, _, rid in pool.sent].count("same") == 3
+    await trio.sleep(0.01)
+    assert [rid for _, _, rid in pool.sent].count("same") == 4
 
 
 async def test_a_delayed_first_abort_waits_and_the_others_do_not(
@@ -101,9 +111,9 @@ async def test_a_delayed_first_abort_waits_and_the_others_do_not(
     service.request(AbortJob("decode", "http://d", ("latched",), delay=1.0))
     service.request(AbortJob("decode", "http://d", ("plain",)))
     await trio.sleep(0.5)
-    assert [rid for _, _, rid in pool.sent] == ["plain"]
+    assert [rid for _, _, rid in pool.sent] == ["plain", "plain"]  # its POST, its early repeat
     await trio.sleep(0.6)
-    assert [rid for _, _, rid in pool.sent] == ["plain", "latched"]
+    assert [rid for _, _, rid in pool.sent] == ["plain", "plain", "latched"]
     latched_at = next(t for t, _, rid in pool.sent if rid == "latched")
     assert latched_at >= 1.0
 
@@ -123,11 +133,11 @@ async def test_flush_sends_every_pending_first_post_and_drops_the_repeats(
     """Finding 10: requests the end of a drain cut are aborted before the process exits."""
     service, pool = await started(nursery)
     service.request(AbortJob("decode", "http://d", ("sent-early",)))
-    await trio.sleep(0.1)  # its first POST went, its repeat is pending
+    await trio.sleep(EARLY_REPEAT_SECS / 2)  # its first POST went, its repeats are pending
     service.request(AbortJob("decode", "http://d", tuple(f"cut-{i}" for i in range(100)), delay=1))
     with trio.fail_after(1):  # mock time: the flush itself takes no second
         await service.flush()
     rids = [rid for _, _, rid in pool.sent]
-    assert rids.count("sent-early") == 1  # its repeat was dropped
+    assert rids.count("sent-early") == 1  # its repeats were dropped
     assert sorted(r for r in rids if r.startswith("cut-")) == sorted(f"cut-{i}" for i in range(100))
     assert service.pending == 0

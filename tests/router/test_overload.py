@@ -118,6 +118,33 @@ async def test_kv_waiters_on_a_decode_are_normal_pd_operation(nursery: trio.Nurs
     await cluster.client.aclose()
 
 
+async def test_hand_offs_on_a_prefill_are_normal_pd_operation(nursery: trio.Nursery) -> None:
+    """A prefill holding 9 requests in its bootstrap queue (waiting for their decode's handshake:
+    the decode has not registered their rooms) reports num_waiting_reqs 9, as SGLang counts
+    that queue there (`load_inquirer.py`): yet it is not overloaded, nothing is vetoed."""
+    cluster = await start_cluster(nursery, load_poll_interval_secs=POLL)
+
+    async def handed_off(rid: str) -> None:
+        await post(cluster, rid, sim_fault="decode:hang")
+
+    async with trio.open_nursery() as load:
+        for i in range(9):
+            load.start_soon(handed_off, f"hand-off-{i}")
+        await settle(
+            lambda: reported(
+                cluster, "prefill", 0,
+                lambda load: load.waiting >= 9 and load.ranks[0].bootstrapping >= 9,
+            ),
+            LOOSE,
+        )  # fmt: skip
+        prefill = cluster.router.fleet.workers("prefill")[0]
+        assert prefill.engine_load is not None and prefill.engine_load.ranks[0].queued == 0
+        assert overload_reason(prefill, cluster.router.config.overload, trio.current_time()) is None
+        load.cancel_scope.cancel()  # the clients leave; the router aborts both legs
+    assert decisions(cluster, "prefill", "vetoed") == decisions(cluster, "prefill", "fallback") == 0
+    await cluster.client.aclose()
+
+
 async def test_all_overloaded_falls_back_or_sheds(nursery: trio.Nursery) -> None:
     for shed in (False, True):
         async with trio.open_nursery() as scope:

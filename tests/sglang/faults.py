@@ -295,6 +295,15 @@ def thaw(pid: int) -> None:
     os.kill(pid, signal.SIGCONT)
 
 
+def counter(metrics: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus counter's samples with these labels, from a /metrics page."""
+    total = 0.0
+    for line in metrics.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def kill(pair: SGLangPair, role: str) -> float:
     """SIGKILL one engine's whole process group; the moment it was sent."""
     engine = pair.prefill if role == "prefill" else pair.decode
@@ -313,6 +322,8 @@ class Ledger:
     releases: dict[str, list[float]] = field(default_factory=dict)
     crossed: list[str] = field(default_factory=list)
     window: dict[str, int] = field(default_factory=lambda: {"tried": 0, "hit": 0})
+    # Rounds whose first aborts reached the decode before it registered the rids (AIBrix #2746)
+    unregistered: dict[str, int] = field(default_factory=lambda: {"tried": 0, "hit": 0})
     checked: int = 0  # successful answers compared with their reference
 
     def release(self, kind: str, secs: float) -> None:
@@ -352,6 +363,8 @@ class Ledger:
             )
         lines.append(
             f"transfer window: {self.window['hit']}/{self.window['tried']} aborts landed in it; "
+            f"aborts before the decode registered: {self.unregistered['hit']}/"
+            f"{self.unregistered['tried']} rounds; "
             f"{self.checked} answers compared, {len(self.crossed)} crossed"
         )
         return "\n".join(lines)

@@ -1014,7 +1014,10 @@ async def loads_while_waiting_for_kv(t: Target, client: httpx2.AsyncClient) -> O
     and whose KV never comes, and of a prefill holding one whose decode never registers
     (managers/scheduler_components/load_inquirer.py): a decode's KV waiters are in
     `num_waiting_reqs` *and* its prealloc/transfer queues, not queued for compute, so the
-    router's `queued` stays 0 (fleet/overload.py)."""
+    router's `queued` stays 0 (fleet/overload.py); a prefill's request waiting for its decode's
+    handshake is in `num_waiting_reqs` *and* its bootstrap queue, `queues.waiting` 0: the
+    router's `queued` stays 0 there too (recorded as 1 before the router left the bootstrap
+    queue out, 2026-12-05)."""
     key = t.admin_api_key or t.api_key
     out: Observables = {}
     async with trio.open_nursery() as nursery:

@@ -14,15 +14,16 @@ SGLang 0.5.23 (docs/protocol.md §11, §12):
   warns about on every call, asked only when `/server_info` is missing (older engines).
 
 On a PD decode, `num_waiting_reqs` counts requests waiting for their KV cache (the decode's
-prealloc and transfer queues) as well as those queued for compute: `RankLoad.queued` is the
-second alone, what an overload judgement must read.
+prealloc and transfer queues) as well as those queued for compute, and on a PD prefill those
+waiting for their decode's handshake (its bootstrap queue, `load_inquirer.py`): `RankLoad.queued`
+is the compute queue alone, what an overload judgement must read.
 
 A load report is believed only when it could be true (docs/policies.md "Load"): a count below
 zero, a figure no engine could reach (`MAX_REQUESTS`, `MAX_TOKENS`, a KV usage past
 `MAX_TOKEN_USAGE`, a throughput that is not a finite number under `MAX_THROUGHPUT`) or figures
-that contradict each other (more requests waiting for KV than waiting at all; more waiting than
-held on an old `/get_load`) is a worker's fault, `LoadReportRejected`: the fleet drops the
-worker's load as unknown rather than routing on a lie (`Fleet.reject_load`).
+that contradict each other (more requests waiting for KV, or bootstrapping, than waiting at
+all; more waiting than held on an old `/get_load`) is a worker's fault, `LoadReportRejected`:
+the fleet drops the worker's load as unknown rather than routing on a lie (`Fleet.reject_load`).
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def parse_v1_loads(body: bytes) -> EngineLoad:
             raise EngineInfoError("a `loads` entry is not an object")
         disagg = item.get("disaggregation")
         waiting = _count(item, "num_waiting_reqs")
-        for_kv = sending = 0
+        for_kv = sending = bootstrapping = 0
         if isinstance(disagg, dict) and disagg.get("mode") == "decode":
             for_kv = _count(disagg, "decode_prealloc_queue_reqs") + _count(
                 disagg, "decode_transfer_queue_reqs"
@@ -133,6 +134,11 @@ def parse_v1_loads(body: bytes) -> EngineLoad:
                 )
         if isinstance(disagg, dict) and disagg.get("mode") == "prefill":
             sending = _count(disagg, "prefill_inflight_queue_reqs")
+            bootstrapping = _count(disagg, "prefill_bootstrap_queue_reqs")
+            if bootstrapping > waiting:  # SGLang counts the bootstrap queue in num_waiting_reqs
+                raise LoadReportRejected(
+                    "contradictory", f"{bootstrapping} bootstrapping of {waiting} waiting"
+                )
         ranks.append(
             RankLoad(
                 dp_rank=_int(item.get("dp_rank"), index),
@@ -140,6 +146,7 @@ def parse_v1_loads(body: bytes) -> EngineLoad:
                 waiting=waiting,
                 waiting_for_kv=for_kv,
                 sending=sending,
+                bootstrapping=bootstrapping,
                 used_tokens=_count(item, "num_used_tokens", MAX_TOKENS),
                 token_usage=_rate(item, "token_usage", MAX_TOKEN_USAGE),
                 max_running=_count(item, "max_running_requests"),

@@ -20,6 +20,9 @@ class RankLoad:
     # A PD prefill's KV transfers still in flight (`prefill_inflight_queue_reqs`): requests it
     # holds that `num_waiting_reqs` leaves out.
     sending: int = 0
+    # A PD prefill's requests waiting for their decode's handshake (`prefill_bootstrap_queue_reqs`):
+    # the part of `waiting` that is the hand-off, not a queue for compute.
+    bootstrapping: int = 0
     used_tokens: int = 0
     token_usage: float = 0.0
     max_running: int = 0
@@ -39,8 +42,8 @@ class RankLoad:
 
     @property
     def queued(self) -> int:
-        """Requests queued for compute, not for a KV transfer."""
-        return max(0, self.waiting - self.waiting_for_kv)
+        """Requests queued for compute, not for a KV transfer or its handshake."""
+        return max(0, self.waiting - self.waiting_for_kv - self.bootstrapping)
 
 
 @attrs.frozen

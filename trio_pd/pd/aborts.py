@@ -16,8 +16,17 @@ request hands the job to this long-lived service and goes on. How the service is
   common prefix cannot stand for its items: an abandoned batch leg costs one POST per item
   (bounded by `--max-batch-size`). SGLang 0.5.23's source, `srt/entrypoints/http_server.py`
   and `srt/managers/io_struct.py`, read for issue 26.
-- **Each POST twice**, the second `REPEAT_SECS` after the first: an abort that reaches the
-  engine before it registered the rid is dropped yet answered 200 (AIBrix's finding).
+- **Each POST three times**: at once, again `EARLY_REPEAT_SECS` (0.1 s) after it, and a last
+  time `REPEAT_SECS` (2 s) after the first. An abort that reaches the engine before it
+  registered the rid is dropped yet answered 200 (AIBrix #2746, present in SGLang 0.5.23:
+  `tokenizer_manager.abort_request` returns when the rid is not in `rid_to_state`; the engine
+  keeps no note of it, docs/protocol.md §10). It happens when the abort overtakes its leg in
+  the engine's front (an abort on this service's open connection, a leg on a new one), and
+  the engine registers the rid when the leg's handler first runs, milliseconds later: the
+  early repeat frees it then. With the 2 s repeat alone a real decode held such requests 2.1 s
+  (0.16-0.19 s with the early one; tests/sglang/test_fault_matrix.py
+  `test_abort_before_the_decode_registered`). The last repeat stays for a front busy longer
+  than 0.1 s. The early repeat is one more POST per rid (tens of microseconds of router CPU).
 - **A lane per worker** (issue 26, N11). Each worker has its own delay queue and
   `SENDERS_PER_WORKER` senders, and all lanes together have at most `SENDERS` POSTs in flight:
   a worker whose `/abort_request` hangs holds its own senders (each POST bounded by
@@ -43,9 +52,10 @@ request hands the job to this long-lived service and goes on. How the service is
   engine from 1,492 to 103 of 2,500; docs/benchmarks.md).
 - **Coalesced and bounded** (issue 26, F5). A job's rids wait as one round (the job's tuple
   of rids and an index: a few bytes a rid, where a queued object per POST cost ~300), and its
-  repeats as one round per job and tenth of a second. A (worker, rid) already pending is not
-  queued twice; at most `MAX_PENDING_PER_WORKER` rids wait for one worker and `MAX_PENDING` in
-  all, beyond which the rest of a job is dropped and counted
+  repeats as one round per job, repeat and tenth of a second (a twentieth for the early
+  one). A (worker, rid) already pending is not queued twice; at most
+  `MAX_PENDING_PER_WORKER` rids wait for one worker and `MAX_PENDING` in all, beyond which
+  the rest of a job is dropped and counted
   (`trio_pd_aborts_total{role,result="dropped"}`), never blocking the request that gave it.
   Forty abandoned 1,024-batches (81,920 rids, both legs) once overflowed the single 65,536 queue
   and dropped 16,375 aborts; they now fit (40,960 a worker).
@@ -87,8 +97,9 @@ SENDERS_PER_WORKER = 8  # POSTs in flight to one worker at once, at most
 MAX_PENDING = 262_144  # rids waiting (due or not), all workers together, at most
 MAX_PENDING_PER_WORKER = 65_536  # rids waiting for one worker, at most
 TIMEOUT_SECS = 2.0
-REPEAT_SECS = 2.0
-REPEAT_BUCKET_SECS = 0.1  # first POSTs done within this long share one repeat round
+EARLY_REPEAT_SECS = 0.1  # the first repeat, after the first POST ended
+REPEAT_SECS = 2.0  # the last repeat, after the first POST ended
+REPEAT_BUCKET_SECS = 0.1  # POSTs done within this long share one repeat round (at most)
 FLUSH_SECS = 5.0
 WARN_EVERY_SECS = 10.0
 ABORT_PATH = "/abort_request"
@@ -112,9 +123,13 @@ class _Round:
 
     job: AbortJob
     rids: list[str]
-    repeat: bool
+    stage: int  # 0: the first POSTs; k: the k-th repeat
     serial: int  # a first round's own number (its repeats are grouped by it)
     taken: int = 0  # rids[:taken] were handed to a sender
+
+    @property
+    def repeat(self) -> bool:
+        return self.stage > 0
 
 
 @attrs.define(eq=False)
@@ -127,8 +142,8 @@ class _Lane:
     waiting: int = 0  # rids in the heap not yet handed to a sender
     in_flight: int = 0
     changed: trio.Event = attrs.Factory(trio.Event)
-    # A first round's serial -> (its open repeat round, until when it takes more rids)
-    open_repeats: dict[int, tuple[_Round, float]] = attrs.Factory(dict)
+    # (a first round's serial, stage) -> (its open repeat round, until when it takes more rids)
+    open_repeats: dict[tuple[int, int], tuple[_Round, float]] = attrs.Factory(dict)
     running: bool = False  # its senders run
 
     def wake(self) -> None:
@@ -162,9 +177,9 @@ class _Lane:
 
     def _retired(self, rnd: _Round) -> None:
         if rnd.repeat:
-            entry = self.open_repeats.get(rnd.serial)
+            entry = self.open_repeats.get((rnd.serial, rnd.stage))
             if entry is not None and entry[0] is rnd:
-                del self.open_repeats[rnd.serial]
+                del self.open_repeats[(rnd.serial, rnd.stage)]
 
     @property
     def idle(self) -> bool:
@@ -200,12 +215,17 @@ class AbortService:
         metrics: RouterMetrics,
         repeat_secs: float = REPEAT_SECS,
         *,
+        early_repeat_secs: float | None = EARLY_REPEAT_SECS,
         max_pending: int = MAX_PENDING,
         max_pending_per_worker: int = MAX_PENDING_PER_WORKER,
         senders_per_worker: int = SENDERS_PER_WORKER,
     ) -> None:
         self.metrics = metrics
         self.repeat_secs = repeat_secs
+        # When each repeat goes, in seconds after its first POST ended (ascending).
+        self.repeats: tuple[float, ...] = tuple(
+            sorted({x for x in (early_repeat_secs, repeat_secs) if x is not None and x > 0})
+        )
         self.max_pending = max_pending
         self.max_pending_per_worker = max_pending_per_worker
         self.senders_per_worker = senders_per_worker
@@ -248,7 +268,7 @@ class AbortService:
         if fresh:
             due = trio.current_time() + job.delay
             serial = next(self._order)
-            lane.push(due, serial, _Round(job, fresh, repeat=False, serial=serial))
+            lane.push(due, serial, _Round(job, fresh, stage=0, serial=serial))
             lane.waiting += len(fresh)
             lane.wake()
             self._start(lane)
@@ -344,20 +364,25 @@ class AbortService:
                     lane.wake()  # a new round to wait for, or nothing left: the others see
 
     def _after(self, lane: _Lane, rnd: _Round, rid: str) -> bool:
-        """Put a first POST's rid in its job's open repeat round, or retire it after its
-        repeat. Every repeat goes at least `repeat_secs` after its first POST ended. Whether a
-        new round was queued (the lane's waiting senders must see its due time)."""
-        if rnd.repeat or self._flushing:
+        """Put a POST's rid in its job's open round of the next repeat, or retire it after its
+        last. The k-th repeat goes at least `repeats[k-1]` after the first POST ended (each
+        waits out the gap from the POST before it). Whether a new round was queued (the lane's
+        waiting senders must see its due time)."""
+        if rnd.stage >= len(self.repeats) or self._flushing:
             lane.pending.discard(rid)
             return False
         now = trio.current_time()
-        entry = lane.open_repeats.get(rnd.serial)
+        stage = rnd.stage + 1
+        gap = self.repeats[rnd.stage] - (self.repeats[rnd.stage - 1] if rnd.stage else 0.0)
+        key = (rnd.serial, stage)
+        entry = lane.open_repeats.get(key)
         opened = entry is None or now >= entry[1]
         if opened:
-            repeat = _Round(rnd.job, [], repeat=True, serial=rnd.serial)
-            closes = now + REPEAT_BUCKET_SECS
-            lane.push(closes + self.repeat_secs, next(self._order), repeat)
-            entry = lane.open_repeats[rnd.serial] = (repeat, closes)
+            repeat = _Round(rnd.job, [], stage=stage, serial=rnd.serial)
+            # A round takes rids for at most half its gap: the early repeat stays early.
+            closes = now + min(REPEAT_BUCKET_SECS, gap / 2)
+            lane.push(closes + gap, next(self._order), repeat)
+            entry = lane.open_repeats[key] = (repeat, closes)
         assert entry is not None
         entry[0].rids.append(rid)
         lane.waiting += 1

@@ -19,8 +19,9 @@ OVERLOAD: tuple[Flag, ...] = (
         "--worker-overload-waiting-requests",
         "a worker whose engine reports this many requests queued for compute (summed over DP "
         "ranks) is left out of routing while another candidate is under the thresholds; on a PD "
-        "decode, requests waiting for their KV cache are normal PD operation and not counted "
-        "(SMG 1.13 counts them; docs/overload.md)",
+        "decode, requests waiting for their KV cache, and on a PD prefill those waiting for "
+        "their decode's handshake, are normal PD operation and not counted (SMG 1.13 counts "
+        "them; docs/overload.md)",
         "overload.waiting_requests",
         default=8,
         type=int,

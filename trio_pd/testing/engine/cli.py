@@ -63,6 +63,12 @@ def _add_capacity(parser: argparse.ArgumentParser, defaults: EngineConfig) -> No
     """Compute speed, slots, context, data parallelism, the KV transfer backend."""
     add = parser.add_argument
     add("--prefill-ms-per-token", type=float, default=0.0)
+    add(
+        "--kv-transfer-ms",
+        type=float,
+        default=0.0,
+        help="prefill: a request's KV transfer time after its computation (its inflight queue)",
+    )
     add("--inter-token-ms", type=float, default=0.0)
     add(
         "--max-running",
@@ -182,6 +188,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         waiting_timeout=args.waiting_timeout,
         bootstrap_timeout=args.bootstrap_timeout,
         prefill_ms_per_token=args.prefill_ms_per_token,
+        kv_transfer_ms=args.kv_transfer_ms,
         inter_token_ms=args.inter_token_ms,
         max_running=args.max_running,
         max_total_tokens=args.max_total_tokens,

@@ -58,6 +58,9 @@ class EngineConfig:
     # prefill: how long a request waits for its decode's registration
     bootstrap_timeout: float = 300.0  # SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT
     prefill_ms_per_token: float = 0.0
+    # prefill: how long a request's KV takes to reach its decode after its computation, in
+    # SGLang's inflight queue (`prefill_inflight_queue_reqs`); 0: at once
+    kv_transfer_ms: float = 0.0
     inter_token_ms: float = 0.0
     max_running: int = 64  # decode slots (KV preallocations) per data-parallel rank
     max_total_tokens: int = 262_144  # KV pool size per rank (/v1/loads token_usage)

@@ -117,10 +117,10 @@ def snapshot(engine: EngineState, rank: int) -> dict[str, Any]:
     else:
         bootstrap = _items(engine, rank, "bootstrap")
         waiting, transfer, prealloc, ready, queue = bootstrap, [], [], [], []
-        used = sum(i.held_tokens for i in running)
+        used = sum(i.held_tokens for i in (*running, *_items(engine, rank, "inflight")))
         total = used + sum(i.seqlen for i in bootstrap)
         active = total
-        bootstrap_q, inflight = len(bootstrap), 0
+        bootstrap_q, inflight = len(bootstrap), len(_items(engine, rank, "inflight"))
     max_running = cfg.max_running
     extra = engine.extra_queued  # another router's load (EngineState.saturate)
     used = min(cfg.max_total_tokens, used + engine.extra_used_tokens)

@@ -8,6 +8,8 @@ Per item (`disaggregation/prefill.py`, `disaggregation/common/conn.py`):
    disagg_prefill_dp_rank, fails at once ("follow_bootstrap_room conflict").
 2. running: compute (`prefill_ms_per_token` per prompt token), then send the KV. An abort here
    lets the computation finish and answers finish_reason abort, without sending the KV.
+3. inflight (only with `kv_transfer_ms`): the KV on its way for that long; an abort here fails
+   the transfer ("Prefill transfer failed"), and the decode never gets the KV.
 A decode that aborts the room (its ABORT notification, bootstrap.py) fails the request: in the
 bootstrap queue at once, after its computation otherwise ("Prefill transfer failed").
 
@@ -157,6 +159,18 @@ async def _item(call: Call, item: Item, state: RoomState, fake: bool) -> None:
         if item.to_finish:  # aborted while computing: no KV goes out
             await output.token(item, 1, abort_finish())
             return
+        if cfg.kv_transfer_ms > 0:
+            # The KV in flight (the inflight queue): an abort here fails the transfer, and the
+            # decode never gets the KV (`disagg_kv_sender.abort()`, "Prefill transfer failed").
+            item.stage = "inflight"
+            item.held_tokens = item.prompt_tokens
+            with item.new_scope():
+                await trio.sleep(cfg.kv_transfer_ms / 1e3)
+            item.held_tokens = 0
+            if item.scope.cancelled_caught:
+                detail = item.interrupt_detail or ABORTED_BY_ABORTREQ
+                await output.fail(item, 500, _failed("transfer", item, detail))
+                return
         if not state.kv.is_set():
             state.kv.set()
             item.emit("kv_sent")
