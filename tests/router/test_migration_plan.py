@@ -138,7 +138,9 @@ def test_generate_whole_answer_events_are_continued() -> None:
     # the resumed engine: prompt 4 + 2 sent = 6 tokens, its own answer starts at 0
     resumed = gen_event([12], 1, " c")
     resumed["meta_info"]["prompt_tokens"] = 6
+    resumed["meta_info"]["id"] = "rid-2"
     out = t.relay(resumed)
+    assert out["meta_info"]["id"] == "rid"
     assert out["output_ids"] == [10, 11, 12] and out["text"] == "a b c"
     assert out["meta_info"]["completion_tokens"] == 3
     assert out["meta_info"]["prompt_tokens"] == 4
@@ -178,8 +180,9 @@ def test_completions_ids_are_taken_out_and_usage_counts_both_attempts() -> None:
     t.relay(comp_chunk(" b", [11]))
     assert t.prompt_ids == [1, 2, 3] and t.ids == [10, 11] and t.text == "a b"
     t.resume()
-    out = t.relay(comp_chunk(" c", [12], prompt=[1, 2, 3, 10, 11], created=105))
-    assert out["created"] == 100 and out["choices"][0]["text"] == " c"
+    chunk = comp_chunk(" c", [12], prompt=[1, 2, 3, 10, 11], created=105)
+    out = t.relay({**chunk, "id": "rid-2"})
+    assert out["created"] == 100 and out["id"] == "rid" and out["choices"][0]["text"] == " c"
     assert "prompt_token_ids" not in out["choices"][0]
     assert t.prompt_ids == [1, 2, 3]  # the original's, not the resumed prompt
     usage = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}

@@ -59,7 +59,9 @@ async def sse(client: httpx2.AsyncClient, url: str, body: dict, on_event=None) -
                     on_event(len(events))
     except httpx2.HTTPError as e:
         end = f"error: {type(e).__name__}: {e}"
-    return {"status": status, "events": events, "times": times, "t0": t0, "end": end}
+    ended_at = time.monotonic()
+    return {"status": status, "events": events, "times": times, "t0": t0, "end": end,
+            "ended_at": ended_at}  # fmt: skip
 
 
 async def pd_sse(t: Target, client: httpx2.AsyncClient, path: str, body: dict, on_event=None):
@@ -271,7 +273,7 @@ async def signal_decode(
         "done_seen": "[DONE]" in decode["events"],
         "last_finish_reason": meta.get("finish_reason"),
         "last_completion_tokens": meta.get("completion_tokens"),
-        "ended_secs_after_signal": round(time.monotonic() - at, 3),
+        "stream_ended_secs_after_signal": round(decode["ended_at"] - at, 3),
         "group_gone_secs_after_signal": None if gone is None else round(gone, 2),
         "prefill_status": out["prefill"],
         **during,

@@ -5,6 +5,9 @@ got whole, then the resumed attempt's. `Transcript` records the first part as it
 (the ids, the text, the counts) and rewrites the second so the client reads one answer: no token
 twice or missing, the counts of the whole answer, the prompt of the original request.
 
+Each attempt has its own engine rid, which the engine writes into its events (`meta_info.id`,
+an OpenAI chunk's `id`): resumed events carry the first attempt's, the answer's one id.
+
 Per route, as SGLang 0.5.23 streams it (checked on the real pair, docs/protocol.md §13):
 
 - `/generate`: each event carries `text`, `output_ids` and `meta_info` (`completion_tokens`,
@@ -46,6 +49,7 @@ class Transcript:
     prompt_ids: list[int] | None = None  # completions: the engine's own ids of the prompt
     prompt_tokens: int | None = None  # the original prompt's token count
     created: int | None = None  # completions: the first chunk's `created`
+    answer_id: str | None = None  # the answer's id (the engine rid of the first attempt)
     finished: bool = False  # a finish reason went out
     # The resumed attempt's view: tokens and text sent before it began, and its own so far.
     base_ids: list[int] = attrs.Factory(list)
@@ -107,6 +111,8 @@ class Transcript:
         self.text = self.base_text + self.local_text
         if self.prompt_tokens is None:
             self.prompt_tokens = meta.get("prompt_tokens")
+        if self.answer_id is None and isinstance(meta.get("id"), str):
+            self.answer_id = meta["id"]
         if meta.get("finish_reason") is not None:
             self.finished = True
         if not self.resumed:
@@ -116,6 +122,8 @@ class Transcript:
             out["output_ids"] = list(self.ids)
             out["text"] = self.text
         new_meta = dict(meta)
+        if self.answer_id is not None and "id" in meta:
+            new_meta["id"] = self.answer_id
         base = len(self.base_ids)
         if isinstance(count, int):
             new_meta["completion_tokens"] = base + count
@@ -155,12 +163,16 @@ class Transcript:
                 changed = True
         if self.created is None and isinstance(event.get("created"), int):
             self.created = event["created"]
+        if self.answer_id is None and isinstance(event.get("id"), str):
+            self.answer_id = event["id"]
         if not self.resumed:
             return out
         if not changed:
             out = dict(event)
         if self.created is not None and "created" in out:
             out["created"] = self.created
+        if self.answer_id is not None and "id" in out:
+            out["id"] = self.answer_id
         usage = out.get("usage")
         if isinstance(usage, dict):
             out["usage"] = self.usage(usage)

@@ -9,7 +9,9 @@ dies as a SIGKILLed SGLang server does: every connection it has is closed at onc
 it holds is dropped, and it accepts no more connections; `EngineState.die`), or
 (engine level only) `refuse`. `@MS` delays the firing by MS milliseconds; `@Ntok` (decode only)
 fires it once the decode's answer has sent N tokens, so "mid-stream" is what happened, not a
-guess about the clock. `+kv` (prefill only) fires the fault after the KV cache was sent, so
+guess about the clock (the answer's tokens: a resumed request, whose `input_ids` end with the
+answer's first M tokens (`workload.continued`), fires after N - M of its own, and not at all
+when M >= N). `+kv` (prefill only) fires the fault after the KV cache was sent, so
 decode can answer before prefill fails.
 """
 

@@ -1,0 +1,223 @@
+"""Migration over the wire (issue 29): a decode that dies mid-stream costs the client nothing.
+
+Simulator engines and the real router on real sockets. The decode that gets a request dies (the
+whole engine, as a SIGKILLed SGLang server: `die@Ntok`, fired by what happened, its N-th token)
+after the client got N of the answer's tokens; the router resumes the request on the other
+decode with the prompt's ids plus the N ids already sent. The simulator continues such a prompt
+with the uninterrupted run's tokens (`workload.continued`), so the client's answer is compared
+byte for byte with an uninterrupted run of the same request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import orjson
+import pytest
+import trio
+
+from tests.conftest import start_cluster
+from tests.router.helpers import read_sse, settle
+from trio_pd.config import RetryConfig, TimeoutConfig
+from trio_pd.testing.engine.workload import output_id
+
+MAX = 8
+PROMPT = "the quick brown fox jumps over the lazy dog"
+RETRY = RetryConfig(max_retries=3, initial_backoff_ms=1, max_backoff_ms=5, jitter_factor=0.0)
+
+
+def body(path: str, stream: bool = True, fault: str | None = None, **extra: Any) -> dict:
+    if path == "/generate":
+        out: dict[str, Any] = {
+            "text": PROMPT,
+            "sampling_params": {"max_new_tokens": MAX, "temperature": 0},
+        }
+    elif path == "/v1/completions":
+        out = {"prompt": PROMPT, "max_tokens": MAX, "temperature": 0}
+        if stream:
+            out["stream_options"] = {"include_usage": True}
+    else:
+        out = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX}
+        if stream:
+            out["stream_options"] = {"include_usage": True}
+    out["stream"] = stream
+    if fault is not None:
+        out["sim_fault"] = fault
+    return {**out, **extra}
+
+
+async def stream(cluster, path: str, payload: dict, rid: str) -> tuple[int, list[Any], bytes]:
+    async with cluster.client.stream(
+        "POST", path, json=payload, headers={"x-request-id": rid}
+    ) as response:
+        if not response.headers["content-type"].startswith("text/event-stream"):
+            raw = await response.aread()
+            return response.status_code, [orjson.loads(raw)], raw
+        return response.status_code, await read_sse(response), b""
+
+
+def answer(path: str, events: list[Any]) -> dict[str, Any]:
+    """What a client reads of a stream: the text, the ids, the finish, the counts, [DONE]s."""
+    data = [e for e in events if e != "[DONE]"]
+    out: dict[str, Any] = {
+        "done": events.count("[DONE]"),
+        "errors": [e for e in data if "error" in e],
+    }
+    if path == "/generate":
+        last = data[-1]
+        out.update(
+            text=last["text"],
+            ids=last["output_ids"],
+            finish=last["meta_info"]["finish_reason"],
+            prompt_tokens=last["meta_info"]["prompt_tokens"],
+            completion_tokens=last["meta_info"]["completion_tokens"],
+            ids_grow=[len(e["output_ids"]) for e in data],
+            rid={e["meta_info"]["id"] for e in data},
+        )
+        return out
+    choices = [c for e in data for c in e.get("choices") or []]
+    out.update(
+        text="".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for c in choices),
+        finish=[c["finish_reason"] for c in choices if c.get("finish_reason")],
+        usage=[e["usage"] for e in data if e.get("usage")],
+        keys={k for c in choices for k in c},
+        rid={e["id"] for e in data},
+        created={e["created"] for e in data},
+    )
+    return out
+
+
+async def migrations(cluster) -> dict[tuple[str, str], float]:
+    text = (await cluster.client.get("/metrics")).text
+    found = {}
+    for line in text.splitlines():
+        if line.startswith("trio_pd_migrations_total{"):
+            labels, value = line.split("} ")
+            parts = dict(p.split("=") for p in labels.split("{")[1].split(","))
+            found[(parts["reason"].strip('"'), parts["outcome"].strip('"'))] = float(value)
+    return found
+
+
+def dead(cluster):
+    return [d for d in cluster.decodes if d.events.find("engine_died")]
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+@pytest.mark.parametrize("after", [1, 3, MAX - 1])
+async def test_a_stream_outlives_its_decode(nursery: trio.Nursery, path: str, after: int) -> None:
+    cluster = await start_cluster(nursery, n_decode=2)
+    status, events, _ = await stream(cluster, path, body(path, fault=f"decode:die@{after}tok"), "m")
+    assert status == 200
+    [gone] = dead(cluster)  # the provoked thing happened: the decode that had it died
+    [alive] = [d for d in cluster.decodes if d is not gone]
+    got = answer(path, events)
+    assert got["done"] == 1 and not got["errors"], events
+    # an uninterrupted run of the same request (the dead decode is out of rotation)
+    status, reference, _ = await stream(cluster, path, body(path), "ref")
+    want = answer(path, reference)
+    assert got["text"] == want["text"] and got["finish"] == want["finish"]
+    if path == "/generate":
+        assert got["ids"] == want["ids"] == [output_id(k) for k in range(1, MAX + 1)]
+        assert got["ids_grow"] == list(range(1, MAX + 1))  # no token twice, none missing
+        assert (got["prompt_tokens"], got["completion_tokens"]) == (
+            want["prompt_tokens"],
+            want["completion_tokens"],
+        )
+    else:
+        assert got["usage"] == want["usage"]
+        assert "token_ids" not in got["keys"] and "prompt_token_ids" not in got["keys"]
+        assert len(got["created"]) == 1
+    assert len(got["rid"]) == 1  # one answer id across both attempts
+    # the resumed request on the other decode: the prompt plus the `after` ids already sent
+    [resumed] = [r for r in alive.events.find("request_start", rid="m")]
+    assert resumed
+    assert (await migrations(cluster)) == {("transport", "resumed"): 1.0}
+    await settle(lambda: gone.running == 0 and alive.running == 0)
+
+
+async def test_migration_limit_zero_ends_the_stream_as_before(nursery: trio.Nursery) -> None:
+    """--migration-limit 0: the cut stream ends with the error event (today's behaviour)."""
+    cluster = await start_cluster(nursery, n_decode=2, migration_limit=0)
+    status, events, _ = await stream(
+        cluster, "/generate", body("/generate", fault="decode:die@3tok"), "m0"
+    )
+    assert status == 200 and dead(cluster)
+    assert events[-1] == "[DONE]" and "error" in events[-2]
+    got = answer("/generate", events[:-2])
+    assert got["completion_tokens"] == 3  # the client has 3 tokens and an error: no resume
+    assert (await migrations(cluster)) == {}
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "rule"),
+    [
+        ("/v1/chat/completions", {}, "chat_stream"),
+        ("/generate", {"sampling_params": {"max_new_tokens": MAX, "regex": "t.*"}},
+         "structured_output"),
+        ("/v1/completions", {"stop": ["tok5"]}, "stop_strings"),
+        ("/generate", {"return_logprob": True}, "logprobs"),
+    ],
+)  # fmt: skip
+async def test_refused_breaks_end_as_before_and_are_counted(
+    nursery: trio.Nursery, path: str, extra: dict, rule: str
+) -> None:
+    cluster = await start_cluster(nursery, n_decode=2)
+    status, events, _ = await stream(
+        cluster, path, body(path, fault="decode:die@3tok", **extra), "r"
+    )
+    assert status == 200 and dead(cluster)
+    assert events[-1] == "[DONE]" and "error" in events[-2]  # today's clean error event
+    assert (await migrations(cluster)) == {("transport", f"refused_{rule}"): 1.0}
+
+
+async def test_an_engine_abort_mid_stream_is_resumed_never_relayed(nursery: trio.Nursery) -> None:
+    """A decode that aborts the request itself (as an engine shutting down may) sends an abort
+    finish: the client never sees it, the answer goes on from the other decode."""
+    cluster = await start_cluster(nursery, n_decode=2)
+    status, events, _ = await stream(
+        cluster, "/generate", body("/generate", fault="decode:abort@4tok"), "ab"
+    )
+    assert status == 200
+    assert any(d.events.find("fault", rid="ab") for d in cluster.decodes)
+    got = answer("/generate", events)
+    assert got["done"] == 1 and not got["errors"]
+    assert got["ids"] == [output_id(k) for k in range(1, MAX + 1)]
+    assert got["finish"] == {"type": "length", "length": MAX}
+    assert (await migrations(cluster)) == {("inband", "resumed"): 1.0}
+
+
+async def test_a_silent_decode_is_resumed(nursery: trio.Nursery) -> None:
+    """A decode that goes silent mid-stream (`hold@Ntok`: it stops after its 2nd token until
+    released) is failed by the stream's idle timeout and resumed on the other one."""
+    timeouts = attrs.evolve(TimeoutConfig(), stream_idle_secs=0.5)
+    cluster = await start_cluster(nursery, n_decode=2, timeouts=timeouts)
+    status, events, _ = await stream(
+        cluster, "/generate", body("/generate", fault="decode:hold@2tok"), "idle"
+    )
+    assert status == 200
+    got = answer("/generate", events)
+    assert got["done"] == 1 and not got["errors"]
+    assert got["ids"] == [output_id(k) for k in range(1, MAX + 1)]
+    assert (await migrations(cluster)) == {("timeout", "resumed"): 1.0}
+    for decode in cluster.decodes:
+        decode.state.release_held()
+    await settle(lambda: all(d.running == 0 for d in cluster.decodes))
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/chat/completions", "/v1/completions"])
+async def test_a_plain_request_is_answered_whole_by_a_retry(
+    nursery: trio.Nursery, path: str
+) -> None:
+    """Without a stream nothing reached the client: the retry loop runs the request again on a
+    fresh pair (the dead decode's tokens are generated again)."""
+    cluster = await start_cluster(nursery, n_decode=2, retry=RETRY)
+    status, [got], _ = await stream(
+        cluster, path, body(path, stream=False, fault="decode:die@3tok"), "p"
+    )
+    assert status == 200 and dead(cluster)
+    status, [want], _ = await stream(cluster, path, body(path, stream=False), "pref")
+    if path == "/generate":
+        assert got["output_ids"] == want["output_ids"] and got["text"] == want["text"]
+    else:
+        assert got["choices"] == want["choices"] and got["usage"] == want["usage"]
