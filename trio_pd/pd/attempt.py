@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -46,6 +46,7 @@ from trio_pd.pd.offload import AnswerWork
 from trio_pd.pd.outcome import LegFailure, LegResult, LegSuccess
 from trio_pd.pd.payload import OFFLOAD_BYTES
 from trio_pd.pd.relay import event_data
+from trio_pd.pd.resume import Migration, transcribed
 from trio_pd.pd.sse import EventReader, EventTooLarge
 from trio_pd.respond import Reply, Responder
 from trio_pd.spec import Role
@@ -168,6 +169,9 @@ class Attempt:
     # Whether anyone reads it (kv_aware's self-check probed this request): else the prefill's
     # answers are not searched for it, on every request's path.
     note_cached: bool = False
+    # A stream that may resume on another pair if decode breaks (`resume.py`): relayed as
+    # whole events through its transcript. None: relayed raw.
+    migration: Migration | None = None
 
     async def run(self) -> None:
         """Run both legs to completion; on return the legs' results say what happened."""
@@ -411,7 +415,7 @@ class Attempt:
         The first event proves the KV cache arrived, so only then do the client's headers go out;
         with logprobs it also waits for prefill's first answer to merge into that event.
         """
-        chunks = response.chunks()
+        chunks: AsyncIterator[bytes] = response.chunks()
         reader = EventReader(self.event_limit, self.account)
         events: list[bytes] = []
         try:
@@ -445,6 +449,17 @@ class Attempt:
         if self.prefill.failed:
             # Prefill failed while this task held a chunk read before its cancellation landed.
             return
+        migration = self.migration
+        if migration is not None and migration.transcript is not None:
+            try:
+                event, chunks = transcribed(
+                    migration, migration.transcript, event, rest, chunks,
+                    self.event_limit, self.account,
+                )  # fmt: skip
+            except UpstreamError as exc:
+                self._fail_decode(LegFailure(exc.kind, str(exc)))
+                return
+            rest = b""
         await self.responder.start(response.status, headers)
         clock = StreamClock()
         metrics = self.metrics

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
@@ -29,6 +29,7 @@ from trio_pd.fleet.worker import Hold, NoWorkerAvailable, RankHold, Worker, join
 from trio_pd.observe.metrics import RouterMetrics
 from trio_pd.pd.aborts import AbortJob, AbortService
 from trio_pd.pd.admission import admit_decode, admit_pair
+from trio_pd.pd.answers import read_answer
 from trio_pd.pd.attempt import Attempt, Leg
 from trio_pd.pd.budget import Account
 from trio_pd.pd.cancel import RequestCancel
@@ -43,13 +44,22 @@ from trio_pd.pd.injection import (
 )
 from trio_pd.pd.outcome import FailureHistory, LegFailure, LegSuccess, record_outcome
 from trio_pd.pd.payload import COMPLETIONS, GENERATE, Inspected
+from trio_pd.pd.relay import error_frame
+from trio_pd.pd.resume import (
+    TOKENIZE_PATH,
+    ContinuedResponder,
+    Migration,
+    ResumeFailed,
+    parse_tokenize,
+    tokenize_body,
+)
 from trio_pd.pd.samples import dispatch_samples
 from trio_pd.pd.trace import RequestTrace
 from trio_pd.pd.vllm_attempt import VllmAttempt, VllmBodies, engine_headers
 from trio_pd.pd.vllm_bodies import VllmBodyMaker
 from trio_pd.respond import Responder
 from trio_pd.upstream.headers import admin_key, generation_key, worker_authorization
-from trio_pd.upstream.pool import UpstreamPool
+from trio_pd.upstream.pool import UpstreamError, UpstreamPool
 
 log = logging.getLogger(__name__)
 # How long the first abort of a leg waits where the latch hazard applies (see `abort_hook`).
@@ -133,28 +143,58 @@ async def dispatch(
         inspected.text, inspected.length, request.routing_key, model, request.affinity, probe
     )
     trace = request.trace
-    for number in range(1, total + 1):
+    # Migration (`resume.py`): a stream whose decode breaks resumes on a fresh pair; the
+    # attempts after a resume write to the client's open stream (`answering`) and send the
+    # resumed body (`sent`); each resume starts its own count of retries (`number`).
+    migration = Migration.for_request(request.path, inspected, ctx.config.migration_limit)
+    answering, sent, resuming = responder, request, False
+    number = tries = 0
+    while number < total:
+        number += 1
+        tries += 1
         try:
             prefill, decode, slots = await admitted_pair(ctx, hints, frozenset(avoid), inspected)
         except NoWorkerAvailable as exc:
             code = exc.reason if exc.reason == NO_COMPATIBLE_PAIR else None
+            if answering is not responder:
+                await end_resumed(ctx, migration, responder, str(exc))
+                return
             await responder.error(no_worker(str(exc), code))
             return
         except RouterError as exc:  # shed, or the prefill line or the decode window said no
+            if answering is not responder:
+                await end_resumed(ctx, migration, responder, exc.message)
+                return
             await responder.error(exc)
             return
         ranks = with_slots(choose_ranks(ctx, prefill, decode), *slots)
+        engine = prefill.spec.engine
         try:
-            bodies = await vllm_bodies(request) if prefill.spec.engine == "vllm" else None
+            if migration is not None and resuming:
+                resumed = await migration.resumed_inspected(
+                    inspected, tokenizer(ctx, request, prefill)
+                )
+                sent, resuming = attrs.evolve(request, inspected=resumed), False
+            elif migration is not None and answering is responder:
+                sent = attrs.evolve(
+                    request, inspected=migration.request_inspected(inspected, engine)
+                )
+            bodies = await vllm_bodies(sent) if engine == "vllm" else None
             attempt = new_attempt(
-                ctx, request, responder, cancel, (prefill, decode), (started, deadline), number,
+                ctx, sent, answering, cancel, (prefill, decode), (started, deadline), number,
                 ranks, bodies,
             )  # fmt: skip
+        except (ResumeFailed, UpstreamError) as exc:
+            ranks.release()
+            await end_resumed(ctx, migration, responder, f"the resume failed: {exc}")
+            return
         except BaseException:
             ranks.release()
             raise
+        if migration is not None and migration.watching(engine):
+            attempt.migration = migration
         attempt.note_cached = probe is not None  # kv_aware's self-check reads it
-        responder.route_info.update(prefill=prefill.id, decode=decode.id, attempts=number)
+        responder.route_info.update(prefill=prefill.id, decode=decode.id, attempts=tries)
         if number > 1:
             ctx.metrics.retries.inc()
         spans = None
@@ -173,8 +213,15 @@ async def dispatch(
         if kv is not None and probe is not None and not attempt.prefill.failed:
             kv.observe(probe, prefill, attempt.prefill_cached_tokens)
         count_failures(ctx.metrics, attempt)
-        if responder.started:
+        if migration is not None:
+            migration.settle(ctx.metrics, answering.started)
+        if answering.started:
             if not responder.finished and not attempt.stalled:
+                if migration is not None and resume(ctx, migration, attempt, inspected, trace):
+                    avoid.add(decode)
+                    answering, resuming, number = ContinuedResponder.of(responder), True, 0
+                    responder.route_info["migrations"] = migration.resumes + 1
+                    continue
                 await responder.finish_stream(stream_error_frame(attempt))
             return
         reply = attempt.reply()
@@ -192,8 +239,70 @@ async def dispatch(
                 trace.retrying(number, culprit.role, delay)
             await trio.sleep(delay)
             continue
+        if answering is not responder:  # a resumed attempt that sent nothing, and no retry
+            await end_resumed(ctx, migration, responder, failure_message(attempt))
+            return
         await responder.reply(reply)
         return
+    if answering is not responder:  # pragma: no cover - the loop returns from its last attempt
+        await end_resumed(ctx, migration, responder, "no attempt left")
+
+
+def resume(
+    ctx: DispatchContext,
+    migration: Migration,
+    attempt: Attempt,
+    inspected: Inspected,
+    trace: RequestTrace | None,
+) -> bool:
+    """Decode's stream broke after the client got part of it: resume it on a fresh pair (True),
+    or count why not (False; the stream then ends with the error event, as before)."""
+    reason = migration.broke(attempt.prefill.failed, attempt.decode.result)
+    if reason is None:
+        return False
+    why = migration.decide(inspected, attempt.decode.worker.spec.engine)
+    if why is not None:
+        migration.count(ctx.metrics, reason, why)
+        log.info("decode broke (%s) mid-stream; not resumed: %s", reason, why)
+        return False
+    migration.open_break = reason
+    sent = migration.transcript.sent if migration.transcript is not None else 0
+    log.info("decode broke (%s) after %d tokens: resuming on a fresh pair", reason, sent)
+    if trace is not None:
+        trace.migrating(migration.resumes + 1, reason, sent)
+    return True
+
+
+async def end_resumed(
+    ctx: DispatchContext, migration: Migration | None, responder: Responder, message: str
+) -> None:
+    """A resumed stream that cannot go on: the client's stream ends with the error event."""
+    if migration is not None:
+        migration.fail_open_break(ctx.metrics)
+    if not responder.finished:
+        await responder.finish_stream(error_frame(message, "upstream_error", 502))
+
+
+def failure_message(attempt: Attempt) -> str:
+    culprit = attempt.culprit()
+    if culprit is not None and isinstance(culprit.result, LegFailure):
+        return f"{culprit.role} worker failed: {culprit.result.message}"
+    return "the resumed attempt failed"
+
+
+def tokenizer(
+    ctx: DispatchContext, request: PDRequest, worker: Worker
+) -> Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]:
+    """The prompt's ids as `worker`'s engine makes them: its own `/tokenize`."""
+
+    async def tokenize(payload: dict[str, Any]) -> dict[str, Any]:
+        headers = leg_headers_for(ctx, request, worker)
+        post = ctx.pool.post(worker.url, TOKENIZE_PATH, headers, tokenize_body(payload))
+        async with post as response:
+            body = await read_answer(response)
+            return parse_tokenize(response.status, body)
+
+    return tokenize
 
 
 async def admitted_pair(

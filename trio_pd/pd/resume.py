@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 import orjson
 
-from trio_pd.pd.relay import answer_failure, event_data, parse_json
+from trio_pd.observe.metrics import RouterMetrics
 from trio_pd.pd.injection import splice
 from trio_pd.pd.migration import (
     refusal,
@@ -33,7 +33,9 @@ from trio_pd.pd.migration import (
     resume_body,
     within_context,
 )
+from trio_pd.pd.outcome import LegFailure
 from trio_pd.pd.payload import CHAT, COMPLETIONS, GENERATE, Inspected
+from trio_pd.pd.relay import answer_failure, event_data, parse_json
 from trio_pd.pd.sse import EventReader
 from trio_pd.pd.stitch import Transcript
 from trio_pd.respond import Reply, Responder
@@ -59,6 +61,9 @@ class Migration:
     resumes: int = 0
     break_reason: str | None = None  # set by `transcribed` when the engine aborted in-band
     payload: dict[str, Any] | None = None  # the client's body, parsed at the first break
+    # The reason of the break being resumed, until its resumed attempt streams or fails.
+    open_break: str | None = None
+    context: int | None = None  # the engine's context (`max_model_len` of its /tokenize)
 
     @classmethod
     def for_request(cls, path: str, inspected: Inspected, limit: int) -> Migration | None:
@@ -95,6 +100,31 @@ class Migration:
         body = splice(inspected.body, inspected.empty, {"return_token_ids": True})
         return attrs.evolve(inspected, body=body, empty=False)
 
+    def broke(self, prefill_failed: bool, decode: object) -> str | None:
+        """The break's reason (`transport`, `timeout`, `inband`) when decode's stream broke
+        after prefill succeeded, else None (a client that stopped reading, a prefill failure,
+        an answer the router had no room for are no engine's death)."""
+        inband, self.break_reason = self.break_reason, None
+        if prefill_failed or not isinstance(decode, LegFailure):
+            return None
+        if inband is not None:
+            return inband
+        return decode.kind if decode.kind in ("transport", "timeout", "inband") else None
+
+    def count(self, metrics: RouterMetrics, reason: str, outcome: str) -> None:
+        metrics.migrations.labels(reason, outcome).inc()
+
+    def settle(self, metrics: RouterMetrics, streamed: bool) -> None:
+        """The resumed attempt ended: a resume that got its stream going counts `resumed`."""
+        if self.open_break is not None and streamed:
+            self.count(metrics, self.open_break, "resumed")
+            self.open_break = None
+
+    def fail_open_break(self, metrics: RouterMetrics) -> None:
+        if self.open_break is not None:
+            self.count(metrics, self.open_break, "failed")
+            self.open_break = None
+
     def parsed(self, inspected: Inspected) -> dict[str, Any]:
         if self.payload is None:
             payload = parse_json(inspected.body)
@@ -117,9 +147,7 @@ class Migration:
             return "refused_budget_spent"
         return None
 
-    async def resumed_inspected(
-        self, inspected: Inspected, tokenize: Any, context: int | None = None
-    ) -> Inspected:
+    async def resumed_inspected(self, inspected: Inspected, tokenize: Any) -> Inspected:
         """The resumed attempt's body (`migration.resume_body`) as the request's new bytes.
 
         `tokenize(payload)` asks the new pair's prefill for a text prompt's ids (its
@@ -131,7 +159,7 @@ class Migration:
         prompt_ids = await self.prompt_ids(payload, tokenize)
         body = resume_body(self.path, payload, prompt_ids, sent)
         remaining = remaining_tokens(self.path, payload, len(sent))
-        if not within_context(len(prompt_ids), len(sent), remaining, context):
+        if not within_context(len(prompt_ids), len(sent), remaining, self.context):
             raise ResumeFailed("the resumed request would exceed the engine's context")
         if self.path == COMPLETIONS:
             body["return_token_ids"] = True
@@ -153,6 +181,8 @@ class Migration:
             raise ResumeFailed("no prompt to resume from")
         answer = await tokenize({"prompt": text})
         tokens = answer.get("tokens") if isinstance(answer, dict) else None
+        context = answer.get("max_model_len") if isinstance(answer, dict) else None
+        self.context = context if isinstance(context, int) and context > 0 else None
         if not isinstance(tokens, list) or not all(isinstance(i, int) for i in tokens):
             raise ResumeFailed(f"the engine's /tokenize answered {str(answer)[:200]}")
         return tokens
@@ -171,7 +201,7 @@ def parse_tokenize(status: int, body: bytes) -> dict[str, Any]:
     return answer
 
 
-async def transcribed(
+def transcribed(
     migration: Migration,
     transcript: Transcript,
     first: bytes,
