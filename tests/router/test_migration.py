@@ -106,7 +106,7 @@ def dead(cluster):
 @pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
 @pytest.mark.parametrize("after", [1, 3, MAX - 1])
 async def test_a_stream_outlives_its_decode(nursery: trio.Nursery, path: str, after: int) -> None:
-    cluster = await start_cluster(nursery, n_decode=2)
+    cluster = await start_cluster(nursery, n_decode=2, migration_limit=2)
     # an uninterrupted run of the same request, while both decodes live
     status, reference, _ = await stream(cluster, path, body(path), "ref")
     want = answer(path, reference)
@@ -163,7 +163,7 @@ async def test_migration_limit_zero_ends_the_stream_as_before(nursery: trio.Nurs
 async def test_refused_breaks_end_as_before_and_are_counted(
     nursery: trio.Nursery, path: str, extra: dict, rule: str
 ) -> None:
-    cluster = await start_cluster(nursery, n_decode=2)
+    cluster = await start_cluster(nursery, n_decode=2, migration_limit=2)
     status, events, _ = await stream(
         cluster, path, body(path, fault="decode:die@3tok", **extra), "r"
     )
@@ -175,7 +175,7 @@ async def test_refused_breaks_end_as_before_and_are_counted(
 async def test_an_engine_abort_mid_stream_is_resumed_never_relayed(nursery: trio.Nursery) -> None:
     """A decode that aborts the request itself (as an engine shutting down may) sends an abort
     finish: the client never sees it, the answer goes on from the other decode."""
-    cluster = await start_cluster(nursery, n_decode=2)
+    cluster = await start_cluster(nursery, n_decode=2, migration_limit=2)
     status, events, _ = await stream(
         cluster, "/generate", body("/generate", fault="decode:abort@4tok"), "ab"
     )
@@ -192,7 +192,7 @@ async def test_a_silent_decode_is_resumed(nursery: trio.Nursery) -> None:
     """A decode that goes silent mid-stream (`hold@Ntok`: it stops after its 2nd token until
     released) is failed by the stream's idle timeout and resumed on the other one."""
     timeouts = attrs.evolve(TimeoutConfig(), stream_idle_secs=0.5)
-    cluster = await start_cluster(nursery, n_decode=2, timeouts=timeouts)
+    cluster = await start_cluster(nursery, n_decode=2, timeouts=timeouts, migration_limit=2)
     status, events, _ = await stream(
         cluster, "/generate", body("/generate", fault="decode:hold@2tok"), "idle"
     )
@@ -212,7 +212,7 @@ async def test_a_plain_request_is_answered_whole_by_a_retry(
 ) -> None:
     """Without a stream nothing reached the client: the retry loop runs the request again on a
     fresh pair (the dead decode's tokens are generated again)."""
-    cluster = await start_cluster(nursery, n_decode=2, retry=RETRY)
+    cluster = await start_cluster(nursery, n_decode=2, retry=RETRY, migration_limit=2)
     status, [want], _ = await stream(cluster, path, body(path, stream=False), "pref")
     # The engine's fault, not the request's (a retry sends the same body): round robin gives
     # the next request to the decode the reference did not use, and that one dies.

@@ -257,7 +257,8 @@ def resume(
 ) -> bool:
     """Decode's stream broke after the client got part of it: resume it on a fresh pair (True),
     or count why not (False; the stream then ends with the error event, as before)."""
-    reason = migration.broke(attempt.prefill.failed, attempt.decode.result)
+    decode = attempt.decode
+    reason = migration.broke(attempt.prefill.failed, decode.result, decode.cancel_cause)
     if reason is None:
         return False
     why = migration.decide(inspected, attempt.decode.worker.spec.engine)

@@ -100,12 +100,13 @@ class Migration:
         body = splice(inspected.body, inspected.empty, {"return_token_ids": True})
         return attrs.evolve(inspected, body=body, empty=False)
 
-    def broke(self, prefill_failed: bool, decode: object) -> str | None:
+    def broke(self, prefill_failed: bool, decode: object, cause: str | None) -> str | None:
         """The break's reason (`transport`, `timeout`, `inband`) when decode's stream broke
-        after prefill succeeded, else None (a client that stopped reading, a prefill failure,
-        an answer the router had no room for are no engine's death)."""
+        after prefill succeeded, else None: a prefill failure, the request's own deadline
+        (`cause`: the decode leg's cancel cause), an answer the router had no room for are no
+        decode's death (nor is a client that stopped reading, which never gets here)."""
         inband, self.break_reason = self.break_reason, None
-        if prefill_failed or not isinstance(decode, LegFailure):
+        if prefill_failed or not isinstance(decode, LegFailure) or cause == "deadline":
             return None
         if inband is not None:
             return inband
