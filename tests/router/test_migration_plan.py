@@ -194,3 +194,18 @@ def test_completions_ids_the_client_asked_for_stay() -> None:
     t = Transcript(COMPLETIONS, strip_ids=False)
     out = t.relay(comp_chunk("a", [10], prompt=[1]))
     assert out["choices"][0]["token_ids"] == [10]
+
+
+def test_whole_answer_events_are_read_only_when_a_break_asks() -> None:
+    """Each /generate event carries every id so far: past the second (which tells the modes
+    apart) the transcript keeps the last one's bytes and parses it only when asked."""
+    import orjson
+
+    t = Transcript(GENERATE)
+    t.relay(gen_event([10], 1, "a"))
+    t.relay(gen_event([10, 11], 2, "a b"))
+    assert t.defer(orjson.dumps(gen_event([10, 11, 12], 3, "a b c")))
+    assert t.ids == [10, 11]  # not read yet
+    assert t.sent == 3 and t.ids == [10, 11, 12] and t.text == "a b c"
+    t.resume()
+    assert not t.defer(b"{}")  # a resumed attempt's events are rewritten, each one

@@ -156,6 +156,7 @@ class Migration:
         """
         assert self.transcript is not None
         payload = self.parsed(inspected)
+        self.transcript.settle()
         sent = list(self.transcript.ids)
         prompt_ids = await self.prompt_ids(payload, tokenize)
         body = resume_body(self.path, payload, prompt_ids, sent)
@@ -239,6 +240,9 @@ def _through(migration: Migration, transcript: Transcript, events: list[bytes]) 
         data = event_data(event)
         if data is None or data == b"[DONE]":
             out.append(event)
+            continue
+        if b"error" not in data and b"abort" not in data and transcript.defer(data):
+            out.append(event)  # the whole answer so far: read only if a break asks
             continue
         obj = parse_json(data)
         failure = answer_failure(obj)

@@ -29,9 +29,11 @@ list of events, never half of one.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import attrs
+import orjson
 
 from trio_pd.pd.payload import COMPLETIONS, GENERATE
 
@@ -58,13 +60,34 @@ class Transcript:
     local_text: str = ""
     cumulative: bool | None = None  # /generate: whole-answer events (None: not yet known)
     attempts: int = 1
+    # /generate, first attempt, whole-answer events: the last event's data, parsed only when a
+    # break asks (`settle`): each event carries every id so far, so parsing them all would
+    # cost the stream's length squared.
+    deferred: bytes | None = None
 
     @property
     def sent(self) -> int:
+        self.settle()
         return len(self.ids)
+
+    def defer(self, data: bytes) -> bool:
+        """Keep a /generate event unparsed when the next one would make it moot: True when
+        kept (the event goes to the client as it came)."""
+        if self.path == GENERATE and self.cumulative is True and not self.resumed:
+            self.deferred = data
+            return True
+        return False
+
+    def settle(self) -> None:
+        """Read the deferred event, if any: the transcript is then up to date."""
+        data, self.deferred = self.deferred, None
+        if data is not None:
+            with contextlib.suppress(orjson.JSONDecodeError):
+                self.relay(orjson.loads(data))
 
     def resume(self) -> None:
         """The next events come from a resumed attempt, after what the client already got."""
+        self.settle()
         self.base_ids = list(self.ids)
         self.base_text = self.text
         self.local_ids = []
