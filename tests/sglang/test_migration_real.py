@@ -129,7 +129,8 @@ async def victims_and_kill(
 ) -> tuple[dict, dict]:
     """Round robin alternates main, extra: a short request to main, victim A to extra, a short
     one to main, victim B to extra; the signal once A and B streamed their events. (got, want)
-    per victim route, want an uninterrupted run of the same request."""
+    per victim route, want an uninterrupted run of the same request. That both victims were on
+    the signalled decode shows afterwards: both were resumed (`trio_pd_migrations_total`)."""
     got: dict[str, list[Any]] = {}
     want: dict[str, list[Any]] = {}
     async with httpx2.AsyncClient(timeout=httpx2.Timeout(120.0)) as client:
@@ -138,6 +139,13 @@ async def victims_and_kill(
             payload = faults.body("/generate", False, "x", 1)
             assert (await client.post(router.url + "/generate", json=payload)).status_code == 200
 
+        # Round robin alternates over the healthy decodes: both must be, before the first pick.
+        with trio.fail_after(120):
+            while True:
+                listed = (await client.get(router.url + "/workers")).json()["workers"]
+                if len(listed) == 3 and all(w["is_healthy"] for w in listed):
+                    break
+                await trio.sleep(0.2)
         for i, route in enumerate(ROUTES):  # references, uninterrupted (both decodes alive)
             want[route] = await stream(client, router.url, route, body(route, seed + i))
             await short()  # the next request is the first of a main, extra alternation
@@ -151,12 +159,10 @@ async def victims_and_kill(
             nursery.start_soon(victim, ROUTES[0], 0)
             while seen[ROUTES[0]][0] < SECOND_EVENTS:
                 await trio.sleep(0.005)
-            assert await busy_count(client, extra.url) == 1, "victim A is not on the extra decode"
             await short()
             nursery.start_soon(victim, ROUTES[1], 1)
             while seen[ROUTES[0]][0] < FIRST_EVENTS or seen[ROUTES[1]][0] < SECOND_EVENTS:
                 await trio.sleep(0.005)
-            assert await busy_count(client, extra.url) == 2, "victim B is not on the extra decode"
             at = {route: seen[route][0] for route in ROUTES}
             send_signal()
         print(f"\nsignal after {at} events")

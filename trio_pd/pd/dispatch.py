@@ -170,15 +170,15 @@ async def dispatch(
         ranks = with_slots(choose_ranks(ctx, prefill, decode), *slots)
         engine = prefill.spec.engine
         try:
-            if migration is not None and resuming:
-                resumed = await migration.resumed_inspected(
-                    inspected, tokenizer(ctx, request, prefill)
-                )
-                sent, resuming = attrs.evolve(request, inspected=resumed), False
-            elif migration is not None and answering is responder:
-                sent = attrs.evolve(
-                    request, inspected=migration.request_inspected(inspected, engine)
-                )
+            if migration is not None:
+                migration.resumable = engine == "sglang"
+                if resuming:
+                    resumed = await migration.resumed_inspected(
+                        inspected, tokenizer(ctx, request, prefill)
+                    )
+                    sent, resuming = attrs.evolve(request, inspected=resumed), False
+                elif answering is responder:
+                    sent = attrs.evolve(request, inspected=migration.request_inspected())
             bodies = await vllm_bodies(sent) if engine == "vllm" else None
             attempt = new_attempt(
                 ctx, sent, answering, cancel, (prefill, decode), (started, deadline), number,
@@ -191,7 +191,7 @@ async def dispatch(
         except BaseException:
             ranks.release()
             raise
-        if migration is not None and migration.watching(engine):
+        if migration is not None and migration.watching():
             attempt.migration = migration
         attempt.note_cached = probe is not None  # kv_aware's self-check reads it
         responder.route_info.update(prefill=prefill.id, decode=decode.id, attempts=tries)
@@ -217,7 +217,7 @@ async def dispatch(
             migration.settle(ctx.metrics, answering.started)
         if answering.started:
             if not responder.finished and not attempt.stalled:
-                if migration is not None and resume(ctx, migration, attempt, inspected, trace):
+                if migration is not None and resume(ctx, migration, attempt, trace):
                     avoid.add(decode)
                     answering, resuming, number = ContinuedResponder.of(responder), True, 0
                     responder.route_info["migrations"] = migration.resumes + 1
@@ -252,7 +252,6 @@ def resume(
     ctx: DispatchContext,
     migration: Migration,
     attempt: Attempt,
-    inspected: Inspected,
     trace: RequestTrace | None,
 ) -> bool:
     """Decode's stream broke after the client got part of it: resume it on a fresh pair (True),
@@ -261,7 +260,7 @@ def resume(
     reason = migration.broke(attempt.prefill.failed, decode.result, decode.cancel_cause)
     if reason is None:
         return False
-    why = migration.decide(inspected, attempt.decode.worker.spec.engine)
+    why = migration.decide(migration.resumable)
     if why is not None:
         migration.count(ctx.metrics, reason, why)
         log.info("decode broke (%s) mid-stream; not resumed: %s", reason, why)

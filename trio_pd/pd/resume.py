@@ -54,8 +54,10 @@ class Migration:
     """The migration state of one streamed request (see the module docstring)."""
 
     path: str
+    inspected: Inspected  # the client's request, as it came
     limit: int
     early_refusal: str | None  # refused by what is known without parsing the body
+    resumable: bool = True  # the current pair's engine resumes streams (SGLang)
     strip_ids: bool = False  # completions: token ids asked by the router, not the client
     transcript: Transcript | None = None
     resumes: int = 0
@@ -84,18 +86,19 @@ class Migration:
         if asked:
             parsed = parse_json(inspected.body)
             asked = isinstance(parsed, dict) and parsed.get("return_token_ids") is True
-        migration = cls(path, limit, early, strip_ids=path == COMPLETIONS and not asked)
+        migration = cls(path, inspected, limit, early, strip_ids=path == COMPLETIONS and not asked)
         if early is None:
             migration.transcript = Transcript(path, strip_ids=migration.strip_ids)
         return migration
 
-    def watching(self, engine: str) -> bool:
-        """Whether this attempt's stream goes through the transcript (SGLang pairs only)."""
-        return self.transcript is not None and engine == "sglang"
+    def watching(self) -> bool:
+        """Whether this attempt's stream goes through the transcript (an engine that resumes)."""
+        return self.transcript is not None and self.resumable
 
-    def request_inspected(self, inspected: Inspected, engine: str) -> Inspected:
+    def request_inspected(self) -> Inspected:
         """The body the first attempt sends: completions ask for the ids of their tokens."""
-        if self.path != COMPLETIONS or not self.watching(engine) or not self.strip_ids:
+        inspected = self.inspected
+        if self.path != COMPLETIONS or not self.watching() or not self.strip_ids:
             return inspected
         body = splice(inspected.body, inspected.empty, {"return_token_ids": True})
         return attrs.evolve(inspected, body=body, empty=False)
@@ -132,14 +135,14 @@ class Migration:
             self.payload = payload if isinstance(payload, dict) else {}
         return self.payload
 
-    def decide(self, inspected: Inspected, engine: str) -> str | None:
+    def decide(self, resumable: bool) -> str | None:
         """At a break after prefill succeeded: None to resume, else the outcome label saying
-        why not (`refused_<rule>`, `limit`)."""
-        if engine != "sglang":
+        why not (`refused_<rule>`, `limit`); `resumable`: the broken pair's engine resumes."""
+        if not resumable:
             return "refused_vllm"
         if self.early_refusal is not None or self.transcript is None:
             return f"refused_{self.early_refusal or 'unwatched'}"
-        why = refusal(self.path, self.parsed(inspected), True, engine)
+        why = refusal(self.path, self.parsed(self.inspected), True)
         if why is not None:
             return f"refused_{why}"
         if self.resumes >= self.limit:
