@@ -224,3 +224,54 @@ async def test_a_plain_request_is_answered_whole_by_a_retry(
         assert got["output_ids"] == want["output_ids"] and got["text"] == want["text"]
     else:
         assert got["choices"] == want["choices"] and got["usage"] == want["usage"]
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+async def test_the_migration_limit_bounds_the_resumes(nursery: trio.Nursery, limit: int) -> None:
+    """Three decodes: the first dies at the answer's 2nd token, the others at its 4th (a
+    resumed request counts the answer's tokens: the last decode, reached with 4 sent, lives).
+    `--migration-limit 1` resumes once and ends the stream at the second death; 2 finishes."""
+    cluster = await start_cluster(nursery, n_decode=3, migration_limit=limit)
+    first, *others = cluster.decodes
+    first.set_faults(["decode:die@2tok"])
+    for decode in others:
+        decode.set_faults(["decode:die@4tok"])
+    status, events, _ = await stream(cluster, "/generate", body("/generate"), "lim")
+    assert status == 200 and first in dead(cluster)  # round robin's first pick died first
+    if limit == 1:
+        assert len(dead(cluster)) == 2
+        assert events[-1] == "[DONE]" and "error" in events[-2]
+        assert answer("/generate", events[:-2])["ids"] == [output_id(k) for k in range(1, 5)]
+        assert (await migrations(cluster)) == {
+            ("transport", "resumed"): 1.0,
+            ("transport", "limit"): 1.0,
+        }
+    else:
+        got = answer("/generate", events)
+        assert got["done"] == 1 and not got["errors"]
+        assert got["ids"] == [output_id(k) for k in range(1, MAX + 1)]
+        assert (await migrations(cluster)) == {("transport", "resumed"): 2.0}
+
+
+async def test_each_of_n_samples_resumes_on_its_own(nursery: trio.Nursery) -> None:
+    """`n: 2`: each sample is its own PD request; both decodes they reach die, both resume on
+    the third, and the merged stream equals an uninterrupted run's."""
+    cluster = await start_cluster(nursery, n_decode=3, migration_limit=2)
+    payload = body("/v1/completions", n=2)
+    status, reference, _ = await stream(cluster, "/v1/completions", payload, "n-ref")
+    for decode in cluster.decodes:
+        decode.set_faults(["decode:die@3tok"])
+    status, events, _ = await stream(cluster, "/v1/completions", payload, "n2")
+    assert status == 200 and len(dead(cluster)) == 2
+    got, want = answer("/v1/completions", events), answer("/v1/completions", reference)
+    assert got["done"] == 1 and not got["errors"]
+    by_index = {}
+    for e in events:
+        for c in (e.get("choices") or []) if isinstance(e, dict) else []:
+            by_index[c["index"]] = by_index.get(c["index"], "") + (c.get("text") or "")
+    ref_index = {}
+    for e in reference:
+        for c in (e.get("choices") or []) if isinstance(e, dict) else []:
+            ref_index[c["index"]] = ref_index.get(c["index"], "") + (c.get("text") or "")
+    assert by_index == ref_index and got["usage"] == want["usage"]
+    assert (await migrations(cluster)) == {("transport", "resumed"): 2.0}
