@@ -10,6 +10,7 @@ byte for byte with an uninterrupted run of the same request.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import attrs
@@ -275,3 +276,58 @@ async def test_each_of_n_samples_resumes_on_its_own(nursery: trio.Nursery) -> No
             ref_index[c["index"]] = ref_index.get(c["index"], "") + (c.get("text") or "")
     assert by_index == ref_index and got["usage"] == want["usage"]
     assert (await migrations(cluster)) == {("transport", "resumed"): 2.0}
+
+
+class Kept(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+async def test_a_resume_is_a_span_event_and_an_access_log_field(nursery: trio.Nursery) -> None:
+    from tests.otlp_receiver import otlp_receiver
+
+    kept = Kept()
+    access_logger = logging.getLogger("trio_pd.access")
+    access_logger.addHandler(kept)
+    level = access_logger.level
+    access_logger.setLevel(logging.INFO)
+
+    with otlp_receiver() as receiver:
+        cluster = await start_cluster(
+            nursery, n_decode=2, migration_limit=2, enable_trace=True,
+            otlp_traces_endpoint=receiver.endpoint, access_log=True,
+        )  # fmt: skip
+        try:
+            status, events, _ = await stream(
+                cluster, "/generate", body("/generate", fault="decode:die@3tok"), "traced"
+            )
+            # the access line is written once the answer ended, just after the client read it
+            await settle(
+                lambda: any(
+                    getattr(r, "access", {}).get("path") == "/generate" for r in kept.records
+                )
+            )
+        finally:
+            access_logger.removeHandler(kept)
+            access_logger.setLevel(level)
+        assert status == 200 and dead(cluster) and answer("/generate", events)["done"] == 1
+
+        def exported(spans) -> bool:
+            names = sorted(s.name for s in spans if s.name == "pd_attempt")
+            return len(names) == 2 and any(s.name == "http_request" for s in spans)
+
+        await receiver.wait_for(lambda spans: exported(receiver.trace_of("traced")), "2 attempts")
+        spans = receiver.trace_of("traced")
+        [request] = [s for s in spans if s.name == "http_request"]
+        assert [
+            (name, e["resume"], e["reason"], e["sent_tokens"]) for name, e in request.events
+        ] == [("migration", 1, "transport", 3)]
+        assert request.attributes["migrations"] == 1 and request.attributes["attempts"] == 2
+        assert sorted(s.attributes["attempt"] for s in spans if s.name == "pd_attempt") == [1, 2]
+    access = [getattr(r, "access", None) for r in kept.records]
+    [line] = [a for a in access if a is not None and a.get("path") == "/generate"]
+    assert line["migrations"] == 1 and line["attempts"] == 2 and line["status"] == 200

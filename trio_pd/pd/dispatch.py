@@ -200,7 +200,7 @@ async def dispatch(
         spans = None
         try:
             # Its span and its legs' (each leg's traceparent is its own span's): tracing only.
-            spans = trace.attempt(number, attempt) if trace is not None else None
+            spans = trace.attempt(tries, attempt) if trace is not None else None
             await attempt.run()
         finally:
             ranks.release()  # a leg that never started still held its rank
