@@ -331,3 +331,33 @@ async def test_a_resume_is_a_span_event_and_an_access_log_field(nursery: trio.Nu
     access = [getattr(r, "access", None) for r in kept.records]
     [line] = [a for a in access if a is not None and a.get("path") == "/generate"]
     assert line["migrations"] == 1 and line["attempts"] == 2 and line["status"] == 200
+
+
+async def test_a_draining_decode_finishes_its_streams(nursery: trio.Nursery) -> None:
+    """SGLang 0.5.23 on SIGTERM to its server drains: `/ready` and `/health` answer 503 and the
+    requests it holds run to their end (docs/protocol.md §14). The simulator's `stopping` is
+    that drain: set once the client got 3 tokens (the stream paused there by `hold@3tok`), the
+    stream still ends whole on the same decode and nothing is migrated."""
+    cluster = await start_cluster(nursery, n_decode=2, migration_limit=2)
+    seen: list[Any] = []
+
+    async def client() -> None:
+        async with cluster.client.stream(
+            "POST", "/generate", json=body("/generate", fault="decode:hold@3tok")
+        ) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data:"):
+                    data = line[5:].strip()
+                    seen.append(data if data == "[DONE]" else orjson.loads(data))
+
+    async with trio.open_nursery() as inner:
+        inner.start_soon(client)
+        await settle(lambda: len(seen) >= 3)
+        [draining] = [d for d in cluster.decodes if d.running]
+        draining.state.stopping = True  # SIGTERM: drain
+        assert (await cluster.client.get(draining.url + "/ready")).status_code == 503
+        draining.state.release_held()
+    got = answer("/generate", seen)
+    assert got["done"] == 1 and not got["errors"]
+    assert got["ids"] == [output_id(k) for k in range(1, MAX + 1)]
+    assert (await migrations(cluster)) == {}
