@@ -209,3 +209,30 @@ def test_whole_answer_events_are_read_only_when_a_break_asks() -> None:
     assert t.sent == 3 and t.ids == [10, 11, 12] and t.text == "a b c"
     t.resume()
     assert not t.defer(b"{}")  # a resumed attempt's events are rewritten, each one
+
+
+def test_an_abort_event_ends_the_chunk_after_the_events_before_it() -> None:
+    """The events before an engine's abort event in one chunk reach the client (and the
+    transcript); the abort itself is the break, never relayed."""
+    import orjson
+
+    from trio_pd.pd.payload import Inspected
+    from trio_pd.pd.resume import Migration, _through
+
+    def frame(obj: dict) -> bytes:
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+    inspected = Inspected(b'{"text": "x", "stream": true}', False, True, False, None, "x", 1, None,
+                          None)  # fmt: skip
+    migration = Migration.for_request(GENERATE, inspected, 2)
+    assert migration is not None and migration.transcript is not None
+    t = migration.transcript
+    events = [frame(gen_event([10], 1, "a")), frame(gen_event([10, 11], 2, "a b"))]
+    out, broken = _through(migration, t, events)
+    assert broken is None and out == b"".join(events)
+    aborted = gen_event([10, 11, 12, 13], 4, "a b c d", {"type": "abort", "message": "x"})
+    more = [frame(gen_event([10, 11, 12], 3, "a b c")), frame(aborted)]
+    out, broken = _through(migration, t, more)
+    assert broken is not None and out == more[0]
+    assert migration.break_reason == "inband"
+    assert t.sent == 3 and t.text == "a b c"  # what the client got, not the abort's 4

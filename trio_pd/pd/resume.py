@@ -217,27 +217,40 @@ def transcribed(
 ) -> tuple[bytes, AsyncIterator[bytes]]:
     """Decode's stream as the client gets it while it may be resumed: whole events only, each
     through the transcript (`stitch.Transcript.relay`), the first one returned now. An event in
-    which the engine aborted the request ends the stream as a break (TransportError), unsent."""
-    head = _through(migration, transcript, [first])
+    which the engine aborted the request ends the stream as a break (TransportError), unsent;
+    the events before it go out first, so the transcript holds exactly what the client got."""
+    head, broken = _through(migration, transcript, [first])
+    if broken is not None:
+        raise broken
 
     async def events() -> AsyncIterator[bytes]:
         reader = EventReader(limit, account)
         try:
-            if rest:
-                out = _through(migration, transcript, reader.feed(rest))
+            pending = [rest] if rest else []
+            async for chunk in _chained(pending, chunks):
+                out, broken = _through(migration, transcript, reader.feed(chunk))
                 if out:
                     yield out
-            async for chunk in chunks:
-                out = _through(migration, transcript, reader.feed(chunk))
-                if out:
-                    yield out
+                if broken is not None:
+                    raise broken
         finally:
             reader.close()
 
     return head, events()
 
 
-def _through(migration: Migration, transcript: Transcript, events: list[bytes]) -> bytes:
+async def _chained(first: list[bytes], chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    for chunk in first:
+        yield chunk
+    async for chunk in chunks:
+        yield chunk
+
+
+def _through(
+    migration: Migration, transcript: Transcript, events: list[bytes]
+) -> tuple[bytes, UpstreamError | None]:
+    """The events as the client gets them, up to an abort event of the engine's (returned as
+    the break it is, itself unsent)."""
     out = []
     for event in events:
         data = event_data(event)
@@ -251,10 +264,11 @@ def _through(migration: Migration, transcript: Transcript, events: list[bytes]) 
         failure = answer_failure(obj)
         if failure is not None and not transcript.finished:
             migration.break_reason = "inband"
-            raise UpstreamError("transport", f"the engine ended the stream: {failure.message}")
+            message = f"the engine ended the stream: {failure.message}"
+            return b"".join(out), UpstreamError("transport", message)
         new = transcript.relay(obj)
         out.append(event if new is obj else b"data: " + orjson.dumps(new) + b"\n\n")
-    return b"".join(out)
+    return b"".join(out), None
 
 
 @attrs.define(eq=False)

@@ -100,6 +100,7 @@ class Transcript:
 
     def relay(self, event: Any) -> Any:
         """The event as the client must get it (rewritten when resumed), recorded as sent."""
+        self.deferred = None  # this event is newer: a deferred one is moot
         if not isinstance(event, dict):
             return event
         if self.path == GENERATE:
