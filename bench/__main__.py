@@ -1,14 +1,14 @@
-"""Entry point: `python -m bench run [--quick] [--routers ...] [--scenarios ...] [--repeat N]`.
+"""Entry point: `python -m bench run [--quick] [--routers ...] [--scenarios ...] [--repeat N]
+[--peers] [--publish]`.
 
-Runs every selected scenario for every selected router, alternating routers inside each
-repetition (so slow drifts of a shared machine hit all of them alike), writes one JSON per
-scenario run plus a combined `bench-*.json`, prints the per-scenario tables and, with more than one
-router, the teardown and storm tables that put the routers side by side, one side-by-side table of
-medians with ratios to the first router, and the storm PNG.
-
-`router-bound` (bench/router_bound.py) runs after the others as one block: it alternates its own
-targets (the floor, the instant engine alone, every router) and phases, and prints its own
-tables (medians, targets with PASS/MISS, capacity planning).
+Every selected scenario runs on the harness (bench/harness/run.py): its routers alternate inside
+each repetition (so slow drifts of a shared machine hit all of them alike), each figure is also
+taken against the baseline measured in the same repetition (the first router; router-bound's
+floor), and each scenario prints its tables and writes one JSON under bench/results/. Then, with
+more than one router or repetition, one side-by-side table of every scenario's medians with
+ratios to the first router, a combined `bench-*.json` and the storm PNG. `--publish` writes the
+summaries of storm and router-bound under bench/published/ (`python -m bench.publish` then
+rewrites docs/benchmarks.md and the README from them).
 """
 
 from __future__ import annotations
@@ -20,24 +20,35 @@ import time
 import traceback
 from typing import Any
 
-from bench import common, overhead, router_bound, soak, storm, stream, teardown, wide
-from bench.common import print_flush
+from bench import overhead, router_bound, soak, storm, stream, teardown, wide
+from bench.harness import output, procs
+from bench.harness import run as harness
+from bench.harness.output import print_flush
 from bench.report import plot_storm, side_by_side
 
-SCENARIOS: dict[str, Any] = {
-    "overhead": (overhead.run, overhead.summary, overhead.COLUMNS),
-    "stream": (stream.run, stream.summary, stream.COLUMNS["stream"]),
-    "stream-paced": (stream.run_paced, stream.summary, stream.COLUMNS["stream-paced"]),
-    "teardown": (teardown.run, teardown.summary, teardown.COLUMNS),
-    "storm": (storm.run, storm.summary, storm.COLUMNS),
-    "wide": (wide.run, wide.summary, wide.COLUMNS),
-    "soak": (soak.run, soak.summary, ("router", "requests", "ok", "rss_start_mb", "rss_end_mb",
-                                     "rss_idle_mb", "fds_max", "fds_idle", "tcp_max", "tcp_idle")),
+SCENARIOS: dict[str, harness.Scenario] = {
+    "overhead": harness.adapted("overhead", "instant engines, closed loop", overhead.run,
+                                overhead.summary),
+    "stream": harness.adapted("stream", "32 streams of 256 tokens", stream.run, stream.summary),
+    "stream-paced": harness.adapted("stream-paced", "128 streams, 20 ms between tokens",
+                                    stream.run_paced, stream.summary),
+    "teardown": harness.adapted("teardown", "one failure per case", teardown.run,
+                                teardown.summary),
+    "soak": harness.adapted("soak", "mixed endpoints with faults", soak.run, soak.summary),
+    "wide": harness.adapted("wide", "1000 concurrent streams", wide.run, wide.summary),
+    "storm": storm.SCENARIO,
+    "router-bound": router_bound.SCENARIO,
 }  # fmt: skip
-# Scenarios with a table of their own that puts the routers side by side (with more than one).
-COMPARE = {"teardown": teardown.compare, "storm": storm.compare}
-# Scenarios that run all their routers themselves (their own alternation and tables).
-WHOLE = {"router-bound": router_bound.run_all}
+# The per-run tables of the scenarios that keep their own rows, and the side-by-side tables.
+COLUMNS: dict[str, Any] = {
+    "overhead": overhead.COLUMNS, "stream": stream.COLUMNS["stream"],
+    "stream-paced": stream.COLUMNS["stream-paced"], "teardown": teardown.COLUMNS,
+    "wide": wide.COLUMNS,
+    "soak": ("router", "requests", "ok", "rss_start_mb", "rss_end_mb", "rss_idle_mb", "fds_max",
+             "fds_idle", "tcp_max", "tcp_idle"),
+}  # fmt: skip
+COMPARE = {"teardown": teardown.compare}
+PUBLISHED = ("storm", "router-bound")  # the scenarios docs/benchmarks.md is written from
 # `wide` (1000 concurrent streams) runs on request: `--scenarios wide`.
 DEFAULT_SCENARIOS = (
     "overhead", "stream", "stream-paced", "teardown", "storm", "soak", "router-bound",
@@ -49,93 +60,65 @@ def run(args: argparse.Namespace) -> int:
     routers = args.routers.split(",") if args.routers else ["trio_pd"]
     scenarios = args.scenarios.split(",") if args.scenarios else list(DEFAULT_SCENARIOS)
     for name in scenarios:
-        if name not in SCENARIOS and name not in WHOLE:
-            choices = ", ".join([*SCENARIOS, *WHOLE])
-            raise SystemExit(f"unknown scenario {name!r}; choose from {choices}")
-    whole = [name for name in scenarios if name in WHOLE]
-    scenarios = [name for name in scenarios if name not in WHOLE]
-    routers = common.usable_routers(routers)
+        if name not in SCENARIOS:
+            raise SystemExit(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
+    routers = procs.usable_routers(routers)
     started = time.monotonic()
-    print_flush(
-        f"trio_pd bench: routers {routers}, scenarios {scenarios}, repeat {args.repeat}, "
-        f"quick={args.quick}; {common.meta()}"
-    )
+    print_flush(f"trio_pd bench: routers {routers}, scenarios {scenarios}, repeat {args.repeat}, "
+                f"quick={args.quick}; {output.meta()}")  # fmt: skip
     wrk = shutil.which("wrk") or "not installed"
-    print_flush(
-        f"load generator: Python raw-socket clients (bench/httpc.py); wrk cross-check: {wrk}"
-    )
-    results: dict[str, dict[str, list[dict[str, Any]]]] = {
-        s: {r: [] for r in routers} for s in scenarios
-    }
+    print_flush(f"load generators: Python raw-socket clients (bench/httpc.py), wrk: {wrk}")
     summaries: dict[str, list[dict[str, Any]]] = {
         r: [{} for _ in range(args.repeat)] for r in routers
     }
-    failures = []
-    for rep in range(args.repeat):
-        for name in scenarios:
-            runner = SCENARIOS[name][0]
-            order = routers if rep % 2 == 0 else list(reversed(routers))
-            for router in order:
-                print_flush(f"[rep {rep + 1}/{args.repeat}] {name} / {router} ...")
-                t0 = time.monotonic()
-                try:
-                    result = runner(router, args.quick)
-                except Exception as exc:  # one broken router/scenario must not sink the run
-                    traceback.print_exc()
-                    failures.append(f"{name}/{router} rep {rep + 1}: {exc!r}")
-                    continue
-                result["elapsed_s"] = round(time.monotonic() - t0, 1)
-                result["repetition"] = rep + 1
-                common.write_result(f"{name}-{router}", result)
-                results[name][router].append(result)
-                summaries[router][rep].update(SCENARIOS[name][1](result))
-    whole_results: dict[str, dict[str, Any]] = {}
-    for name in whole:
+    failures: list[str] = []
+    done: dict[str, dict[str, Any]] = {}
+    for name in scenarios:
+        if name == "router-bound" and wrk == "not installed":
+            failures.append("router-bound: wrk is not installed (apt-get install wrk)")
+            continue
+        scenario = SCENARIOS[name]
         try:
-            result, per_rep = WHOLE[name](routers, args.repeat, args.quick, show=False)
-        except Exception as exc:
+            result = harness.run(scenario, routers, args.repeat, args.quick)
+        except Exception as exc:  # one broken scenario must not sink the others
             traceback.print_exc()
             failures.append(f"{name}: {exc!r}")
             continue
-        result["results_file"] = str(common.write_result(name, result))
-        whole_results[name] = result
+        done[name] = result
         failures += [f"{name} {failure}" for failure in result["failures"]]
-        for rep, flat in enumerate(per_rep):
+        labels = scenario.metrics
+        for rep, flat in enumerate(result["per_repetition"]):
             for router, metrics in flat.items():
-                summaries[router][rep].update(metrics)
-    print_flush("")
-    for name in scenarios:
-        rows = [row for r in routers for res in results[name][r] for row in res["rows"]]
-        if rows:
-            print_flush(common.table(rows, SCENARIOS[name][2], f"== {name} =="))
-            print_flush("")
-        ran = {r: results[name][r] for r in routers if results[name][r]}
-        if name in COMPARE and len(ran) > 1:
-            print_flush(COMPARE[name](ran))
-            print_flush("")
-    for result in whole_results.values():
-        print_flush(router_bound.render(result))
-        print_flush("results:", result["results_file"])
+                if router in summaries:
+                    summaries[router][rep].update({f"{name} {labels[k]}" if labels else k: v
+                                                   for k, v in metrics.items()
+                                                   if not labels or k in labels})  # fmt: skip
+        if args.publish and name in PUBLISHED:
+            print_flush("published:", harness.publish(scenario, result))
         print_flush("")
+    for name, result in done.items():
+        if name in COLUMNS:
+            rows = [row for r in result["runs"] for row in r["rows"]]
+            print_flush(output.table(rows, COLUMNS[name], f"== {name} =="), "\n")
+        if name in COMPARE and len(routers) > 1:
+            by_router: dict[str, list[dict[str, Any]]] = {}
+            for r in result["runs"]:
+                by_router.setdefault(r["target"], []).append(r)
+            print_flush(COMPARE[name](by_router), "\n")
     combined: dict[str, Any] = {
-        "routers": routers,
-        "scenarios": scenarios + whole,
-        "repeat": args.repeat,
-        "quick": args.quick,
-        "summaries": summaries,
-        "failures": failures,
-        **{name: {k: r[k] for k in ("results_file", "targets", "capacity", "capacity_markdown")}
-           for name, r in whole_results.items()},
+        "routers": routers, "scenarios": scenarios, "repeat": args.repeat, "quick": args.quick,
+        "summaries": summaries, "failures": failures,
+        "results_files": {name: r["results_file"] for name, r in done.items()},
     }  # fmt: skip
     if len(routers) > 1 or args.repeat > 1:
         text, rows = side_by_side(summaries, reference=routers[0])
         print_flush(text)
         combined["side_by_side"] = rows
-    if "storm" in scenarios:
-        last = {r: results["storm"][r][-1] for r in routers if results["storm"][r]}
+    if "storm" in done:
+        last = {r["target"]: r for r in done["storm"]["runs"] if r["repetition"] == args.repeat}
         if last:
-            print_flush("storm plot:", plot_storm(last))
-    print_flush("results:", common.write_result("bench", combined))
+            print_flush("storm plot:", plot_storm(last, done["storm"]["settings"]))
+    print_flush("results:", output.write_result("bench", combined))
     print_flush(f"total {time.monotonic() - started:.0f} s")
     for failure in failures:
         print_flush("FAILED:", failure)
@@ -147,10 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("run", help="run scenarios")
     p.add_argument("--quick", action="store_true", help="short runs (make bench)")
-    p.add_argument("--routers", default="trio_pd", help=f"comma list of {','.join(common.ROUTERS)}")
-    p.add_argument(
-        "--scenarios", default=None, help=f"comma list of {','.join([*SCENARIOS, *WHOLE])}"
-    )
+    p.add_argument("--routers", default="trio_pd", help=f"comma list of {','.join(procs.ROUTERS)}")
+    p.add_argument("--scenarios", default=None, help=f"comma list of {','.join(SCENARIOS)}")
     p.add_argument("--repeat", type=int, default=None, help="default 1 (--peers: 3)")
     p.add_argument(
         "--peers",
@@ -158,9 +139,14 @@ def main(argv: list[str] | None = None) -> int:
         help="trio_pd, trio_pd_w2, smg, mini_lb; the peer scenarios; 3 repetitions "
         "(make bench-peers)",
     )
+    p.add_argument(
+        "--publish",
+        action="store_true",
+        help="write bench/published/<scenario>.json for storm and router-bound (full runs)",
+    )
     args = parser.parse_args(argv)
     if args.peers:
-        args.routers = args.routers if args.routers != "trio_pd" else ",".join(common.PEER_ROUTERS)
+        args.routers = args.routers if args.routers != "trio_pd" else ",".join(procs.PEER_ROUTERS)
         args.scenarios = args.scenarios or ",".join(PEER_SCENARIOS)
     if args.repeat is None:
         args.repeat = 3 if args.peers else 1

@@ -47,7 +47,6 @@ import contextlib
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -58,8 +57,10 @@ from typing import Any
 import httptools
 import orjson
 
-from bench import common, stats
-from bench.common import HOST, print_flush
+from bench import stats
+from bench.harness import cpu, output, procs
+from bench.harness.output import print_flush
+from bench.harness.procs import HOST
 from bench.stats import pct
 
 NAME = "abort_rate"
@@ -186,25 +187,12 @@ def drive(port: int, rate: float, seconds: float, t0: float) -> OpenLoop:
 
 
 # ---- processes ------------------------------------------------------------------------------
-def start_instant(role: str, logdir: Path, args: list[str]) -> common.Engine:
-    port = common.free_port()
-    argv = [sys.executable, "-m", "bench.instant_engine", "--role", role, "--host", HOST,
-            "--port", str(port), "--record-aborts", *args]  # fmt: skip
-    bootstrap = None
-    if role == "prefill":
-        bootstrap = common.free_port()
-        argv += ["--bootstrap-port", str(bootstrap)]
-    proc = common.Proc(f"instant-{role}", argv, logdir)
-    try:
-        common.wait_until(lambda: common.http_get(port, "/health") == 200, 20, role, proc)
-    except BaseException:
-        proc.stop()
-        raise
-    return common.Engine(role, port, proc, logdir / f"{role}.none", bootstrap)
+def start_instant(role: str, logdir: Path, args: list[str]) -> procs.Engine:
+    return procs.start_instant(role, logdir, ["--record-aborts", *args])
 
 
 @contextlib.contextmanager
-def started(mode: str) -> Iterator[tuple[common.Cluster, int]]:
+def started(mode: str) -> Iterator[tuple[procs.Cluster, int]]:
     """Engines and a router; yields the cluster and the router's metrics port."""
     logdir = Path(tempfile.mkdtemp(prefix="trio-pd-aborts-"))
     c = None
@@ -215,17 +203,17 @@ def started(mode: str) -> Iterator[tuple[common.Cluster, int]]:
         except BaseException:
             prefill.proc.stop()
             raise
-        c = common.Cluster(logdir, prefill, decode)
+        c = procs.Cluster(logdir, prefill, decode)
         kind = MODES[mode]
-        port = common.free_port()
-        argv = common.router_argv(kind, [prefill], decode, port, common.failure_router_args(kind))
+        port = procs.free_port()
+        argv = procs.router_argv(kind, [prefill], decode, port, procs.failure_router_args(kind))
         metrics_port = int(argv[argv.index("--prometheus-port") + 1])
-        c.router = common.Proc(f"router-{kind}", argv, logdir)
+        c.router = procs.Proc(f"router-{kind}", argv, logdir)
         c.router_kind, c.router_port = kind, port
-        common.wait_until(lambda: common.http_get(port, "/health") == 200, 60, kind, c.router)
+        procs.wait_until(lambda: procs.http_get(port, "/health") == 200, 60, kind, c.router)
         # One request through both engines: the router reaches them (it fails, as all will).
-        common.wait_until(
-            lambda: common.http_post(port, "/generate", common.probe_body()) == 502,
+        procs.wait_until(
+            lambda: procs.http_post(port, "/generate", procs.probe_body()) == 502,
             30,
             f"{kind} first request",
             c.router,
@@ -265,7 +253,7 @@ def abort_counters(metrics_port: int) -> dict[str, float]:
 # ---- one (mode, rate) -----------------------------------------------------------------------
 def py_spy(pid: int, seconds: float, out: Path) -> subprocess.Popen[bytes]:
     """py-spy recording the router through the load (`--profile`; bench/profile.py reads it)."""
-    spy = shutil.which("py-spy") or str(common.VENV_BIN / "py-spy")
+    spy = shutil.which("py-spy") or str(procs.VENV_BIN / "py-spy")
     argv = [spy, "record", "--native", "--format", "raw", "--pid", str(pid), "--duration",
             str(max(1, int(seconds))), "--rate", "200", "--output", str(out)]  # fmt: skip
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -275,12 +263,12 @@ def measure(mode: str, rate: float, seconds: float, profile: bool = False) -> di
     with started(mode) as (c, metrics_port):
         assert c.router is not None
         before = abort_counters(metrics_port)
-        cpu0 = common.tree_cpu(c.router.pid)
+        cpu0 = cpu.tree_cpu(c.router.pid)
         t0 = time.monotonic() + 0.2
         spy = None
         if profile:
-            common.RESULTS.mkdir(parents=True, exist_ok=True)
-            raw = common.RESULTS / f"{NAME}-profile-{mode}-{rate:g}.raw"
+            output.RESULTS.mkdir(parents=True, exist_ok=True)
+            raw = output.RESULTS / f"{NAME}-profile-{mode}-{rate:g}.raw"
             spy = py_spy(c.router.pid, seconds, raw)
         client = drive(c.router_port, rate, seconds, t0)
         if spy is not None:
@@ -289,7 +277,7 @@ def measure(mode: str, rate: float, seconds: float, profile: bool = False) -> di
         t_load_end = time.monotonic()
         time.sleep(REPEAT_WAIT)
         settled = settle(metrics_port) - t_load_end
-        router_cpu = common.tree_cpu(c.router.pid) - cpu0
+        router_cpu = cpu.tree_cpu(c.router.pid) - cpu0
         after = abort_counters(metrics_port)
         prefill, decode = records(c.prefill.port), records(c.decode.port)
     counters = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
@@ -441,7 +429,7 @@ def main(argv: list[str] | None = None) -> None:
     result = run(rates, seconds, modes, repeat, args.profile)
     result["quick"] = args.quick
     title = f"aborts at storm rate ({seconds:g} s per rate, medians of {repeat})"
-    common.report(NAME, result, COLUMNS, title)
+    output.report(NAME, result, COLUMNS, title)
 
 
 if __name__ == "__main__":

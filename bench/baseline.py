@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from bench.common import ROOT
+from bench.harness.output import ROOT
 
 # The last commit before issue 19's memory bounds (admission before the body, the budget, the
 # linear SSE reader): what "before" means in bench/memory.py and bench/hostile_stream.py.

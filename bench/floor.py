@@ -34,7 +34,7 @@ import orjson
 import trio
 
 from trio_pd.config import RouterConfig
-from trio_pd.serve.accept import serve_app, wrap_asgi
+from trio_pd.serve.accept import run_lifespan, serve_app, wrap_asgi
 from trio_pd.serve.listeners import hypercorn_config, make_sockets
 
 JSON = b'{"text":" the quick brown fox jumps over the lazy dog","meta_info":{"id":"floor"}}'
@@ -139,9 +139,11 @@ async def serve(args: argparse.Namespace) -> None:
                 stop.set()
                 return
 
+    state: dict[str, Any] = {}
     async with trio.open_nursery() as nursery:
         nursery.start_soon(on_signals)
-        await serve_app(app, hc, sockets, stop.wait)
+        async with run_lifespan(app, hc, state):  # as `serve/process.py` runs the router's
+            await serve_app(app, hc, sockets, stop.wait, state=state)
         nursery.cancel_scope.cancel()
 
 

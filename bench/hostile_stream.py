@@ -31,8 +31,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import baseline, common
-from bench.common import HOST, Proc, free_port, print_flush, table, wait_until, write_result
+from bench import baseline
+from bench.harness import cpu, procs
+from bench.harness.output import print_flush, table, write_result
+from bench.harness.procs import HOST, Proc, free_port, wait_until
 from bench.loadgen import LoadSpec, run_load
 from bench.memory import status_kb
 
@@ -50,12 +52,12 @@ def hostile(role: str, logdir: Path, mode: str, rate: float) -> tuple[Proc, int]
     argv = [sys.executable, "-m", "bench.hostile_worker", "serve", "--port", str(port),
             "--role", role, "--mode", mode, "--rate", str(rate)]  # fmt: skip
     proc = Proc(f"hostile-{role}-{mode}", argv, logdir)
-    wait_until(lambda: common.http_get(port, "/health") == 200, 20, f"hostile {role}", proc)
+    wait_until(lambda: procs.http_get(port, "/health") == 200, 20, f"hostile {role}", proc)
     return proc, port
 
 
 def start_router(
-    kind: str, a: tuple[common.Engine, common.Engine], b: tuple[int, int], logdir: Path,
+    kind: str, a: tuple[procs.Engine, procs.Engine], b: tuple[int, int], logdir: Path,
     tree: Path,
 ) -> tuple[Proc, int]:  # fmt: skip
     prefill, decode = a
@@ -74,17 +76,17 @@ def start_router(
         proc = Proc(f"router-{kind}", [*baseline.baseline_command(), *flags], logdir,
                     env=baseline.baseline_env(tree), cwd=tree)  # fmt: skip
     else:
-        proc = Proc(f"router-{kind}", [common.trio_pd_bin(), *flags], logdir)
-    wait_until(lambda: common.http_get(port, "/health") == 200, 60, f"router {kind}", proc)
+        proc = Proc(f"router-{kind}", [procs.trio_pd_bin(), *flags], logdir)
+    wait_until(lambda: procs.http_get(port, "/health") == 200, 60, f"router {kind}", proc)
     wait_until(
-        lambda: common.http_post(port, "/generate", VICTIM_BODY) == 200, 60,
+        lambda: procs.http_post(port, "/generate", VICTIM_BODY) == 200, 60,
         f"router {kind} first request", proc,
     )  # fmt: skip
     return proc, port
 
 
 def one_run(
-    kind: str, condition: str, a: tuple[common.Engine, common.Engine],
+    kind: str, condition: str, a: tuple[procs.Engine, procs.Engine],
     b: dict[str, int], logdir: Path, tree: Path, duration: float,
 ) -> dict[str, Any]:  # fmt: skip
     b_decode = b["hostile"] if condition == "hostile" else b["benign"]
@@ -97,11 +99,11 @@ def one_run(
                     "--model", "B", "--streams", "2"]  # fmt: skip
             clients = Proc(f"clients-{kind}-{condition}", argv, logdir)
             time.sleep(2.0)  # the B streams are under way
-        meter = common.CpuMeter({"router": router.pid})
+        meter = cpu.CpuMeter({"router": router.pid})
         spec = LoadSpec(mode="router", path="/generate", body=VICTIM_BODY, concurrency=4,
                         duration=duration, warmup=1.0, router_port=port)  # fmt: skip
         result = run_load(spec, processes=1, meter=meter)
-        for p in common.tree_procs(router.pid):
+        for p in cpu.tree_procs(router.pid):
             peak_rss += status_kb(p.pid, "VmHWM")
     finally:
         if clients is not None:
@@ -119,18 +121,18 @@ def one_run(
 def run(quick: bool, rev: str, rate: float, repeat: int) -> dict[str, Any]:
     duration = 4.0 if quick else 8.0
     logdir = Path(tempfile.mkdtemp(prefix="trio-pd-bench-hostile-"))
-    procs: list[Proc] = []
+    running: list[Proc] = []
     rows: list[dict[str, Any]] = []
     try:
-        prefill = common.start_engine("prefill", logdir)
-        decode = common.start_engine("decode", logdir)
-        procs += [prefill.proc, decode.proc]
+        prefill = procs.start_engine("prefill", logdir)
+        decode = procs.start_engine("decode", logdir)
+        running += [prefill.proc, decode.proc]
         b: dict[str, int] = {}
         for name, role, mode in (("prefill", "prefill", "benign"),
                                  ("benign", "decode", "benign"),
                                  ("hostile", "decode", "hostile")):  # fmt: skip
             proc, b[name] = hostile(role, logdir, mode, rate)
-            procs.append(proc)
+            running.append(proc)
         with baseline.baseline_tree(rev) as tree:
             for rep in range(repeat):
                 for condition in CONDITIONS:
@@ -141,7 +143,7 @@ def run(quick: bool, rev: str, rate: float, repeat: int) -> dict[str, Any]:
                         rows.append(row)
                         print_flush(table([row], COLUMNS))
     finally:
-        for proc in procs:
+        for proc in running:
             proc.stop()
         shutil.rmtree(logdir, ignore_errors=True)
     return {"rows": summarize(rows), "runs": rows, "baseline": rev, "rate": rate,

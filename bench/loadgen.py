@@ -17,13 +17,15 @@ import itertools
 import multiprocessing
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 import orjson
 import trio
 
-from bench.httpc import Connection, Reply
+from bench.harness.procs import HOST
+from bench.httpc import Connection, Reply, one_request
 
 MAX_ROOM = 2**63 - 1
 
@@ -90,6 +92,31 @@ def _sleep_until(t: float) -> None:
 async def sleep_until(t: float) -> None:
     """Sleep until a time.monotonic() instant (trio's own clock has an arbitrary offset)."""
     await trio.sleep(max(0.0, t - time.monotonic()))
+
+
+async def open_loop(
+    port: int, path: str, body: Callable[[int], dict[str, Any]], rate: float, seconds: float,
+    client_timeout: float, t0: float, extra: Callable[[Any], dict[str, Any]] | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Request i (`body(i)`, POSTed to `path`) goes at t0 + i / rate whatever came back before:
+    an open loop, so a slow router meets the same arrivals as a fast one. One record a request
+    (send and end times from t0, status, error, ok, plus `extra(reply)`)."""
+    records: list[dict[str, Any]] = []
+
+    async def one(i: int) -> None:
+        reply = await one_request(HOST, port, "POST", path, orjson.dumps(body(i)),
+                                  timeout=client_timeout)  # fmt: skip
+        record = {"i": i, "t_send": reply.t_start - t0, "t_end": reply.t_end - t0,
+                  "status": reply.status, "error": reply.error, "ok": reply.ok}  # fmt: skip
+        if extra is not None:
+            record.update(extra(reply))
+        records.append(record)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(int(rate * seconds)):
+            await sleep_until(t0 + i / rate)
+            nursery.start_soon(one, i)
+    return records
 
 
 def _child(spec: LoadSpec, share: int, index: int, ready: Any, start_at: Any, queue: Any) -> None:

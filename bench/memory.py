@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -39,8 +38,10 @@ from typing import Any
 import psutil
 import trio
 
-from bench import baseline, common
-from bench.common import HOST, Proc, free_port, print_flush, table, wait_until, write_result
+from bench import baseline
+from bench.harness import cpu, procs
+from bench.harness.output import print_flush, table, write_result
+from bench.harness.procs import HOST, Proc, free_port, wait_until
 
 MB = 1 << 20
 SIZES = (8 * MB, 32 * MB)
@@ -71,7 +72,7 @@ def body_of(shape: str, size: int) -> bytes:
 
 # ---- measuring a process tree -----------------------------------------------------------------
 def tree_pids(pid: int) -> list[int]:
-    return [p.pid for p in common.tree_procs(pid)]
+    return [p.pid for p in cpu.tree_procs(pid)]
 
 
 def status_kb(pid: int, field: str) -> int:
@@ -148,23 +149,8 @@ def post_all(port: int, bodies: Sequence[bytes]) -> list[int]:
 
 
 # ---- engines and routers ---------------------------------------------------------------------
-def start_instant(role: str, logdir: Path) -> common.Engine:
-    """An engine that answers at once without parsing the body (bench/instant_engine.py): the
-    router is the only process measured, and no engine-side limit or parse cost gets in the way."""
-    port = free_port()
-    argv = [sys.executable, "-m", "bench.instant_engine", "--role", role, "--host", HOST,
-            "--port", str(port)]  # fmt: skip
-    bootstrap = None
-    if role == "prefill":
-        bootstrap = free_port()
-        argv += ["--bootstrap-port", str(bootstrap)]
-    proc = Proc(f"instant-{role}", argv, logdir)
-    wait_until(lambda: common.http_get(port, "/health") == 200, 20, role, proc)
-    return common.Engine(role, port, proc, logdir / f"{role}.none", bootstrap)
-
-
 def start_router(
-    kind: str, engines: tuple[common.Engine, common.Engine], logdir: Path, tree: Path,
+    kind: str, engines: tuple[procs.Engine, procs.Engine], logdir: Path, tree: Path,
     extra: Sequence[str] = (),
 ) -> tuple[Proc, int]:  # fmt: skip
     prefill, decode = engines
@@ -180,11 +166,11 @@ def start_router(
     else:
         if kind == "after-nobudget":
             flags += ["--max-buffered-bytes", "0"]
-        proc = Proc(f"router-{kind}", [common.trio_pd_bin(), *flags], logdir)
-    wait_until(lambda: common.http_get(port, "/health") == 200, 60, f"router {kind}", proc)
+        proc = Proc(f"router-{kind}", [procs.trio_pd_bin(), *flags], logdir)
+    wait_until(lambda: procs.http_get(port, "/health") == 200, 60, f"router {kind}", proc)
     # Warm-up: one ordinary request, and one body large enough to start the parse worker.
     wait_until(
-        lambda: common.http_post(port, "/generate", common.probe_body()) == 200, 60,
+        lambda: procs.http_post(port, "/generate", procs.probe_body()) == 200, 60,
         f"router {kind} first request", proc,
     )  # fmt: skip
     post_all(port, [body_of("flat", 256 * 1024)])
@@ -217,8 +203,8 @@ def run(quick: bool, rev: str) -> dict[str, Any]:
     logdir = Path(tempfile.mkdtemp(prefix="trio-pd-bench-memory-"))
     rows: list[dict[str, Any]] = []
     admission: list[dict[str, Any]] = []
-    prefill = start_instant("prefill", logdir)
-    decode = start_instant("decode", logdir)
+    prefill = procs.start_instant("prefill", logdir)
+    decode = procs.start_instant("decode", logdir)
     engines = (prefill, decode)
     try:
         with baseline.baseline_tree(rev) as tree:

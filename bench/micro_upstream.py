@@ -30,7 +30,8 @@ from typing import Any
 import httpcore2
 import trio
 
-from bench.common import HOST, Proc, free_port, print_flush, table, write_result
+from bench.harness.output import print_flush, table, write_result
+from bench.harness.procs import HOST, Proc, free_port
 from bench.stats import median
 from trio_pd.upstream.connect import connect
 

@@ -14,8 +14,8 @@ import shutil
 import subprocess
 from typing import Any
 
-from bench import common
-from bench.common import print_flush
+from bench.harness import output, procs
+from bench.harness.output import print_flush
 
 NAME = "overhead"
 BODY = {
@@ -36,12 +36,12 @@ def levels(quick: bool) -> tuple[int, ...]:
 def run(router: str, quick: bool = False, wrk: bool = True) -> dict[str, Any]:
     duration, warmup = (3.0, 1.0) if quick else (6.0, 2.0)
     rows = []
-    with common.cluster(router, decode_args=["--max-running", "1024"]) as c:
+    with procs.cluster(router, decode_args=["--max-running", "1024"]) as c:
         for conc in levels(quick):
             base = dict(
                 path="/generate", body=BODY, concurrency=conc, duration=duration, warmup=warmup
             )
-            via, direct, cpu = common.router_and_direct(c, **base)
+            via, direct, cpu = procs.router_and_direct(c, **base)
             cross = wrk_check(c.router_port, conc, duration) if wrk else None
             row = {
                 "router": router,
@@ -84,7 +84,7 @@ def wrk_check(port: int, conc: int, duration: float) -> dict[str, Any] | None:
     threads = min(2, conc)
     argv = [
         wrk, f"-t{threads}", f"-c{conc}", f"-d{max(1, round(duration))}s", "--timeout", "30s",
-        "-s", str(common.BENCH / "wrk" / "generate.lua"), f"http://{common.HOST}:{port}",
+        "-s", str(output.BENCH / "wrk" / "generate.lua"), f"http://{procs.HOST}:{port}",
     ]  # fmt: skip
     try:
         out = subprocess.run(argv, capture_output=True, text=True, timeout=duration + 60)
@@ -126,9 +126,9 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = common.scenario_parser(__doc__).parse_args(argv)
+    args = procs.scenario_parser(__doc__).parse_args(argv)
     result = run(args.router, args.quick)
-    common.report(NAME, result, COLUMNS, "overhead")
+    output.report(NAME, result, COLUMNS, "overhead")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ fresh engines each:
 - `trio_pd`: its defaults (protection on: decode B is vetoed while A is under the thresholds);
 - `trio_pd_off`: `--disable-worker-overload-protection` (round robin sends B half);
 - `smg113`, `smg113_off`: the same two with SMG 1.13's `smg launch --pd-disaggregation`
-  (bench/.peers/bin/smg, /work/ref/smg-venv/bin/smg or `smg` on PATH; skipped without).
+  (`python -m smg` in bench/.peers, see bench/harness/procs.py; skipped without).
 
 A second part, `trio_pd_shed` and `smg113_shed` with `--worker-overload-shed`: both decodes
 healthy and the prefill slow (80 ms a token), so each decode holds about twenty requests waiting
@@ -25,20 +25,21 @@ decode engine saw (from its event log). Writes bench/results/overload-*.json.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import orjson
 import trio
 
-from bench import common, stats
-from bench.common import HOST, Proc, free_port, http_get, print_flush, wait_until
-from bench.httpc import one_request
-from bench.loadgen import sleep_until
+from bench import stats
+from bench.harness import output, procs
+from bench.harness.output import print_flush
+from bench.harness.procs import HOST, Proc, free_port, http_get, wait_until
+from bench.loadgen import open_loop
 from bench.stats import pct
 
 NAME = "overload"
@@ -48,9 +49,6 @@ SHED_ROUTERS = ("trio_pd_shed", "smg113_shed")
 COLUMNS = ("router", "sent", "ok", "goodput", "ok_p50_ms", "ok_p99_ms", "to_saturated",
            "to_healthy")  # fmt: skip
 SHED_COLUMNS = ("router", "sent", "ok", "shed_503", "goodput", "ok_p50_ms", "ok_p99_ms")
-# bench/.peers (`make bench-overload` installs smg==1.13.0 there), the reference venv, PATH.
-SMG_CANDIDATES = (str(common.PEERS / "bin" / "smg"), "/work/ref/smg-venv/bin/smg",
-                  shutil.which("smg") or "")  # fmt: skip
 
 
 def settings(quick: bool) -> dict[str, Any]:
@@ -59,15 +57,8 @@ def settings(quick: bool) -> dict[str, Any]:
             "shed_prefill_ms": 80.0}  # fmt: skip
 
 
-def smg_binary() -> str | None:
-    for path in SMG_CANDIDATES:
-        if path and os.access(path, os.X_OK):
-            return path
-    return None
-
-
 def router_argv(
-    kind: str, prefill: common.Engine, decodes: list[common.Engine], port: int
+    kind: str, prefill: procs.Engine, decodes: list[procs.Engine], port: int
 ) -> list[str]:
     workers = ["--prefill", prefill.url, str(prefill.bootstrap_port)]
     for decode in decodes:
@@ -78,35 +69,19 @@ def router_argv(
     if kind.endswith("_shed"):
         off = ["--worker-overload-shed"]
     if kind.startswith("smg113"):
-        binary = smg_binary()
-        assert binary is not None
-        return [binary, "launch", "--pd-disaggregation", *workers, "--load-monitor-interval", "1",
-                "--log-level", "warn", *metrics, *off]  # fmt: skip
-    return [common.trio_pd_bin(), "serve", *workers, "--log-level", "warning", *metrics,
+        return [*procs.SMG, "launch", "--pd-disaggregation", *workers,
+                "--load-monitor-interval", "1", "--log-level", "warn", *metrics, *off]  # fmt: skip
+    return [procs.trio_pd_bin(), "serve", *workers, "--log-level", "warning", *metrics,
             "--admin-port", str(free_port()), "--worker-startup-check-interval", "1",
             *off]  # fmt: skip
 
 
-async def open_loop(port: int, s: dict[str, Any], t0: float) -> list[dict[str, Any]]:
-    count = int(s["rate"] * s["seconds"])
-    records: list[dict[str, Any]] = []
-
-    async def one(i: int) -> None:
-        body = {"text": f"overload request {i} " + "word " * 20,
-                "sampling_params": {"max_new_tokens": s["tokens"], "temperature": 0}}  # fmt: skip
-        reply = await one_request(HOST, port, "POST", "/generate", orjson.dumps(body),
-                                  timeout=s["client_timeout"])  # fmt: skip
-        records.append({"t_send": reply.t_start - t0, "t_end": reply.t_end - t0,
-                        "status": reply.status, "ok": reply.ok, "error": reply.error})  # fmt: skip
-
-    async with trio.open_nursery() as nursery:
-        for i in range(count):
-            await sleep_until(t0 + i / s["rate"])
-            nursery.start_soon(one, i)
-    return records
+def body(tokens: int, i: int) -> dict[str, Any]:
+    return {"text": f"overload request {i} " + "word " * 20,
+            "sampling_params": {"max_new_tokens": tokens, "temperature": 0}}  # fmt: skip
 
 
-def started(engine: common.Engine) -> int:
+def started(engine: procs.Engine) -> int:
     return sum(1 for e in engine.events() if e.get("event") == "request_start")
 
 
@@ -117,38 +92,39 @@ def run(kind: str, quick: bool) -> dict[str, Any]:
     s = settings(quick)
     shed_part = kind.endswith("_shed")
     logdir = Path(tempfile.mkdtemp(prefix=f"overload-{kind}-"))
-    procs: list[Proc] = []
+    running: list[Proc] = []
     try:
         prefill_ms = s["shed_prefill_ms"] if shed_part else 0.2
-        prefill = common.start_engine("prefill", logdir,
+        prefill = procs.start_engine("prefill", logdir,
                                       args=["--prefill-ms-per-token", str(prefill_ms)])  # fmt: skip
-        healthy = common.start_engine("decode", logdir, name="decode-healthy",
+        healthy = procs.start_engine("decode", logdir, name="decode-healthy",
                                       args=["--inter-token-ms", str(s["healthy_ms"])])  # fmt: skip
         busy = ["--inter-token-ms", str(s["saturated_ms"]), "--extra-queued",
                 str(s["extra_queued"])]  # fmt: skip
-        saturated = common.start_engine(
+        saturated = procs.start_engine(
             "decode",
             logdir,
             name="decode-saturated",
             args=["--inter-token-ms", str(s["healthy_ms"])] if shed_part else busy,
         )
-        procs += [prefill.proc, healthy.proc, saturated.proc]
+        running += [prefill.proc, healthy.proc, saturated.proc]
         port = free_port()
         router = Proc(f"router-{kind}", router_argv(kind, prefill, [healthy, saturated], port),
                       logdir)  # fmt: skip
-        procs.append(router)
+        running.append(router)
         wait_until(lambda: http_get(port, "/health") == 200, 60, f"router {kind}", router)
         probe = {"text": "probe", "sampling_params": {"max_new_tokens": 1}}
-        wait_until(lambda: common.http_post(port, "/generate", probe) == 200, 60,
+        wait_until(lambda: procs.http_post(port, "/generate", probe) == 200, 60,
                    f"router {kind} first request", router)  # fmt: skip
         time.sleep(2.5)  # two load polls: the saturated decode's figures are known
         before = (started(saturated), started(healthy))
         t0 = time.monotonic() + 0.2
-        records = trio.run(open_loop, port, s, t0)
+        records = trio.run(open_loop, port, "/generate", partial(body, s["tokens"]), s["rate"],
+                           s["seconds"], s["client_timeout"], t0)  # fmt: skip
         to_saturated = started(saturated) - before[0]
         to_healthy = started(healthy) - before[1]
     finally:
-        for proc in reversed(procs):
+        for proc in reversed(running):
             proc.stop()
         shutil.rmtree(logdir, ignore_errors=True)
     ok = [r for r in records if r["ok"]]
@@ -230,8 +206,8 @@ def main(argv: list[str] | None = None) -> None:
         print_flush(f"drew {drawn}")
         return
     routers = list(args.routers)
-    if smg_binary() is None and any(r.startswith("smg113") for r in routers):
-        print_flush("no smg binary (pip install 'smg==1.13.0'): skipping smg113, smg113_off")
+    if not procs.peers_available() and any(r.startswith("smg113") for r in routers):
+        print_flush("bench/.peers is missing (make bench-overload): skipping smg113*")
         routers = [r for r in routers if not r.startswith("smg113")]
     results = [run(kind, args.quick) for kind in routers]
     rows = {r["router"]: r["row"] for r in results}
@@ -239,13 +215,13 @@ def main(argv: list[str] | None = None) -> None:
     first = [row for name, row in rows.items() if name in ROUTERS]
     second = [row for name, row in rows.items() if name in SHED_ROUTERS]
     if first:
-        print(common.table(first, COLUMNS, "overload: one of two decodes saturated"))
+        print(output.table(first, COLUMNS, "overload: one of two decodes saturated"))
     if second:
         title = "overload: both decodes healthy, slow prefills, --worker-overload-shed"
-        print(common.table(second, SHED_COLUMNS, title))
+        print(output.table(second, SHED_COLUMNS, title))
     for key, value in summary.items():
         print(f"  {key}: {value}")
-    path = common.write_result(NAME, {"scenario": NAME, "settings": settings(args.quick),
+    path = output.write_result(NAME, {"scenario": NAME, "settings": settings(args.quick),
                                       "rows": list(rows.values()), "ratios": summary,
                                       "runs": results})  # fmt: skip
     print_flush(f"wrote {path}")

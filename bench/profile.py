@@ -34,8 +34,10 @@ import sys
 import time
 from pathlib import Path
 
-from bench import common, router_bound
-from bench.common import print_flush
+from bench import bound, router_bound
+from bench.harness import output, procs
+from bench.harness import wrk as wrk_load
+from bench.harness.output import print_flush
 
 PY_FRAME = re.compile(r"^(?P<func>.+) \((?P<file>[^()]*\.py|<[^>]*>):(?P<line>\d+)\)$")
 OWNERS = (
@@ -169,18 +171,18 @@ def summarize(path: Path, top: int = 15) -> str:
 
 
 def record(args: argparse.Namespace) -> int:
-    spy = shutil.which("py-spy") or str(common.VENV_BIN / "py-spy")
+    spy = shutil.which("py-spy") or str(procs.VENV_BIN / "py-spy")
     if not Path(spy).exists():
         print_flush("py-spy missing: .venv/bin/python -m pip install py-spy")
         return 1
-    common.RESULTS.mkdir(parents=True, exist_ok=True)
+    output.RESULTS.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = common.RESULTS / f"profile-{args.router}-c{args.concurrency}-{stamp}"
+    base = output.RESULTS / f"profile-{args.router}-c{args.concurrency}-{stamp}"
     formats = ["raw", "flamegraph"] if args.svg else ["raw"]
     settings = router_bound.settings(quick=True)
-    with router_bound.started(args.router, settings) as target:
+    with bound.started(args.router, settings) as target:
         seconds = int(len(formats) * (args.duration + 1) + 3)
-        wrk = router_bound.run_wrk(target.port, args.concurrency, seconds)
+        wrk = wrk_load.start(target.port, args.concurrency, seconds)
         time.sleep(2)  # past wrk's start
         pid = target.workers()[0]
         for fmt in formats:
@@ -194,15 +196,15 @@ def record(args: argparse.Namespace) -> int:
                 wrk.kill()
                 return 1
             print_flush(f"wrote {out}")
-        output, _ = wrk.communicate(timeout=seconds + 60)
-        print_flush(f"wrk while recording: {router_bound.wrk_summary(output)}")
+        printed, _ = wrk.communicate(timeout=seconds + 60)
+        print_flush(f"wrk while recording: {wrk_load.summary(printed)}")
     print_flush(summarize(base.with_suffix(".raw"), args.top))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__)
-    p.add_argument("--router", default="trio_pd", choices=common.ROUTERS)
+    p.add_argument("--router", default="trio_pd", choices=procs.ROUTERS)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--duration", type=int, default=10)
     p.add_argument("--rate", type=int, default=200, help="samples per second")

@@ -7,18 +7,11 @@ import datetime
 from pathlib import Path
 from typing import Any
 
-from bench import common, stats
+from bench.harness import output
+from bench.harness.run import middle
 
 # For each metric: is a higher value better? (used only to word the ratio column)
 HIGHER_IS_BETTER = ("req/s", "tokens/s", "goodput", "vs direct")
-
-
-def middle(values: Any) -> Any:
-    """The median of numbers; for text (e.g. the storm's `freed_by`), the distinct values."""
-    vals = [v for v in values if v is not None]
-    if any(isinstance(v, str) for v in vals):
-        return " / ".join(dict.fromkeys(str(v) for v in vals)) or None
-    return stats.median(vals)
 
 
 def side_by_side(
@@ -50,11 +43,14 @@ def side_by_side(
     title = (title + "\n" if title else "") + (
         f"medians of {reps} repetition(s); ratio columns: router / {reference}"
     )
-    return common.table(rows, columns, title), rows
+    return output.table(rows, columns, title), rows
 
 
-def plot_storm(results: dict[str, dict[str, Any]], path: Path | None = None) -> Path | None:
-    """Storm goodput, p50/p99 latency and wasted decode slots over time, one line per router."""
+def plot_storm(
+    results: dict[str, dict[str, Any]], settings: dict[str, Any], path: Path | None = None
+) -> Path | None:
+    """Storm goodput, p50/p99 latency and wasted decode slots over time, one line per router
+    (`results`: router -> one storm measurement, bench/storm.py's `measure`)."""
     try:
         import matplotlib
 
@@ -67,10 +63,10 @@ def plot_storm(results: dict[str, dict[str, Any]], path: Path | None = None) -> 
         s = result["series"]
         t = [row["t"] for row in s]
         color = f"C{n}"  # one colour per router on every panel
-        total = result["rows"][0]
+        total = result["metrics"]
         label = (
-            f"{router}: p99 {common.fmt(total.get('ok_p99_ms'), 0)} ms, "
-            f"wasted {common.fmt(total.get('wasted_slot_s'))} slot-s"
+            f"{router}: p99 {output.fmt(total.get('ok_p99_ms'), 0)} ms, "
+            f"wasted {output.fmt(total.get('wasted_slot_s'))} slot-s"
         )
         axes[0].plot(t, [row["ok"] for row in s], color=color, label=label)
         axes[1].plot(t, [row["p50_ms"] for row in s], color=color, label=f"{router} p50")
@@ -78,7 +74,6 @@ def plot_storm(results: dict[str, dict[str, Any]], path: Path | None = None) -> 
             t, [row["p99_ms"] for row in s], color=color, linestyle="--", label=f"{router} p99"
         )
         axes[2].plot(t, [row["wasted_slots"] for row in s], color=color, label=router)
-    settings = next(iter(results.values())).get("settings", {})
     axes[0].set_ylabel("successful req/s")
     axes[0].set_title(
         f"storm: {settings.get('rate')} req/s open loop, {int(100 * settings.get('fail_ratio', 0))}"
@@ -95,9 +90,9 @@ def plot_storm(results: dict[str, dict[str, Any]], path: Path | None = None) -> 
         ax.legend(fontsize=8)
     fig.tight_layout()
     if path is None:
-        common.RESULTS.mkdir(parents=True, exist_ok=True)
+        output.RESULTS.mkdir(parents=True, exist_ok=True)
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        path = common.RESULTS / f"storm-{stamp}.png"
+        path = output.RESULTS / f"storm-{stamp}.png"
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path

@@ -17,8 +17,8 @@ from typing import Any
 import orjson
 import trio
 
-from bench import common
-from bench.common import print_flush
+from bench.harness import output, procs
+from bench.harness.output import print_flush
 from bench.httpc import one_request
 
 NAME = "soak"
@@ -58,7 +58,7 @@ async def load(
             path, b = make_request(rng)
             timeout = 0.05 if rng.random() < 0.05 else 30.0  # some clients leave early
             reply = await one_request(
-                common.HOST, port, "POST", path, orjson.dumps(b), timeout=timeout
+                procs.HOST, port, "POST", path, orjson.dumps(b), timeout=timeout
             )
             counts["requests"] += 1
             counts["ok"] += int(reply.ok)
@@ -78,8 +78,8 @@ def run(router: str, quick: bool = False) -> dict[str, Any]:
     counts = {"requests": 0, "ok": 0}
     statuses: dict[str, int] = {}
     decode_args = ["--inter-token-ms", "2", "--max-running", "256", "--waiting-timeout", "10"]
-    with common.cluster(
-        router, decode_args=decode_args, router_args=common.failure_router_args(router)
+    with procs.cluster(
+        router, decode_args=decode_args, router_args=procs.failure_router_args(router)
     ) as c:
 
         async def main() -> None:
@@ -88,12 +88,12 @@ def run(router: str, quick: bool = False) -> dict[str, Any]:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(load, c.router_port, s, counts, statuses, deadline)
                 while time.monotonic() < deadline:
-                    samples.append({"t": round(time.monotonic() - t0, 1), **common.router_rss(c)})
+                    samples.append({"t": round(time.monotonic() - t0, 1), **procs.router_rss(c)})
                     samples[-1].update(counts)
                     await trio.sleep(s["sample_every"])
             await trio.sleep(5.0)  # idle: pooled connections expire, in-flight work ends
             samples.append(
-                {"t": round(time.monotonic() - t0, 1), "idle": True, **common.router_rss(c)}
+                {"t": round(time.monotonic() - t0, 1), "idle": True, **procs.router_rss(c)}
             )
             samples[-1].update(counts)
 
@@ -143,12 +143,12 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = common.scenario_parser(__doc__).parse_args(argv)
+    args = procs.scenario_parser(__doc__).parse_args(argv)
     result = run(args.router, args.quick)
-    print_flush(common.table(result["series"], COLUMNS, "soak samples"))
+    print_flush(output.table(result["series"], COLUMNS, "soak samples"))
     print_flush("client statuses:", result["rows"][0]["statuses"])
     keys = [k for k in result["rows"][0] if k != "statuses"]
-    common.report(NAME, result, keys, "soak")
+    output.report(NAME, result, keys, "soak")
 
 
 if __name__ == "__main__":

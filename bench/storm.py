@@ -21,42 +21,37 @@ With trio_pd (which aborts cancelled legs) and trio_pd_noabort (`--no-abort-on-c
 run, `compare` puts them side by side: without aborts each doomed slot is held until the next
 poll tick (0-4 s, 2 s on average), about 10 doomed requests a second against 16 slots, so the
 successes queue behind them.
+
+One harness run (bench/harness/run.py): the routers alternate, trio_pd is the same-run baseline.
+
+    .venv/bin/python -m bench.storm [--quick] [--routers trio_pd,smg,...] [--repeat N] [--publish]
 """
 
 from __future__ import annotations
 
 import math
+import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
-import orjson
 import trio
 
-from bench import common, stats, teardown
-from bench.common import CpuMeter, print_flush
-from bench.httpc import one_request
-from bench.loadgen import sleep_until
+from bench import stats, teardown
+from bench.harness import procs, run
+from bench.harness.cpu import CpuMeter
+from bench.harness.output import print_flush
+from bench.harness.run import Phase, Scenario, Verdict
+from bench.loadgen import open_loop
 from bench.stats import pct
 
 NAME = "storm"
-COLUMNS = (
-    "router", "rate", "seconds", "sent", "ok", "goodput", "good_ratio", "ok_p50_ms", "ok_p99_ms",
-    "fail_wait_p50_ms", "wasted_slot_s", "doomed_slots", "wasted_per_doomed_ms", "freed_by",
-    "useful_slot_s", "router_cpu_s", "loadgen_cpu_s",
-)  # fmt: skip
-# the side-by-side table (`compare`): row key -> label
-COMPARE_METRICS = {
-    "goodput": "goodput req/s",
-    "ok": "successful requests",
-    "ok_p50_ms": "successes p50 ms",
-    "ok_p99_ms": "successes p99 ms",
-    "fail_wait_p50_ms": "failed clients' wait p50 ms",
-    "wasted_slot_s": "decode slot-s wasted (doomed)",
-    "doomed_slots": "doomed requests holding a slot",
-    "wasted_per_doomed_ms": "mean hold per doomed slot ms",
-    "freed_by": "doomed slots freed by",
-    "router_cpu_s": "router CPU s",
-}
+LOAD = (
+    "20 req/s open loop of non-stream /generate (50 tokens at 10 ms) for 60 s (--quick 15), "
+    "two simulated prefills of which one answers every request with 500, round robin (mini_lb: "
+    "random); a decode of 16 slots, a 30 s KV waiting timeout and SGLang's 4 s disconnect poll; "
+    "retries and breakers off on every router"
+)
 FREED_BY = {**teardown.FREED_BY, "held at end": "held"}
 SERIES_COLUMNS = ("t", "sent", "ok", "failed", "p50_ms", "p99_ms", "wasted_slots", "useful_slots")
 
@@ -75,34 +70,8 @@ def settings(quick: bool) -> dict[str, Any]:
     }
 
 
-async def open_loop(port: int, s: dict[str, Any], t0: float) -> list[dict[str, Any]]:
-    count = int(s["rate"] * s["seconds"])
-    records: list[dict[str, Any]] = []
-
-    async def one(i: int) -> None:
-        b: dict[str, Any] = {
-            "text": f"storm request {i}",
-            "sampling_params": {"max_new_tokens": s["tokens"]},
-        }
-        reply = await one_request(
-            common.HOST, port, "POST", "/generate", orjson.dumps(b), timeout=s["client_timeout"]
-        )
-        records.append(
-            {
-                "i": i,
-                "t_send": reply.t_start - t0,
-                "t_end": reply.t_end - t0,
-                "status": reply.status,
-                "error": reply.error,
-                "ok": reply.ok,
-            }
-        )
-
-    async with trio.open_nursery() as nursery:
-        for i in range(count):
-            await sleep_until(t0 + i / s["rate"])
-            nursery.start_soon(one, i)
-    return records
+def storm_body(tokens: int) -> Callable[[int], dict[str, Any]]:
+    return lambda i: {"text": f"storm request {i}", "sampling_params": {"max_new_tokens": tokens}}
 
 
 def slot_intervals(events: list[dict[str, Any]], t0: float, t_end: float):
@@ -150,24 +119,26 @@ def series(records: list[dict[str, Any]], slots: list[Any], horizon: float) -> l
     return out
 
 
-def run(router: str, quick: bool = False) -> dict[str, Any]:
-    s = settings(quick)
+def measure(router: str, s: dict[str, Any]) -> dict[str, Any]:
+    """One storm through `router` with fresh engines; its metrics and per-second series."""
     decode_args = [
         "--max-running", str(s["max_running"]), "--waiting-timeout", str(s["waiting_timeout"]),
         "--inter-token-ms", str(s["inter_token_ms"]),
         "--disconnect-poll-secs", str(s["disconnect_poll_secs"]),
     ]  # fmt: skip
-    with common.cluster(
+    with procs.cluster(
         router,
         decode_args=decode_args,
-        router_args=common.failure_router_args(router),
+        router_args=procs.failure_router_args(router),
         prefill2_args=["--fault", "prefill:500"],
     ) as c:
-        meter = CpuMeter({"router": c.router.pid} if c.router else {})
+        assert c.router is not None
+        meter = CpuMeter({"router": c.router.pid})
         t0 = time.monotonic() + 0.2
         c0 = time.process_time()
         meter.start()
-        records = trio.run(open_loop, c.router_port, s, t0)
+        records = trio.run(open_loop, c.router_port, "/generate", storm_body(s["tokens"]),
+                           s["rate"], s["seconds"], s["client_timeout"], t0)  # fmt: skip
         meter.stop()
         loadgen_cpu = time.process_time() - c0
         t_stop = time.monotonic() - t0
@@ -175,90 +146,67 @@ def run(router: str, quick: bool = False) -> dict[str, Any]:
     ok = [r for r in records if r["ok"]]
     failed = [r for r in records if not r["ok"]]
     lat = [r["t_end"] - r["t_send"] for r in ok]
-    good_intended = len(records) * (1 - s["fail_ratio"])
     statuses: dict[str, int] = {}
     for r in records:
         key = str(r["error"] or r["status"])
         statuses[key] = statuses.get(key, 0) + 1
     doomed = [(b, e, reason) for b, e, reason in slots if reason != "finished"]
     wasted = sum(e - b for b, e, _ in doomed)
-    useful = sum(e - b for b, e, reason in slots if reason == "finished")
-    freed_by = teardown.tally([FREED_BY.get(reason, reason) for _, _, reason in doomed])
-    row = {
-        "router": router,
-        "rate": s["rate"],
-        "seconds": s["seconds"],
+    metrics = {
         "sent": len(records),
         "ok": len(ok),
         "goodput": round(len(ok) / s["seconds"], 2),
-        "good_ratio": round(len(ok) / good_intended, 3) if good_intended else None,
         "ok_p50_ms": stats.ms(pct(lat, 50)),
         "ok_p99_ms": stats.ms(pct(lat, 99)),
         "fail_wait_p50_ms": stats.ms(pct([r["t_end"] - r["t_send"] for r in failed], 50)),
         "wasted_slot_s": round(wasted, 1),
         "doomed_slots": len(doomed),
         "wasted_per_doomed_ms": stats.ms(wasted / len(doomed)) if doomed else None,
-        "freed_by": freed_by,
-        "useful_slot_s": round(useful, 1),
-        "statuses": statuses,
+        "freed_by": teardown.tally([FREED_BY.get(reason, reason) for _, _, reason in doomed]),
+        "useful_slot_s": round(sum(e - b for b, e, why in slots if why == "finished"), 1),
         "router_cpu_s": meter.result.get("router"),
         "loadgen_cpu_s": round(loadgen_cpu, 2),
-        "wall_s": round(t_stop, 1),
     }
-    horizon = max([s["seconds"]] + [r["t_end"] for r in records])
+    m = metrics
     print_flush(
-        f"  storm {router}: goodput {row['goodput']} req/s ({row['ok']} ok of "
-        f"{len(records)}, {row['good_ratio']} of the healthy prefill's share), "
-        f"p50/p99 {row['ok_p50_ms']}/{row['ok_p99_ms']} ms, "
-        f"wasted {row['wasted_slot_s']} slot-s ({len(doomed)} doomed slots freed by {freed_by})"
+        f"  storm {router}: goodput {m['goodput']} req/s ({m['ok']} ok of {len(records)}), "
+        f"p50/p99 {m['ok_p50_ms']}/{m['ok_p99_ms']} ms, wasted {m['wasted_slot_s']} slot-s "
+        f"({len(doomed)} doomed slots freed by {m['freed_by']})"
     )
-    return {
-        "scenario": NAME,
-        "router": router,
-        "quick": quick,
-        "settings": s,
-        "rows": [row],
-        "series": series(records, slots, horizon),
-    }
+    horizon = max([s["seconds"]] + [r["t_end"] for r in records])
+    return {"metrics": metrics, "statuses": statuses, "series": series(records, slots, horizon)}
 
 
-def summary(result: dict[str, Any]) -> dict[str, Any]:
-    row = result["rows"][0]
-    return {
-        "storm goodput req/s": row["goodput"],
-        "storm ok p50 ms": row["ok_p50_ms"],
-        "storm ok p99 ms": row["ok_p99_ms"],
-        "storm fail wait p50 ms": row["fail_wait_p50_ms"],
-        "storm wasted slot-s": row["wasted_slot_s"],
-        "storm doomed slots": row.get("doomed_slots"),
-    }
+SCENARIO = Scenario(
+    name=NAME,
+    load=LOAD,
+    settings=settings,
+    phases=(Phase("storm", list, measure),),
+    baseline="trio_pd",
+    metrics={
+        "goodput": "goodput (req/s; 10 is all there is)",
+        "ok_p50_ms": "successes p50 (ms)",
+        "ok_p99_ms": "successes p99 (ms)",
+        "fail_wait_p50_ms": "failed clients' wait p50 (ms)",
+        "wasted_slot_s": "decode slot-seconds held by doomed requests",
+        "doomed_slots": "doomed requests that held a slot",
+        "wasted_per_doomed_ms": "mean hold of a doomed request's slot (ms)",
+        "freed_by": "what freed the doomed slots",
+        "router_cpu_s": "router CPU (s)",
+    },
+    verdicts=(
+        Verdict("goodput: trio_pd (of 10 req/s)", "goodput", "trio_pd", None, "at_least", 9.5,
+                ">= 9.5 req/s"),
+        Verdict("slot-seconds held by doomed requests: trio_pd", "wasted_slot_s", "trio_pd", None,
+                "value", 5.0, "<= 5 slot-s"),
+    ),
+)  # fmt: skip
 
 
-def compare(results: dict[str, list[dict[str, Any]]]) -> str:
-    """The routers side by side (a row per metric, medians over the repetitions, ratios to the
-    first router): the successes' latency and the decode slots the doomed requests held."""
-    from bench.report import side_by_side
-
-    summaries = {
-        router: [{label: res["rows"][0].get(key) for key, label in COMPARE_METRICS.items()}
-                 for res in reps]
-        for router, reps in results.items()
-    }  # fmt: skip
-    text, _ = side_by_side(
-        summaries, reference=next(iter(results)), title="== storm side by side =="
-    )
-    return text
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = common.scenario_parser(__doc__).parse_args(argv)
-    result = run(args.router, args.quick)
-    print_flush(common.table(result["series"], SERIES_COLUMNS, "storm, per second"))
-    common.report(NAME, result, COLUMNS, "storm")
-    from bench.report import plot_storm
-
-    print_flush("wrote", plot_storm({args.router: result}))
+def main(argv: list[str] | None = None) -> int:
+    return run.main(SCENARIO, __doc__, argv, routers="trio_pd,trio_pd_noabort,smg,mini_lb",
+                    repeat=3)  # fmt: skip
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

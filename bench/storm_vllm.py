@@ -32,10 +32,12 @@ from typing import Any
 import orjson
 import trio
 
-from bench import common, stats
-from bench.common import HOST, PEERS, Proc, free_port, http_get, print_flush, wait_until
+from bench import stats
+from bench.harness import cpu, output, procs
+from bench.harness.output import print_flush
+from bench.harness.procs import HOST, PEERS, Proc, free_port, http_get, wait_until
 from bench.httpc import one_request
-from bench.loadgen import sleep_until
+from bench.loadgen import open_loop
 from bench.stats import pct
 
 NAME = "storm-vllm"
@@ -69,13 +71,13 @@ def router(kind: str, logdir: Path, prefills: list[int], decode: int) -> tuple[P
         argv = [str(PEERS / "bin" / "vllm-router"), "--vllm-pd-disaggregation", *workers,
                 "--policy", "round_robin", *off]  # fmt: skip
     else:
-        argv = [common.trio_pd_bin(), "serve", "--vllm-pd-disaggregation", *workers,
+        argv = [procs.trio_pd_bin(), "serve", "--vllm-pd-disaggregation", *workers,
                 "--policy", "round_robin", "--log-level", "warning",
                 "--prometheus-host", HOST, "--prometheus-port", str(free_port()),
                 "--admin-port", str(free_port()), *(off if kind == "trio_pd" else [])]  # fmt: skip
     proc = Proc(f"router-{kind}", argv, logdir)
     body = {"prompt": "probe", "max_tokens": 1}
-    wait_until(lambda: common.http_post(port, "/v1/completions", body) in (200, 500, 502), 60,
+    wait_until(lambda: procs.http_post(port, "/v1/completions", body) in (200, 500, 502), 60,
                f"router {kind}", proc)  # fmt: skip
     return proc, port
 
@@ -88,21 +90,18 @@ async def held_blocks(port: int) -> int:
         return -1
 
 
-async def open_loop(port: int, s: dict[str, Any], prefills: list[int], t0: float) -> dict:
-    count = int(s["rate"] * s["seconds"])
+async def storm_loop(port: int, s: dict[str, Any], prefills: list[int], t0: float) -> dict:
     records: list[dict[str, Any]] = []
     samples: list[tuple[float, int]] = []
     done = trio.Event()
 
-    async def one(i: int) -> None:
-        body = {"model": "sim-model", "prompt": f"storm request {i} " + "word " * 20,
+    def body(i: int) -> dict[str, Any]:
+        return {"model": "sim-model", "prompt": f"storm request {i} " + "word " * 20,
                 "max_tokens": s["tokens"]}  # fmt: skip
-        reply = await one_request(HOST, port, "POST", "/v1/completions", orjson.dumps(body),
-                                  timeout=s["client_timeout"])  # fmt: skip
+
+    def json_answer(reply: Any) -> dict[str, Any]:
         content_type = reply.headers.get("content-type", "")
-        records.append({"t_send": reply.t_start - t0, "t_end": reply.t_end - t0,
-                        "status": reply.status, "ok": reply.ok, "error": reply.error,
-                        "json": "json" in str(content_type) or reply.body[:1] == b"{"})  # fmt: skip
+        return {"json": "json" in str(content_type) or reply.body[:1] == b"{"}
 
     async def sample() -> None:
         while not done.is_set():
@@ -112,10 +111,8 @@ async def open_loop(port: int, s: dict[str, Any], prefills: list[int], t0: float
 
     async with trio.open_nursery() as outer:
         outer.start_soon(sample)
-        async with trio.open_nursery() as nursery:
-            for i in range(count):
-                await sleep_until(t0 + i / s["rate"])
-                nursery.start_soon(one, i)
+        records += await open_loop(port, "/v1/completions", body, s["rate"], s["seconds"],
+                                   s["client_timeout"], t0, json_answer)  # fmt: skip
         await trio.sleep(0.5)  # the last handoffs are read
         done.set()
     end = sum([await held_blocks(p) for p in prefills])
@@ -125,23 +122,23 @@ async def open_loop(port: int, s: dict[str, Any], prefills: list[int], t0: float
 def run(kind: str, quick: bool) -> dict[str, Any]:
     s = settings(quick)
     logdir = Path(tempfile.mkdtemp(prefix=f"storm-vllm-{kind}-"))
-    procs: list[Proc] = []
+    running: list[Proc] = []
     try:
         healthy, p1 = engine("prefill-ok", logdir, ["--prefill-ms-per-token", "1"])
         broken, p2 = engine("prefill-500", logdir, ["--fault", "prefill:status:500"])
         pace = ["--inter-token-ms", str(s["inter_token_ms"]), "--max-num-seqs",
                 str(s["max_num_seqs"])]  # fmt: skip
         decode, d = engine("decode", logdir, pace)
-        procs += [healthy, broken, decode]
+        running += [healthy, broken, decode]
         router_proc, port = router(kind, logdir, [p1, p2], d)
-        procs.append(router_proc)
-        meter = common.CpuMeter({"router": router_proc.pid})
+        running.append(router_proc)
+        meter = cpu.CpuMeter({"router": router_proc.pid})
         t0 = time.monotonic() + 0.2
         meter.start()
-        out = trio.run(open_loop, port, s, [p1, p2], t0)
+        out = trio.run(storm_loop, port, s, [p1, p2], t0)
         meter.stop()
     finally:
-        for proc in reversed(procs):
+        for proc in reversed(running):
             proc.stop()
         shutil.rmtree(logdir, ignore_errors=True)
     records = out["records"]
@@ -214,8 +211,8 @@ def main(argv: list[str] | None = None) -> None:
         print_flush("vllm-router is not installed (make bench-peers): trio_pd alone")
     results = [run(kind, args.quick) for kind in routers]
     rows = [r["rows"][0] for r in results]
-    print_flush(common.table(rows, COLUMNS, "== storm-vllm side by side =="))
-    path = common.write_result(NAME, {"meta": common.meta(), "results": [
+    print_flush(output.table(rows, COLUMNS, "== storm-vllm side by side =="))
+    path = output.write_result(NAME, {"meta": output.meta(), "results": [
         {k: v for k, v in r.items() if k != "records"} for r in results]})  # fmt: skip
     print_flush("wrote", path)
     if args.plot is not None:

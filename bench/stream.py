@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench import common
-from bench.common import print_flush
+from bench.harness import output, procs
+from bench.harness.output import print_flush
 
 COLUMNS = {
     "stream": (
@@ -43,12 +43,12 @@ def run(router: str, quick: bool = False, name: str = "stream") -> dict[str, Any
     }
     decode_args = ["--max-running", "512", "--inter-token-ms", str(p["itm"])]
     paced = name == "stream-paced"
-    with common.cluster(router, decode_args=decode_args) as c:
+    with procs.cluster(router, decode_args=decode_args) as c:
         base = dict(
             path="/generate", body=body, concurrency=p["c"], duration=p["duration"],
             warmup=2.0 if paced else 1.0, itl=paced,
         )  # fmt: skip
-        via, direct, cpu = common.router_and_direct(c, **base)
+        via, direct, cpu = procs.router_and_direct(c, **base)
     events = via["events"]
     row = {
         "router": router,
@@ -110,12 +110,12 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = common.scenario_parser(__doc__)
+    parser = procs.scenario_parser(__doc__)
     parser.add_argument("--paced", action="store_true", help="run stream-paced instead")
     args = parser.parse_args(argv)
     name = "stream-paced" if args.paced else "stream"
     result = run(args.router, args.quick, name)
-    common.report(name, result, COLUMNS[name], name)
+    output.report(name, result, COLUMNS[name], name)
 
 
 if __name__ == "__main__":

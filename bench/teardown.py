@@ -40,8 +40,9 @@ from typing import Any
 import orjson
 import trio
 
-from bench import common, stats
-from bench.common import print_flush
+from bench import stats
+from bench.harness import output, procs
+from bench.harness.output import print_flush
 from bench.httpc import Connection, Reply, one_request
 from bench.stats import pct
 
@@ -86,7 +87,7 @@ async def fire_all(port: int, jobs: list[dict[str, Any]], stagger: float, timeou
         await trio.sleep(i * stagger)
         job = jobs[i]
         replies[i] = await one_request(
-            common.HOST, port, "POST", "/generate", orjson.dumps(job["body"]), timeout=timeout
+            procs.HOST, port, "POST", "/generate", orjson.dumps(job["body"]), timeout=timeout
         )
 
     async with trio.open_nursery() as nursery:
@@ -97,12 +98,12 @@ async def fire_all(port: int, jobs: list[dict[str, Any]], stagger: float, timeou
 
 async def disconnect_one(port: int, b: dict[str, Any], after_s: float, after_events: int):
     """Send, then close the socket after `after_s` or after `after_events` SSE events."""
-    conn = Connection(common.HOST, port)
+    conn = Connection(procs.HOST, port)
     await conn.connect()
     assert conn.stream is not None
     raw = orjson.dumps(b)
     head = (
-        f"POST /generate HTTP/1.1\r\nhost: {common.HOST}:{port}\r\n"
+        f"POST /generate HTTP/1.1\r\nhost: {procs.HOST}:{port}\r\n"
         f"content-type: application/json\r\ncontent-length: {len(raw)}\r\n\r\n"
     ).encode()
     t_send = time.monotonic()
@@ -147,7 +148,7 @@ def index(events: list[dict[str, Any]]) -> dict[Any, dict[str, dict[str, Any]]]:
     return out
 
 
-def wait_freed(c: common.Cluster, rooms: set[Any], deadline: float, unseen_s: float = 2.0):
+def wait_freed(c: procs.Cluster, rooms: set[Any], deadline: float, unseen_s: float = 2.0):
     """Until the decode engine is done with every room (its slot freed, or the request ended
     without one), or the deadline; rooms the decode engine has not seen after `unseen_s` (the
     router gave up on the decode leg before the request got there) are not waited for."""
@@ -248,21 +249,21 @@ def aggregate(
 
 
 # ---- phases ---------------------------------------------------------------------------------
-def restart_prefill(c: common.Cluster, args: list[str], name: str) -> float:
+def restart_prefill(c: procs.Cluster, args: list[str], name: str) -> float:
     """Restart the prefill engine on the same ports with engine-wide faults (SMG drops the
     request's unknown `sim_fault` field, so faults are set on the engine for every router).
     Returns the time after a throw-away probe (which lets routers drop stale pooled connections);
     only engine events after it count."""
     port, bport = c.prefill.port, c.prefill.bootstrap_port
     c.prefill.proc.stop()
-    c.prefill = common.start_engine(
+    c.prefill = procs.start_engine(
         "prefill", c.logdir, port=port, bootstrap_port=bport, args=args, name=name
     )
-    common.http_post(c.router_port, "/generate", body(False), timeout=5.0)
+    procs.http_post(c.router_port, "/generate", body(False), timeout=5.0)
     return time.monotonic()
 
 
-def phase_faults(c: common.Cluster, router: str, s: dict[str, Any]) -> list[dict[str, Any]]:
+def phase_faults(c: procs.Cluster, router: str, s: dict[str, Any]) -> list[dict[str, Any]]:
     timeout = s["waiting_timeout"] + 15
     runs = []
     for kind in KINDS:
@@ -290,7 +291,7 @@ def phase_faults(c: common.Cluster, router: str, s: dict[str, Any]) -> list[dict
     return rows
 
 
-def phase_disconnect(c: common.Cluster, router: str, s: dict[str, Any]) -> list[dict[str, Any]]:
+def phase_disconnect(c: procs.Cluster, router: str, s: dict[str, Any]) -> list[dict[str, Any]]:
     cases = [
         ("client gone in prefill", False, body(False), 0.3, 0, ["--fault", "prefill:hang"]),
         ("client gone in prefill", True, body(True), 0.3, 0, ["--fault", "prefill:hang"]),
@@ -330,18 +331,18 @@ def phase_disconnect(c: common.Cluster, router: str, s: dict[str, Any]) -> list[
     return rows
 
 
-def phase_refuse(c: common.Cluster, router: str, s: dict[str, Any]) -> list[dict[str, Any]]:
+def phase_refuse(c: procs.Cluster, router: str, s: dict[str, Any]) -> list[dict[str, Any]]:
     port, bport = c.prefill.port, c.prefill.bootstrap_port
     c.prefill.proc.stop()
     # The bootstrap server comes back on its port; the HTTP port stays closed (nothing listens,
     # so connects are refused). The engine's own `refuse` port is elsewhere: binding the old
     # HTTP port can fail while the router's closed connections to it sit in TIME_WAIT.
-    c.prefill = common.start_engine(
-        "prefill", c.logdir, port=common.free_port(), bootstrap_port=bport,
+    c.prefill = procs.start_engine(
+        "prefill", c.logdir, port=procs.free_port(), bootstrap_port=bport,
         args=["--fault", "refuse"], name="prefill-refuse",
     )  # fmt: skip
     c.prefill.port = port
-    common.wait_until(
+    procs.wait_until(
         lambda: _tcp_open(bport) and not _tcp_open(port), 20, "refusing prefill", c.prefill.proc
     )
     t_phase = time.monotonic()
@@ -371,7 +372,7 @@ def _tcp_open(port: int) -> bool:
 
     with socket.socket() as sock:
         sock.settimeout(0.5)
-        return sock.connect_ex((common.HOST, port)) == 0
+        return sock.connect_ex((procs.HOST, port)) == 0
 
 
 def run(router: str, quick: bool = False) -> dict[str, Any]:
@@ -381,8 +382,8 @@ def run(router: str, quick: bool = False) -> dict[str, Any]:
         "--inter-token-ms", "10", "--max-running", "256",
     ]  # fmt: skip
     rows = []
-    with common.cluster(
-        router, decode_args=decode_args, router_args=common.failure_router_args(router)
+    with procs.cluster(
+        router, decode_args=decode_args, router_args=procs.failure_router_args(router)
     ) as c:
         rows += phase_faults(c, router, s)
         rows += phase_disconnect(c, router, s)
@@ -446,7 +447,7 @@ def compare(results: dict[str, list[dict[str, Any]]]) -> str:
         f"== teardown side by side (ms from the failure to the decode engine's connection_closed "
         f"and slot_freed; medians of {reps} repetition(s)) =="
     )
-    return common.table(lines, columns, title)
+    return output.table(lines, columns, title)
 
 
 def _untally(text: str) -> list[str]:
@@ -464,9 +465,9 @@ def _untally(text: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = common.scenario_parser(__doc__).parse_args(argv)
+    args = procs.scenario_parser(__doc__).parse_args(argv)
     result = run(args.router, args.quick)
-    common.report(NAME, result, COLUMNS, "teardown (ms from the failure)")
+    output.report(NAME, result, COLUMNS, "teardown (ms from the failure)")
 
 
 if __name__ == "__main__":

@@ -33,16 +33,10 @@ from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-from bench import common
-from bench.common import HOST, print_flush
-from bench.router_bound import (
-    Settings,
-    Target,
-    run_wrk,
-    start_instant,
-    wrk_level,
-    wrk_summary,
-)
+from bench.bound import Settings, Target, instant_args, wrk_level
+from bench.harness import output, procs, wrk
+from bench.harness.output import print_flush
+from bench.harness.procs import HOST, start_instant
 
 VARIANTS = ("before", "off", "on")
 SETTINGS = Settings(lead=1.0, window=5.0, warmup=2.0, paced_warmup=0.0, paced_window=0.0)
@@ -83,7 +77,7 @@ def sources_at(revision: str) -> Path:
     a router started as `started` starts it imports."""
     where = Path(tempfile.mkdtemp(prefix="trio-pd-before-"))
     archive = subprocess.run(
-        ["git", "-C", str(common.ROOT), "archive", revision, "trio_pd"],
+        ["git", "-C", str(output.ROOT), "archive", revision, "trio_pd"],
         check=True,
         capture_output=True,
     ).stdout
@@ -103,13 +97,13 @@ def sources_at(revision: str) -> Path:
 @contextlib.contextmanager
 def started(variant: str, before: Path, sink: SpanSink) -> Iterator[Target]:
     logdir = Path(tempfile.mkdtemp(prefix="trio-pd-tc-"))
-    procs: list[common.Proc] = []
+    running: list[procs.Proc] = []
     try:
-        decode = start_instant("decode", logdir, SETTINGS)
-        procs.append(decode.proc)
-        prefill = start_instant("prefill", logdir, SETTINGS)
-        procs.append(prefill.proc)
-        port = common.free_port()
+        decode = start_instant("decode", logdir, instant_args(SETTINGS))
+        running.append(decode.proc)
+        prefill = start_instant("prefill", logdir, instant_args(SETTINGS))
+        running.append(prefill.proc)
+        port = procs.free_port()
         # -P: the working directory (this tree) must not come before PYTHONPATH on sys.path,
         # or `before` would run this tree's code.
         argv = [sys.executable, "-P", "-m", "trio_pd", "serve", "--host", HOST, "--port", str(port),
@@ -121,16 +115,16 @@ def started(variant: str, before: Path, sink: SpanSink) -> Iterator[Target]:
         if variant == "before":
             os.environ["PYTHONPATH"] = str(before)
         try:
-            router = common.Proc(f"router-{variant}", argv, logdir)
+            router = procs.Proc(f"router-{variant}", argv, logdir)
         finally:
             if saved is None:
                 os.environ.pop("PYTHONPATH", None)
             else:
                 os.environ["PYTHONPATH"] = saved
-        procs.insert(0, router)
-        common.wait_until(lambda: common.http_get(port, "/health") == 200, 60, variant, router)
-        common.wait_until(
-            lambda: common.http_post(port, "/generate", common.probe_body()) == 200,
+        running.insert(0, router)
+        procs.wait_until(lambda: procs.http_get(port, "/health") == 200, 60, variant, router)
+        procs.wait_until(
+            lambda: procs.http_post(port, "/generate", procs.probe_body()) == 200,
             60,
             f"{variant} first request",
             router,
@@ -138,7 +132,7 @@ def started(variant: str, before: Path, sink: SpanSink) -> Iterator[Target]:
         yield Target(variant, port, router.pid, decode.port, "/generate",
                      [prefill.proc.pid, decode.proc.pid], router)  # fmt: skip
     finally:
-        for proc in procs:
+        for proc in running:
             with contextlib.suppress(Exception):
                 proc.stop()
         shutil.rmtree(logdir, ignore_errors=True)
@@ -146,8 +140,8 @@ def started(variant: str, before: Path, sink: SpanSink) -> Iterator[Target]:
 
 def measure(variant: str, levels: list[int], before: Path, sink: SpanSink) -> list[dict]:
     with started(variant, before, sink) as target:
-        warm = run_wrk(target.port, max(levels), max(1, round(SETTINGS.warmup)))
-        wrk_summary(warm.communicate(timeout=SETTINGS.warmup + 60)[0])
+        warm = wrk.start(target.port, max(levels), max(1, round(SETTINGS.warmup)))
+        wrk.summary(warm.communicate(timeout=SETTINGS.warmup + 60)[0])
         rows = []
         for conc in levels:
             spans_before = sink.spans
@@ -170,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.levels.split(",")]
     before_commit = subprocess.run(
-        ["git", "-C", str(common.ROOT), "rev-parse", "--verify", f"{args.before}^{{commit}}"],
+        ["git", "-C", str(output.ROOT), "rev-parse", "--verify", f"{args.before}^{{commit}}"],
         check=True,
         capture_output=True,
         text=True,
@@ -204,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
              "off_minus_before": round(off - b, 1), "on_minus_off": round(on - off, 1)}
         )  # fmt: skip
         print_flush(f"| {c} | {b:.0f} | {off:.0f} | {on:.0f} | {off - b:+.0f} | {on - off:+.0f} |")
-    path = common.write_result(
+    path = output.write_result(
         "trace-cost",
         {"before": args.before, "before_commit": before_commit, "levels": levels, "runs": runs,
          "summary": summary},

@@ -39,7 +39,8 @@ import h2.events
 import h2.settings
 import trio
 
-from bench.common import HOST, Proc, free_port, print_flush, table, write_result
+from bench.harness.output import print_flush, table, write_result
+from bench.harness.procs import HOST, Proc, free_port
 from bench.micro_upstream import CONNECTIONS, EVENT, EVENTS, JSON_BODY, open_http11
 from bench.stats import median
 

@@ -12,8 +12,8 @@ import threading
 import time
 from typing import Any
 
-from bench import common
-from bench.common import print_flush
+from bench.harness import output, procs
+from bench.harness.output import print_flush
 from bench.loadgen import LoadSpec, run_load
 
 NAME = "wide"
@@ -33,8 +33,8 @@ def run(router: str, quick: bool = False) -> dict[str, Any]:
     }
     decode_args = ["--max-running", "2048", "--inter-token-ms", "50"]
     samples: list[dict[str, Any]] = []
-    with common.cluster(router, decode_args=decode_args) as c:
-        idle = common.router_rss(c)
+    with procs.cluster(router, decode_args=decode_args) as c:
+        idle = procs.router_rss(c)
         result: dict[str, Any] = {}
         spec = LoadSpec(
             mode="router", path="/generate", body=body, concurrency=STREAMS, duration=duration,
@@ -44,7 +44,7 @@ def run(router: str, quick: bool = False) -> dict[str, Any]:
         t0 = time.monotonic()
         loader.start()
         while loader.is_alive():
-            samples.append({"t": round(time.monotonic() - t0, 1), **common.router_rss(c)})
+            samples.append({"t": round(time.monotonic() - t0, 1), **procs.router_rss(c)})
             loader.join(0.5)
     row = {
         "router": router,
@@ -72,9 +72,9 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = common.scenario_parser(__doc__).parse_args(argv)
+    args = procs.scenario_parser(__doc__).parse_args(argv)
     result = run(args.router, args.quick)
-    common.report(NAME, result, COLUMNS, NAME)
+    output.report(NAME, result, COLUMNS, NAME)
 
 
 if __name__ == "__main__":

@@ -56,15 +56,26 @@ def test_bad_worker_url_is_refused() -> None:
         build_parser().parse_args(["serve", "--prefill", "ftp://x", "--decode", "http://y"])
 
 
+def imported_modules(importtime_log: str) -> set[str]:
+    """The modules a `python -X importtime` process imported, from its stderr."""
+    names = set()
+    for line in importtime_log.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            names.add(line.rsplit("|", 1)[1].strip())
+    return names
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 async def test_serve_command_routes_and_stops_on_sigint(
-    nursery: trio.Nursery, workers: int
+    nursery: trio.Nursery, workers: int, tmp_path
 ) -> None:
+    """Also: the serving process, and each of its workers, imports no simulator module while it
+    starts, routes and stops (`-X importtime` logs every import, however late; issue 31)."""
     prefill = await start_engine(nursery, "prefill")
     decode = await start_engine(nursery, "decode")
     port = free_port()
     command = [
-        sys.executable, "-m", "trio_pd", "serve",
+        sys.executable, "-X", "importtime", "-m", "trio_pd", "serve",
         "--prefill", prefill.url, str(prefill.bootstrap_port),
         "--decode", decode.url,
         "--host", "127.0.0.1", "--port", str(port),
@@ -72,7 +83,8 @@ async def test_serve_command_routes_and_stops_on_sigint(
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
         "--admin-port", str(free_port()),
     ]  # fmt: skip
-    process = await trio.lowlevel.open_process(command, stdout=subprocess.DEVNULL)
+    stderr = (tmp_path / "stderr").open("w")
+    process = await trio.lowlevel.open_process(command, stdout=subprocess.DEVNULL, stderr=stderr)
     try:
         async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
             with trio.fail_after(30):
@@ -98,7 +110,11 @@ async def test_serve_command_routes_and_stops_on_sigint(
         if process.returncode is None:
             process.kill()
             await process.wait()
+        stderr.close()
     assert len(decode.events.find("slot_freed", reason="finished")) == 6
+    imported = imported_modules((tmp_path / "stderr").read_text())
+    assert {"trio_pd.serve.run", "trio_pd.pd.dispatch"} <= imported  # the log is the router's
+    assert sorted(name for name in imported if name.startswith("trio_pd.testing")) == []
 
 
 def test_edge_flags_keep_sglang_router_defaults_and_values() -> None:

@@ -24,8 +24,8 @@ CODE_SPAN = re.compile(r"`[^`\n]+`")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 # Backticked paths below these top-level folders are the repository's own files.
 REPO_DIRS = ("trio_pd/", "tests/", "bench/", "docs/")
-# Made by a run, not in the repository (git-ignored).
-GENERATED = ("bench/results/", "bench/.peers/")
+# Made by a run, not in the repository (git-ignored), named bare or as a folder.
+GENERATED = ("bench/results", "bench/.peers")
 
 
 def prose_lines(text: str) -> list[str]:

@@ -39,6 +39,19 @@ def without_frames(error: RouterError) -> RouterError:
     return error
 
 
+def first_router_error(group: BaseExceptionGroup) -> RouterError:
+    """The first RouterError in a (possibly nested) exception group, in the group's order: the
+    one the client is answered with when `except* RouterError` caught several. The group must
+    hold one."""
+    found = group.subgroup(RouterError)
+    assert found is not None, "the group holds no RouterError"
+    error: BaseException = found
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    assert isinstance(error, RouterError)
+    return error
+
+
 def error_body(message: str, error_type: str, code: str | int) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": error_type, "code": code}})
 

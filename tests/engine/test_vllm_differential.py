@@ -21,7 +21,7 @@ from trio_pd.testing.engine.vllm import VllmEngineConfig, serve_vllm_engine
 
 # The prefill's context as the tier's (512 tokens; the simulator's tokens are words).
 PREFILL = VllmEngineConfig(max_model_len=512)
-# What trio_pd reads of an answer (pd/vllm_attempt.py, pd/relay.py): must be in the simulator's.
+# What trio_pd reads of an answer (pd/engines/vllm.py, pd/frames.py): must be in the simulator's.
 READ = {"id", "choices", "usage"}
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import ssl
 import sys
 from collections.abc import AsyncIterator
@@ -317,30 +316,6 @@ async def test_the_admin_listener_with_two_processes_https_and_a_drain(
         await router.stop()
     assert router.admin_port is not None and not listeners(router.admin_port)
     assert f"admin API on http://127.0.0.1:{router.admin_port}" in router.log()
-
-
-@pytest.mark.parametrize("workers", [1, 2])
-async def test_a_taken_admin_port_fails_the_start(
-    nursery: trio.Nursery, tmp_path: Path, workers: int
-) -> None:
-    prefill = await start_engine(nursery, "prefill")
-    decode = await start_engine(nursery, "decode")
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        router = await start_serve(
-            [prefill], [decode], str(tmp_path / "router.log"),
-            "--admin-port", str(port), "--workers", str(workers),
-        )  # fmt: skip
-        try:
-            assert await router.wait_exit(within=LOOSE * 3) == 1
-        finally:
-            await router.stop()
-    log = router.log()
-    assert f"trio-pd serve: error: cannot listen for the admin API on 127.0.0.1:{port}" in log
-    assert "Traceback" not in log and "routing on" not in log
-    assert not listeners(router.port)
 
 
 async def test_without_an_admin_listener_the_refusal_says_how_to_get_one(

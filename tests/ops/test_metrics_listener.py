@@ -1,7 +1,7 @@
 """`--prometheus-port` / `--prometheus-host` / `--prometheus-duration-buckets` on real `trio-pd
-serve` processes: metrics only, where asked, the start failing on a taken port (as SMG 0.3.2),
-answering through a drain, and with `--workers 2` served by the supervisor with the sum over the
-processes. Every router here gets a free port from the helper: the suite never binds 29000."""
+serve` processes: metrics only, where asked, and with `--workers 2` served by the supervisor
+with the sum over the processes (a taken port and the drain: tests/ops/test_doors.py). Every
+router here gets a free port from the helper: the suite never binds 29000."""
 
 from __future__ import annotations
 
@@ -9,17 +9,15 @@ import contextlib
 import os
 import re
 import signal
-import socket
 from pathlib import Path
 
 import httpx2
-import pytest
 import trio
 
 from tests.conftest import start_engine
 from tests.ops.serve import ServeProcess, clients_per_process, start_serve
 from tests.ops.sockets import holders, listeners
-from tests.router.helpers import generate_body, read_sse
+from tests.router.helpers import generate_body
 from trio_pd.cli.main import build_parser, router_config
 
 LOOSE = 10.0
@@ -108,58 +106,6 @@ async def test_default_address_is_every_interface(nursery: trio.Nursery, tmp_pat
         assert (await scrape(router)).status_code == 200
     finally:
         await router.stop()
-
-
-@pytest.mark.parametrize("workers", [1, 2])
-async def test_a_taken_metrics_port_fails_the_start(
-    nursery: trio.Nursery, tmp_path: Path, workers: int
-) -> None:
-    prefill = await start_engine(nursery, "prefill")
-    decode = await start_engine(nursery, "decode")
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        router = await start_serve(
-            [prefill], [decode], str(tmp_path / "router.log"),
-            "--prometheus-port", str(port), "--workers", str(workers),
-        )  # fmt: skip
-        try:
-            assert await router.wait_exit(within=LOOSE * 3) == 1
-        finally:
-            await router.stop()
-    log = router.log()
-    assert f"trio-pd serve: error: cannot listen for metrics on 127.0.0.1:{port}" in log
-    assert "Address already in use" in log and "Traceback" not in log
-    assert "routing on" not in log  # nothing was served, no router process started
-    assert not listeners(router.port)
-
-
-async def test_metrics_answer_through_the_drain(nursery: trio.Nursery, tmp_path: Path) -> None:
-    prefill = await start_engine(nursery, "prefill")
-    decode = await start_engine(nursery, "decode", inter_token_ms=40)
-    router = await start_serve(
-        [prefill], [decode], str(tmp_path / "router.log"), "--shutdown-grace-period-secs", "30"
-    )
-    try:
-        await router.wait_ready()
-        async with httpx2.AsyncClient(base_url=router.url, timeout=LOOSE * 3) as client:
-            body = generate_body(stream=True, max_new_tokens=80)  # about 3 s of tokens
-            async with client.stream("POST", "/generate", json=body) as stream:
-                assert stream.status_code == 200
-                router.signal(signal.SIGTERM)
-                with trio.fail_after(LOOSE):  # the drain closes the main listening socket...
-                    while listeners(router.port):
-                        await trio.sleep(0.05)
-                drained = await scrape(router)  # ...the metrics listener stays
-                assert drained.status_code == 200
-                assert not decode.events.find("request_end")  # the stream is still running
-                events = await read_sse(stream)
-            assert events[-1] == "[DONE]"
-        assert await router.wait_exit() == 0
-    finally:
-        await router.stop()
-    assert router.metrics_port is not None and not listeners(router.metrics_port)
 
 
 async def test_the_supervisor_serves_the_sum_over_processes(

@@ -23,12 +23,8 @@ against SGLang 93 ms, traced peak of one request 737 MB against 38 MB; here 63-1
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
 import tracemalloc
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,20 +33,17 @@ import httpx2
 import orjson
 import trio
 
-from tests.conftest import ROUTER_DEFAULTS, start_router, wait_until_ready
-from tests.router.test_loop_stall import (
+from tests.router.loop_tools import (
     ExternalEngine,
     Window,
+    calibrated,
     external_engine,
-    free_port,
     measured,
+    routed,
 )
-from trio_pd.config import RouterConfig
 from trio_pd.edge.router import Router
-from trio_pd.spec import WorkerSpec
 
 MB = 1 << 20
-CALIBRATION_BURN = 0.5  # CPU seconds the calibration's one step burns
 # What a fix must keep to: the CPU time of the costliest single step on the loop within a few
 # times the control's, plus a margin. CPU time, not wall clock (tests/router/test_loop_stall.py):
 # the OS scheduler of a busy machine cannot inflate it, and a body parsed on the loop is one
@@ -63,56 +56,6 @@ def within_control(attack: Window, control: Window) -> bool:
     return attack.step_cpu <= STEP_FACTOR * control.step_cpu + STEP_MARGIN
 
 
-@asynccontextmanager
-async def external_vllm(tmp: Path, role: str) -> AsyncIterator[ExternalEngine]:
-    """The simulator's vLLM mode as a process of its own (`trio_pd.testing.engine.vllm`)."""
-    port = free_port()
-    events = tmp / f"vllm-{role}-events.jsonl"
-    command = [
-        sys.executable, "-m", "trio_pd.testing.engine.vllm", "--role", role,
-        "--host", "127.0.0.1", "--port", str(port), "--events", str(events),
-    ]  # fmt: skip
-    process = await trio.lowlevel.open_process(
-        command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        async with httpx2.AsyncClient(base_url=url) as probe:
-            with trio.fail_after(30):
-                while True:
-                    try:
-                        if (await probe.get("/health")).status_code == 200:
-                            break
-                    except httpx2.TransportError:
-                        pass
-                    await trio.sleep(0.1)
-        yield ExternalEngine(url, None, events)
-    finally:
-        process.kill()
-        with trio.CancelScope(shield=True):
-            await process.wait()
-
-
-async def routed(
-    nursery: trio.Nursery,
-    prefill: ExternalEngine,
-    decode: ExternalEngine,
-    engine: str,
-    **options: Any,
-) -> tuple[Router, httpx2.AsyncClient]:
-    vllm = engine == "vllm"
-    config = RouterConfig(
-        prefill=(WorkerSpec(prefill.url, "prefill", prefill.bootstrap_port, engine=engine),),
-        decode=(WorkerSpec(decode.url, "decode", engine=engine),),
-        vllm_pd_disaggregation=vllm,
-        **{**ROUTER_DEFAULTS, "request_timeout_secs": 120.0, **options},
-    )
-    router, url = await start_router(nursery, config)
-    client = httpx2.AsyncClient(base_url=url, timeout=httpx2.Timeout(120.0))
-    await wait_until_ready(client)
-    return router, client
-
-
 async def peak_traced(work: Callable[[], Awaitable[None]]) -> int:
     """The most this process had allocated at once during `work`, over what it had before."""
     tracemalloc.start()
@@ -122,21 +65,6 @@ async def peak_traced(work: Callable[[], Awaitable[None]]) -> int:
         return tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()
-
-
-async def calibrated() -> Window:
-    """The meter can fail: one step burning half a second of CPU on the loop is seen as one."""
-
-    async def block_the_loop() -> None:
-        await trio.sleep(0.05)
-        started = time.thread_time()
-        while time.thread_time() - started < CALIBRATION_BURN:
-            pass  # the costly step under test
-        await trio.sleep(0.05)
-
-    calibration = await measured(block_the_loop)
-    assert calibration.step_cpu >= CALIBRATION_BURN * 0.9, calibration
-    return calibration
 
 
 # -- N7: vLLM pairs ----------------------------------------------------------------------------
@@ -183,8 +111,8 @@ async def test_a_vllm_pair_parses_the_body_once_off_the_loop_within_the_budget(
     async with (
         external_engine(tmp_path, "prefill") as s_prefill,
         external_engine(tmp_path, "decode") as s_decode,
-        external_vllm(tmp_path, "prefill") as v_prefill,
-        external_vllm(tmp_path, "decode") as v_decode,
+        external_engine(tmp_path, "prefill", "vllm") as v_prefill,
+        external_engine(tmp_path, "decode", "vllm") as v_decode,
     ):
         router, client = await routed(nursery, s_prefill, s_decode, "sglang")
         sglang = Pair("sglang", router, client, s_decode)

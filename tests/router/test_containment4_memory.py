@@ -26,12 +26,9 @@ import httpx2
 import orjson
 import trio
 
-from tests.conftest import ROUTER_DEFAULTS, start_router, wait_until_ready
 from tests.router.helpers import settle
-from tests.router.test_loop_stall import ExternalEngine, external_engine
-from trio_pd.config import RouterConfig
+from tests.router.loop_tools import ExternalEngine, external_engine, routed
 from trio_pd.edge.router import Router
-from trio_pd.spec import WorkerSpec
 
 MB = 1 << 20
 BODY = 8 * MB  # each body
@@ -93,14 +90,9 @@ async def router_with_engines(
         external_engine(tmp, "prefill") as prefill,
         external_engine(tmp, "decode") as decode,
     ):
-        config = RouterConfig(
-            prefill=(WorkerSpec(prefill.url, "prefill", prefill.bootstrap_port),),
-            decode=(WorkerSpec(decode.url, "decode"),),
-            **{**ROUTER_DEFAULTS, "request_timeout_secs": 60.0, "max_buffered_bytes": BUDGET},
+        router, client = await routed(
+            nursery, prefill, decode, request_timeout_secs=60.0, max_buffered_bytes=BUDGET
         )
-        router, url = await start_router(nursery, config)
-        client = httpx2.AsyncClient(base_url=url, timeout=httpx2.Timeout(60.0))
-        await wait_until_ready(client)
         try:
             yield router, client, decode
         finally:

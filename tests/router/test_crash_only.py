@@ -22,7 +22,7 @@ from trio_pd.config import PolicyConfig, RouterConfig
 from trio_pd.edge import services
 from trio_pd.edge.router import Router
 from trio_pd.pd.aborts import AbortService
-from trio_pd.serve.process import serve
+from trio_pd.serve.process import Serving, serve
 from trio_pd.spec import WorkerSpec
 
 # The services and the name under which each is patched (module attribute or method).
@@ -64,17 +64,16 @@ async def start(nursery: trio.Nursery) -> tuple[Router, str, trio.CancelScope, d
             "load_poll_interval_secs": 0.2,
         },
     )
-    router = Router(config)
     scope = trio.CancelScope()
     done: dict[str, Any] = {}
 
-    async def run(*, task_status: trio.TaskStatus[list[str]]) -> None:
+    async def run(*, task_status: trio.TaskStatus[Serving]) -> None:
         with scope:
-            await serve(config, router=router, task_status=task_status)
+            await serve(config, task_status=task_status)
             done["exited"] = True
 
-    urls = await nursery.start(run)
-    return router, urls[0], scope, done
+    serving: Serving = await nursery.start(run)
+    return serving.router, serving.urls[0], scope, done
 
 
 @pytest.mark.parametrize("name", sorted(SERVICES))

@@ -297,13 +297,13 @@ def test_the_parents_metrics_listener_is_the_router_in_every_process(tmp_path: A
     """`--workers N`: the children do not bind the metrics port, the parent does; each child's
     rule still knows it (and its own data-plane port, from the config)."""
     from trio_pd.config import RouterConfig
-    from trio_pd.edge.router import Router
+    from trio_pd.edge.router import build_router
     from trio_pd.serve.supervisor import per_process
 
     config = RouterConfig(host="0.0.0.0", port=30123, prometheus_port=29123)
     child = per_process(config, 2, tmp_path)
     assert child.prometheus_port is None
-    destinations = Router(child).destinations
+    destinations = build_router(child).destinations
     for port in (29123, 30123):
         refused = destinations.refusal(ipaddress.ip_address("127.0.0.1"), port)
         assert refused is not None and refused.kind == "router_itself", port

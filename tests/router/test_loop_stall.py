@@ -26,182 +26,18 @@ which request reached them.
 
 from __future__ import annotations
 
-import gc
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import attrs
-import httpx2
 import orjson
 import trio
 
-from tests.conftest import ROUTER_DEFAULTS, start_router, wait_until_ready
 from tests.router.helpers import generate_body
-from trio_pd.config import RouterConfig
-from trio_pd.spec import WorkerSpec
+from tests.router.loop_tools import calibrated, external_engine, measured, routed
 
 STEP_CPU_BOUND = 0.25  # CPU seconds in one step: "a few milliseconds, not seconds"
-CALIBRATION_BURN = 0.5  # CPU seconds the calibration's one step burns
 MB = 1 << 20
-
-
-@attrs.define
-class StallMeter:
-    """The longest gap between the wakeups of a task that sleeps `period` in a loop."""
-
-    period: float = 0.001
-    worst: float = 0.0
-    wakeups: int = 0
-
-    async def run(self) -> None:
-        while True:
-            before = time.perf_counter()
-            await trio.sleep(self.period)
-            self.worst = max(self.worst, time.perf_counter() - before - self.period)
-            self.wakeups += 1
-
-
-class LongestStep(trio.abc.Instrument):
-    """The single task step on the loop that cost the most CPU time (this thread's
-    `time.thread_time()`, which the OS scheduler's choices do not inflate), which task took
-    it, and the longest step in wall-clock time (reported only)."""
-
-    def __init__(self) -> None:
-        self.worst_cpu = 0.0
-        self.task = ""
-        self.worst_wall = 0.0
-        self._started: tuple[float, float] | None = None
-
-    def before_task_step(self, task: trio.lowlevel.Task) -> None:
-        self._started = (time.thread_time(), time.perf_counter())
-
-    def after_task_step(self, task: trio.lowlevel.Task) -> None:
-        if self._started is None:  # the step began before the instrument was added
-            return
-        cpu, wall = time.thread_time() - self._started[0], time.perf_counter() - self._started[1]
-        self.worst_wall = max(self.worst_wall, wall)
-        if cpu > self.worst_cpu:
-            self.worst_cpu, self.task = cpu, task.name
-
-
-class LongestCollection:
-    """The longest pause of Python's cyclic garbage collector (a stall no task step shows)."""
-
-    def __init__(self) -> None:
-        self.worst = 0.0
-        self._started = 0.0
-
-    def __call__(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            self.worst = max(self.worst, time.perf_counter() - self._started)
-
-
-@attrs.frozen
-class Window:
-    step_cpu: float  # what the test asserts on
-    step_task: str
-    stall: float  # wall clock, reported only
-    step_wall: float  # wall clock, reported only
-    gc_pause: float  # wall clock, reported only
-    wakeups: int
-
-    def __str__(self) -> str:
-        return (
-            f"costliest step {self.step_cpu * 1000:.1f} ms of CPU in {self.step_task}; wall "
-            f"clock: longest stall {self.stall * 1000:.1f} ms ({self.wakeups} wakeups), longest "
-            f"step {self.step_wall * 1000:.1f} ms, longest gc pause {self.gc_pause * 1000:.1f} ms"
-        )
-
-
-async def measured(work: Callable[[], Awaitable[Any]]) -> Window:
-    """Run `work` while the stall meter, the step instrument and a gc callback watch the loop.
-
-    The garbage left by earlier tests in this process is collected first: the window measures
-    what the router does now, not the test session's heap."""
-    meter, steps, collections = StallMeter(), LongestStep(), LongestCollection()
-    gc.collect()
-    trio.lowlevel.add_instrument(steps)
-    gc.callbacks.append(collections)
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(meter.run)
-            await trio.sleep(0.05)  # the meter is turning before the work starts
-            await work()
-            nursery.cancel_scope.cancel()
-    finally:
-        gc.callbacks.remove(collections)
-        trio.lowlevel.remove_instrument(steps)
-    return Window(
-        steps.worst_cpu, steps.task, meter.worst, steps.worst_wall, collections.worst, meter.wakeups
-    )
-
-
-# -- engines in their own processes ------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@attrs.frozen
-class ExternalEngine:
-    url: str
-    bootstrap_port: int | None
-    events: Path
-
-    def started(self, rid: str) -> int:
-        """How many `request_start` events the engine logged for `rid` (a cheap scan: a line
-        holding a 16 MB body is not parsed)."""
-        needle = b'"rid":' + orjson.dumps(rid) + b","
-        count = 0
-        with self.events.open("rb") as lines:
-            for line in lines:
-                if line.startswith(b'{"event":"request_start"') and needle in line[:400]:
-                    count += 1
-        return count
-
-
-@asynccontextmanager
-async def external_engine(tmp: Path, role: str) -> AsyncIterator[ExternalEngine]:
-    port = free_port()
-    bootstrap = free_port() if role == "prefill" else None
-    events = tmp / f"{role}-events.jsonl"
-    command = [
-        sys.executable, "-m", "trio_pd.testing.engine", "--role", role,
-        "--host", "127.0.0.1", "--port", str(port), "--events", str(events),
-        "--disconnect-poll-secs", "0.5", "--waiting-timeout", "60", "--log-level", "warning",
-    ]  # fmt: skip
-    if bootstrap is not None:
-        command += ["--bootstrap-port", str(bootstrap)]
-    process = await trio.lowlevel.open_process(
-        command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        async with httpx2.AsyncClient(base_url=url) as probe:
-            with trio.fail_after(30):
-                while True:
-                    try:
-                        if (await probe.get("/health")).status_code == 200:
-                            break
-                    except httpx2.TransportError:
-                        pass
-                    await trio.sleep(0.1)
-        yield ExternalEngine(url, bootstrap, events)
-    finally:
-        process.kill()
-        with trio.CancelScope(shield=True):
-            await process.wait()
 
 
 # -- the adversarial bodies --------------------------------------------------------------------
@@ -258,16 +94,9 @@ async def test_event_loop_keeps_turning_under_adversarial_bodies(
         external_engine(tmp_path, "prefill") as prefill,
         external_engine(tmp_path, "decode") as decode,
     ):
-        config = RouterConfig(
-            prefill=(WorkerSpec(prefill.url, "prefill", prefill.bootstrap_port),),
-            decode=(WorkerSpec(decode.url, "decode"),),
-            # No memory budget: all these bodies at once would not fit the default one (some would
-            # get 429, which test_memory shows); the loop's turning is what this test measures.
-            **{**ROUTER_DEFAULTS, "request_timeout_secs": 120.0, "max_buffered_bytes": 0},
-        )
-        _, url = await start_router(nursery, config)
-        client = httpx2.AsyncClient(base_url=url, timeout=httpx2.Timeout(120.0))
-        await wait_until_ready(client)
+        # No memory budget: all these bodies at once would not fit the default one (some would
+        # get 429, which test_memory shows); the loop's turning is what this test measures.
+        _, client = await routed(nursery, prefill, decode, max_buffered_bytes=0)
 
         async def normal_requests() -> None:
             for _ in range(10):
@@ -275,15 +104,7 @@ async def test_event_loop_keeps_turning_under_adversarial_bodies(
                 assert response.status_code == 200
 
         # 1. The instrument can fail: a step burning half a second of CPU is seen as one.
-        async def block_the_loop() -> None:
-            await trio.sleep(0.05)
-            started = time.thread_time()
-            while time.thread_time() - started < CALIBRATION_BURN:
-                pass  # the costly step under test
-            await trio.sleep(0.05)
-
-        calibration = await measured(block_the_loop)
-        assert calibration.step_cpu >= CALIBRATION_BURN * 0.9, calibration
+        calibration = await calibrated()
 
         # 2. Baseline: ordinary traffic.
         baseline = await measured(normal_requests)

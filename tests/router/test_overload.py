@@ -172,7 +172,7 @@ async def test_prefill_cap_queues_then_refuses(nursery: trio.Nursery) -> None:
     async def send(rid: str) -> None:
         results[rid] = (await post(cluster, rid)).status_code
 
-    gate = cluster.router.generation.dispatch.gates.prefill
+    gate = cluster.router.dispatch.gates.prefill
     async with trio.open_nursery() as load:
         load.start_soon(send, "first")
         await cluster.prefill.events.wait_for("request_start", rid="first")
@@ -218,7 +218,7 @@ async def test_the_prefill_slot_frees_when_the_prefill_phase_ends(nursery: trio.
 
 async def test_a_client_gone_while_queued_frees_its_place(nursery: trio.Nursery) -> None:
     cluster = await start_cluster(nursery, prefill={"prefill_ms_per_token": 60.0}, overload=CAP_ONE)
-    gate = cluster.router.generation.dispatch.gates.prefill
+    gate = cluster.router.dispatch.gates.prefill
     async with trio.open_nursery() as load:
         load.start_soon(post, cluster, "holder")
         await cluster.prefill.events.wait_for("request_start", rid="holder")
@@ -254,7 +254,7 @@ async def test_the_decode_window_holds_dispatches_back(nursery: trio.Nursery) ->
     assert codes == [200] * 5
     assert peak_in_flight(cluster.decode) == 2
     assert peak_in_flight(cluster.prefill) <= 2  # held before the pair is dispatched at all
-    assert cluster.router.generation.dispatch.gates.decode.held == {}
+    assert cluster.router.dispatch.gates.decode.held == {}
     await cluster.client.aclose()
 
 

@@ -18,6 +18,7 @@ import pytest
 from tests.conftest import Cluster
 from tests.router.helpers import read_sse
 from trio_pd.pd import dispatch as dispatch_module
+from trio_pd.pd.engines import sglang as sglang_engine
 
 SAMPLE: contextvars.ContextVar[int | None] = contextvars.ContextVar("sample", default=None)
 N = 3
@@ -27,7 +28,7 @@ N = 3
 def sample_of(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """engine rid -> the index of the sample whose attempt it is."""
     rids: dict[str, int] = {}
-    dispatch_samples, attempt_rids = dispatch_module.dispatch_samples, dispatch_module.attempt_rids
+    dispatch_samples, attempt_rids = dispatch_module.dispatch_samples, sglang_engine.attempt_rids
 
     async def noted_samples(*args: Any) -> None:
         path, count, stream, responder, cancel, dispatch_one, *rest = args
@@ -46,7 +47,7 @@ def sample_of(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
         return rid
 
     monkeypatch.setattr(dispatch_module, "dispatch_samples", noted_samples)
-    monkeypatch.setattr(dispatch_module, "attempt_rids", noted_rids)
+    monkeypatch.setattr(sglang_engine, "attempt_rids", noted_rids)
     return rids
 
 

@@ -19,6 +19,7 @@ from tests.router.fleet_tools import build_cluster, who_started
 from tests.router.helpers import generate_body, leave_when, read_sse
 from trio_pd.cli.main import build_parser, router_config
 from trio_pd.config import RetryConfig
+from trio_pd.edge.lifespan import start_tracing
 
 LOOSE = 10.0
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -349,7 +350,7 @@ async def test_without_enable_trace_nothing_is_exported_and_no_traceparent_added
     with otlp_receiver() as receiver:
         # The endpoint is set, tracing is not: nothing may reach the receiver.
         cluster = await start_cluster(nursery, otlp_traces_endpoint=receiver.endpoint)
-        assert cluster.router.generation.tracing is None
+        assert start_tracing(cluster.router.config) is None  # what the lifespan opens
         plain = await cluster.client.post(
             "/generate", json=generate_body(), headers={"x-request-id": "plain"}
         )
@@ -421,12 +422,12 @@ def test_a_router_without_tracing_never_imports_opentelemetry() -> None:
     program = (
         "import sys\n"
         "from trio_pd.cli.main import build_parser, router_config\n"
-        "from trio_pd.edge.router import Router\n"
+        "from trio_pd.edge.router import build_router\n"
         "from trio_pd.edge.lifespan import start_tracing\n"
         "from trio_pd.serve.run import run\n"
         "args = build_parser().parse_args(['serve', '--prefill', 'http://127.0.0.1:1'])\n"
         "config = router_config(args)\n"
-        "Router(config)\n"
+        "build_router(config)\n"
         "assert start_tracing(config) is None\n"
         "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))\n"
     )

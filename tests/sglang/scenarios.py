@@ -923,7 +923,7 @@ async def generate_batch(t: Target, client: httpx2.AsyncClient) -> Observables:
 async def input_logprobs(t: Target, client: httpx2.AsyncClient) -> Observables:
     """`return_logprob` with `logprob_start_len: 0`: the prefill computes the prompt's input
     logprobs, the decode has none of its own (the router puts the prefill's in front of the
-    decode's, pd/relay.py `merge_logprobs`)."""
+    decode's, pd/frames.py `merge_logprobs`)."""
     body = {
         **GEN,
         "return_logprob": True,
@@ -1083,7 +1083,7 @@ async def _stream_into(
 
 async def running_abort_stream(t: Target, client: httpx2.AsyncClient) -> Observables:
     """A running (decoding) stream aborted, on chat and /generate: how it ends (the finish
-    event the router's in-band detection reads, pd/relay.py `inband_failure`)."""
+    event the router's in-band detection reads, pd/frames.py `inband_failure`)."""
     out: Observables = {}
     key = t.admin_api_key or t.api_key
     for route, body in (
@@ -1166,7 +1166,7 @@ async def unreachable_bootstrap(t: Target, client: httpx2.AsyncClient) -> Observ
 
 async def waiting_abort_stream(t: Target, client: httpx2.AsyncClient) -> Observables:
     """A stream aborted while its decode waits for KV, on chat and /generate: what status and
-    events the router sees before any token (pd/relay.py, pd/samples.py hold a stream's
+    events the router sees before any token (pd/frames.py, pd/samples.py hold a stream's
     headers until its first event)."""
     out: Observables = {}
     key = t.admin_api_key or t.api_key

@@ -4,7 +4,9 @@
 default; `launch` every flag of `smg launch` (SMG 1.13.0, `cli/launch.py`) with 1.13's meaning.
 The flags are declared once, in the flag table (`config/flags/`), from which `cli/parser.py`
 makes the parser and `config/build.py` the config. Only the CLI imports `trio_pd.testing` (the
-simulator and the demo).
+simulator and the demo), and only for the command that runs it: `trio-pd engine ...` is handed
+whole to the simulator's own parser before the router's is built, so `serve` and `launch` load
+no simulator module (tests/test_cli.py checks it).
 """
 
 from __future__ import annotations
@@ -60,9 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_launch_arguments(launch)
     launch.set_defaults(serve_parser=launch)
-    from trio_pd.testing.engine.cli import add_arguments as add_engine_arguments
-
-    add_engine_arguments(commands.add_parser("engine", help="run a simulated PD engine"))
+    # Listed for --help only: main() hands `engine ...` to the simulator's parser (see above).
+    commands.add_parser("engine", help="run a simulated PD engine (trio-pd engine --help)")
     commands.add_parser("demo", help="start a local PD cluster and show it working")
     return parser
 
@@ -92,15 +93,17 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    tokens = list(sys.argv[1:] if argv is None else argv)
+    if tokens[:1] == ["engine"]:
+        from trio_pd.testing.engine.cli import main as run_engine
+
+        run_engine(tokens[1:], prog="trio-pd engine")
+        return
+    args = build_parser().parse_args(tokens)
     if args.command in ("serve", "launch"):
         from trio_pd.serve.run import run
 
         raise SystemExit(run(router_config(args)))
-    if args.command == "engine":
-        from trio_pd.testing.engine.cli import run as run_engine
-
-        run_engine(args)
     else:
         from trio_pd.testing.demo import main as run_demo
 

@@ -201,7 +201,7 @@ class EdgeConfig:
     header_read_timeout_secs: float = 30.0  # a request head must be complete within it; 0: none
     idle_connection_timeout_secs: float = 90.0  # a client keep-alive connection idle; 0: none
     upstream_pool_idle_timeout_secs: float = 3.0  # an idle worker connection reused; 0: forever
-    health_check_port: int | None = None  # the probe listener (`serve/probe_listener.py`)
+    health_check_port: int | None = None  # the probe listener (`serve/doors.py`)
     # Client connections a process holds open at once; 0: derived from its fd limit
     # (`serve/fd_budget.py`)
     max_client_connections: int = 0
@@ -213,7 +213,7 @@ class RouterConfig:
     decode: tuple[WorkerSpec, ...] = ()
     host: str = "0.0.0.0"
     port: int = 30000
-    # The admin listener (`serve/admin_listener.py`): the control plane's own door, where its
+    # The admin listener (`serve/doors.py`): the control plane's own door, where its
     # changing routes answer without keys. The CLI's default port is 29001; None: no listener.
     admin_host: str = "127.0.0.1"
     admin_port: int | None = None

@@ -19,20 +19,21 @@ from trio_pd.upstream.destinations import Destinations
 from trio_pd.upstream.headers import RouterKeys, generation_key, worker_authorization
 
 
-@attrs.define(eq=False)
+@attrs.frozen(eq=False)
 class ControlContext:
     """What admin and fan-out handlers read: config, fleet, membership store, the control-plane
     client.
 
-    The client is opened by the app's lifespan (it needs a running trio loop) and closed there.
+    Made by the router's lifespan once it opened the client (it needs a running trio loop;
+    `edge/lifespan.py`), which closes it after the last request.
     """
 
     config: RouterConfig
     fleet: Fleet
     rng: random.Random
     store: MembershipStore  # where POST/DELETE /workers write
-    destinations: Destinations = attrs.Factory(Destinations)  # where a worker may point
-    client: httpx2.AsyncClient | None = None
+    destinations: Destinations
+    http: httpx2.AsyncClient
     router_keys: RouterKeys = attrs.field(init=False)  # never forwarded to a worker
 
     @router_keys.default
@@ -42,11 +43,6 @@ class ControlContext:
     def authorization(self, worker: Worker) -> list[tuple[bytes, bytes]]:
         """The authorization a call to `worker` carries (its key, else `--api-key`)."""
         return worker_authorization(generation_key(worker.spec, self.config.api_key), None)
-
-    @property
-    def http(self) -> httpx2.AsyncClient:
-        assert self.client is not None, "the lifespan has not started"
-        return self.client
 
 
 # The control plane's handlers before binding: admin and fan-out routes.

@@ -8,7 +8,7 @@ control plane is otherwise guarded by `--control-plane-api-keys 'id:name:role:ke
 `--control-plane-audit-enabled` logging who changed what.
 
 A request comes through one of two doors: the data-plane port (`--host`:`--port`), or the
-admin listener (`--admin-host`:`--admin-port`, loopback by default: `serve/admin_listener.py`).
+admin listener (`--admin-host`:`--admin-port`, loopback by default: `serve/doors.py`).
 Routes by class:
 - data plane (generation, `/v1/models`): open unless `--api-key` or `--data-plane-api-keys` (our
   addition: more client keys, e.g. one per team, rotated without touching the workers' key) is
@@ -82,7 +82,7 @@ class Caller:
     role: str
 
 
-@attrs.define(eq=False)
+@attrs.frozen(eq=False)
 class Access:
     """The router's access rules, built once from its config."""
 

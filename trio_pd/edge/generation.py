@@ -26,8 +26,8 @@ from trio_pd.pd import payload
 from trio_pd.pd.budget import MemoryBudget
 from trio_pd.pd.cancel import RequestCancel
 from trio_pd.pd.dispatch import DispatchContext, PDRequest, dispatch_request
+from trio_pd.pd.frames import error_frame
 from trio_pd.pd.injection import DP_KEYS
-from trio_pd.pd.relay import error_frame
 from trio_pd.pd.vllm_bodies import VllmBodyMaker
 from trio_pd.respond import Responder
 from trio_pd.upstream.headers import NO_KEYS, RouterKeys, client_authorization, leg_headers
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 GENERATION_PATHS = (payload.GENERATE, payload.COMPLETIONS, payload.CHAT)
 
 
-@attrs.define(eq=False)
+@attrs.frozen(eq=False)
 class GenerationContext:
     """What the generation routes read: config, admission, dispatch, the body parsers."""
 

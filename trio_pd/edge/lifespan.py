@@ -1,40 +1,32 @@
-"""The router process's lifespan: what starts before the first request and stops after the last.
+"""The router process's lifespan resources: what is opened before the first request and closed
+after the last, handed to the handlers as one value.
 
-Startup opens the control plane's client, the body parsers' worker processes and the tracer,
-then the services (`services.py`), supervised as a whole by the process's `ServiceGuard`
-(crash-only); it is complete once membership has had its first read and the first health round
-found a pair (or timed out). Shutdown comes after hypercorn drained the connections: the aborts
-of the requests the drain cut are sent (`AbortService.flush`), the services are cancelled, and
-every client is closed, shielded; spans are flushed last, when every request span has ended.
+The control plane's client, the body parsers' worker processes and the tracer need a running
+trio loop (or a process of their own), so they cannot be made with the router
+(`router.build_router`); `open_resources` opens them at lifespan startup and yields them as a
+frozen `Resources`, from which the router binds its route table (`Router.lifespan`). Nothing is
+written into the router: the table goes to the requests through the ASGI lifespan state. At
+shutdown, after the router has closed its pool and membership, the client is closed and the
+spans are flushed, last, when every request span has ended.
 """
 
 from __future__ import annotations
 
 import logging
 import ssl
-from functools import partial
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 import attrs
+import httpx2
 import trio
 import trio_parallel
 
-from trio_pd.asgi import Receive, Send
 from trio_pd.config import RouterConfig
-from trio_pd.control.context import ControlContext
-from trio_pd.edge.admission import Admission
-from trio_pd.edge.auth import Access, startup_warnings
-from trio_pd.edge.generation import GenerationContext
-from trio_pd.edge.services import ServiceContext, run_background
-from trio_pd.edge.supervision import ServiceGuard
-from trio_pd.fleet.registry import Fleet
 from trio_pd.membership.setup import Membership
-from trio_pd.membership.source import MembershipSource
-from trio_pd.observe.metrics import RouterMetrics
-from trio_pd.pd.aborts import AbortService
 from trio_pd.upstream.client import make_client
 from trio_pd.upstream.destinations import Destinations
-from trio_pd.upstream.pool import UpstreamPool
 
 if TYPE_CHECKING:
     from trio_pd.edge.tracing import Tracing
@@ -43,62 +35,29 @@ log = logging.getLogger(__name__)
 
 
 @attrs.frozen
-class Lifespan:
-    """The parts of a router the lifespan starts and stops (the Router wires them)."""
+class Resources:
+    """What the lifespan opened for one process's handlers and services."""
 
-    config: RouterConfig
-    access: Access
-    metrics: RouterMetrics
-    fleet: Fleet
-    pool: UpstreamPool
-    admission: Admission
-    control: ControlContext
-    generation: GenerationContext
-    guard: ServiceGuard
-    aborts: AbortService | None
-    membership: Membership
-    ssl_context: ssl.SSLContext
-    destinations: Destinations
-    sources: tuple[MembershipSource, ...]
+    client: httpx2.AsyncClient  # the control plane's: fan-out, probes of workers, load polls
+    parsers: trio_parallel.WorkerContext  # large bodies' JSON work, off the event loop
+    tracing: Tracing | None  # --enable-trace
 
-    async def run(self, receive: Receive, send: Send) -> None:
-        message = await receive()
-        assert message["type"] == "lifespan.startup"
-        self.control.client = make_client(self.ssl_context, self.destinations)
-        startup_warnings(self.access)
-        self.metrics.attach(self.fleet, self.pool, lambda: self.admission.waiting)
-        self.generation.tracing = start_tracing(self.config)
-        try:
-            async with trio_parallel.open_worker_context() as parsers:
-                self.generation.parsers = parsers
-                async with trio.open_nursery() as nursery:
-                    # Supervised as a whole too: an exception escaping the services' own
-                    # nursery restarts them, and repeated ones end the process (crash-only).
-                    services = partial(run_background, self.services())
-                    await nursery.start(self.guard.supervised, "services", services)
-                    await send({"type": "lifespan.startup.complete"})
-                    message = await receive()
-                    assert message["type"] == "lifespan.shutdown"
-                    if self.aborts is not None:  # what the drain cut is freed in its engines
-                        await self.aborts.flush()
-                    nursery.cancel_scope.cancel(reason="lifespan shutdown")
-        finally:
-            self.generation.parsers = None
-            tracing, self.generation.tracing = self.generation.tracing, None
-            with trio.CancelScope(shield=True):
-                await self.control.http.aclose()
-                await self.pool.aclose()
-                await close_membership(self.membership)
-                if tracing is not None:  # after the drain: every request span has ended
-                    await tracing.shutdown()
-        await send({"type": "lifespan.shutdown.complete"})
 
-    def services(self) -> ServiceContext:
-        """The narrow context of the services (once the control client is open)."""
-        return ServiceContext(
-            self.config, self.fleet, self.metrics, self.pool, self.control.http, self.aborts,
-            self.sources, self.guard,
-        )  # fmt: skip
+@asynccontextmanager
+async def open_resources(
+    config: RouterConfig, ssl_context: ssl.SSLContext, destinations: Destinations
+) -> AsyncIterator[Resources]:
+    """The resources, open for the body; closed after it, shielded."""
+    tracing = start_tracing(config)  # first: without OpenTelemetry it stops the start here
+    client = make_client(ssl_context, destinations)
+    try:
+        async with trio_parallel.open_worker_context() as parsers:
+            yield Resources(client, parsers, tracing)
+    finally:
+        with trio.CancelScope(shield=True):
+            await client.aclose()
+            if tracing is not None:  # after the drain: every request span has ended
+                await tracing.shutdown()
 
 
 def start_tracing(config: RouterConfig) -> Tracing | None:

@@ -1,7 +1,8 @@
-"""The router's ASGI callable, and the wiring of its parts: route table, request id, error envelope.
+"""The router's ASGI callable and `build_router`, the one place its parts are made and wired.
 
 A bare ASGI app, no framework: hypercorn calls ``Router.__call__`` for every request and once for
-the lifespan (`lifespan.py`), whose nursery holds every long-lived service (`services.py`).
+the lifespan, whose nursery holds every long-lived service (`services.py`) and which binds the
+route table to the resources it opened (`lifespan.py`).
 Whatever happens inside a handler, the client gets the docs/protocol.md §7 envelope with its
 `x-request-id` (or, once a stream has started, an error event): never hypercorn's empty 500.
 """
@@ -11,9 +12,11 @@ from __future__ import annotations
 import logging
 import math
 import random
+import socket
 import ssl
+from collections.abc import Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import trio
@@ -22,17 +25,24 @@ from trio_pd.asgi import ClientGone, Receive, Scope, Send
 from trio_pd.config import RouterConfig
 from trio_pd.control.context import ControlContext
 from trio_pd.edge.admission import Admission
-from trio_pd.edge.auth import Access, Door
+from trio_pd.edge.auth import Access, Door, startup_warnings
 from trio_pd.edge.cors import CorsPolicy, handle_preflight
 from trio_pd.edge.drain import Drain
 from trio_pd.edge.generation import GenerationContext, owned_keys
 from trio_pd.edge.intake import BODY_COPIES
-from trio_pd.edge.lifespan import Lifespan
+from trio_pd.edge.lifespan import Resources, close_membership, open_resources
 from trio_pd.edge.request_ids import RequestIds
 from trio_pd.edge.routes import Route, route_table
 from trio_pd.edge.routing_key import RoutingKeys
+from trio_pd.edge.services import ServiceContext, run_background
 from trio_pd.edge.supervision import ServiceGuard
-from trio_pd.errors import RouterError, internal_error, method_not_allowed, not_found
+from trio_pd.errors import (
+    RouterError,
+    first_router_error,
+    internal_error,
+    method_not_allowed,
+    not_found,
+)
 from trio_pd.fleet.registry import Fleet
 from trio_pd.membership.setup import Membership, membership_for
 from trio_pd.membership.source import MembershipSource, MembershipStore
@@ -41,172 +51,48 @@ from trio_pd.observe.metrics import RouterMetrics
 from trio_pd.pd.aborts import AbortService
 from trio_pd.pd.budget import MemoryBudget
 from trio_pd.pd.dispatch import DispatchContext
-from trio_pd.pd.relay import error_frame
+from trio_pd.pd.frames import error_frame
 from trio_pd.respond import Responder, deny_websocket, final_status
 from trio_pd.upstream.destinations import Destinations, parse_allow
 from trio_pd.upstream.headers import RouterKeys
 from trio_pd.upstream.pool import UpstreamPool
 from trio_pd.upstream.tls import worker_ssl_context
 
-if TYPE_CHECKING:
-    pass
-
 log = logging.getLogger(__name__)
 
 
-@attrs.define(eq=False)
-class Router:
-    """One router: its config, fleet and (from lifespan startup on) its upstream clients.
+ROUTES = "trio_pd.routes"  # the lifespan state's key of the route table the requests use
 
-    State lives here, not in module globals, so a test can run two routers in one process.
+
+@attrs.frozen(eq=False)
+class Router:
+    """One router: its config and the parts `build_router` made, in the order it made them.
+
+    Frozen: nothing is written into it once built. What the lifespan opens (the control
+    client, the parsers, the tracer) reaches the handlers through the route table the lifespan
+    binds and hands to every request in the ASGI lifespan state (`ROUTES`). State lives here,
+    not in module globals, so a test can run two routers in one process.
     """
 
     config: RouterConfig
-    metrics: RouterMetrics = attrs.field()
-    fleet: Fleet = attrs.field()
-    rng: random.Random = attrs.field(factory=random.Random)
-    ssl_context: ssl.SSLContext = attrs.field()
-    destinations: Destinations = attrs.field()  # where a worker connection may go
-    pool: UpstreamPool = attrs.field()  # the data plane's two legs
-    admission: Admission = attrs.field()
-    budget: MemoryBudget = attrs.field()  # --max-buffered-bytes
-    aborts: AbortService | None = attrs.field()
-    access: Access = attrs.field()
-    drain: Drain = attrs.field()
-    guard: ServiceGuard = attrs.field()  # crash-only supervision of the lifespan's services
-    membership: Membership = attrs.field()  # the admin API's store and the sources
-    control: ControlContext = attrs.field()
-    generation: GenerationContext = attrs.field()
-    routes: dict[str, dict[str, Route]] = attrs.field()
-    request_ids: RequestIds = attrs.field()
-    cors: CorsPolicy = attrs.field()
-    preflight: Route = attrs.field()
-
-    @metrics.default
-    def _default_metrics(self) -> RouterMetrics:
-        return RouterMetrics(duration_buckets=self.config.prometheus_duration_buckets)
-
-    @fleet.default
-    def _default_fleet(self) -> Fleet:
-        # With a shared membership file the command line's workers live in the file.
-        panics = self.metrics.panic_selections
-        overload = self.metrics.overload_decisions
-        rejected = self.metrics.load_reports_rejected
-        return Fleet(
-            self.config,
-            static=self.config.membership_file is None,
-            on_panic=lambda role: panics.labels(role).inc(),
-            on_overload=lambda role, outcome: overload.labels(role, outcome).inc(),
-            on_load_rejected=lambda w, reason: rejected.labels(w.id, w.role, reason).inc(),
-        )
-
-    @ssl_context.default
-    def _default_ssl_context(self) -> ssl.SSLContext:
-        return worker_ssl_context(self.config)
-
-    @destinations.default
-    def _default_destinations(self) -> Destinations:
-        """The operator's allowed ranges and the listeners the config names; `serve` adds
-        the sockets it binds (port 0 included), and every other listener adds its own."""
-        refused = self.metrics.destinations_refused
-        destinations = Destinations(
-            parse_allow(self.config.worker_url_allow),
-            on_refused=lambda client, kind: refused.labels(client, kind).inc(),
-        )
-        for host, port in own_listeners(self.config):
-            destinations.add_own(host, port)
-        return destinations
-
-    @pool.default
-    def _default_pool(self) -> UpstreamPool:
-        idle = self.config.edges.upstream_pool_idle_timeout_secs  # 0: kept forever
-        return UpstreamPool(
-            idle or math.inf, ssl_context=self.ssl_context, destinations=self.destinations
-        )
-
-    @admission.default
-    def _default_admission(self) -> Admission:
-        c = self.config
-        return Admission(
-            c.max_concurrent_requests,
-            c.queue_size,
-            c.queue_timeout_secs,
-            self.metrics.admission_waits,
-            c.rate_limit_tokens_per_second,
-        )
-
-    @budget.default
-    def _default_budget(self) -> MemoryBudget:
-        return MemoryBudget(self.config.max_buffered_bytes)
-
-    @aborts.default
-    def _default_aborts(self) -> AbortService | None:
-        return AbortService(self.metrics) if self.config.abort_on_cancel else None
-
-    @access.default
-    def _default_access(self) -> Access:
-        c = self.config
-        return Access(
-            c.control_plane_api_keys,
-            c.data_plane_api_keys,
-            c.control_plane_audit_enabled,
-            router_key=c.api_key,
-        )
-
-    @drain.default
-    def _default_drain(self) -> Drain:
-        return Drain(self.config.shutdown_grace_period_secs)
-
-    @guard.default
-    def _default_guard(self) -> ServiceGuard:
-        return ServiceGuard(self.metrics, on_fatal=self.drain.fail)
-
-    @membership.default
-    def _default_membership(self) -> Membership:
-        return membership_for(self.config, self.fleet, self.metrics, self.destinations)
-
-    @control.default
-    def _default_control(self) -> ControlContext:
-        return ControlContext(self.config, self.fleet, self.rng, self.store, self.destinations)
-
-    @generation.default
-    def _default_generation(self) -> GenerationContext:
-        dispatch_context = DispatchContext(
-            self.pool, self.fleet, self.config, self.rng, self.metrics, self.aborts
-        )
-        owned = owned_keys(self.config)
-        return GenerationContext(
-            self.config,
-            self.admission,
-            self.drain,
-            dispatch_context,
-            owned,
-            RoutingKeys.of(self.config.policy),
-            client_key_is_ours=bool(self.access.client_keys),
-            router_keys=RouterKeys.of(self.config),
-            budget=self.budget,
-            body_copies=BODY_COPIES + 1 if self.config.dp_aware else BODY_COPIES,
-        )
-
-    @routes.default
-    def _default_routes(self) -> dict[str, dict[str, Route]]:
-        return route_table(
-            self.control, self.generation, self.fleet, self.drain, self.metrics, self.guard
-        )
-
-    @request_ids.default
-    def _default_request_ids(self) -> RequestIds:
-        return RequestIds(self.config.request_id_headers)
-
-    @cors.default
-    def _default_cors(self) -> CorsPolicy:
-        if not self.config.cors_enabled:  # `trio-pd launch` without --cors-allowed-origins
-            return CorsPolicy(frozenset())
-        return CorsPolicy.from_origins(self.config.cors_allowed_origins)
-
-    @preflight.default
-    def _default_preflight(self) -> Route:
-        return Route(partial(handle_preflight, self.cors), "open")
+    metrics: RouterMetrics
+    fleet: Fleet
+    rng: random.Random
+    ssl_context: ssl.SSLContext
+    destinations: Destinations  # where a worker connection may go
+    pool: UpstreamPool  # the data plane's two legs
+    admission: Admission
+    budget: MemoryBudget  # --max-buffered-bytes
+    aborts: AbortService | None
+    access: Access
+    drain: Drain
+    guard: ServiceGuard  # crash-only supervision of the lifespan's services
+    membership: Membership  # the admin API's store and the sources
+    dispatch: DispatchContext
+    router_keys: RouterKeys  # every key of the router's: never forwarded, never logged
+    request_ids: RequestIds
+    cors: CorsPolicy
+    preflight: Route
 
     @property
     def store(self) -> MembershipStore:
@@ -222,18 +108,69 @@ class Router:
         if scope["type"] == "http":
             await self.handle_http(scope, receive, send)
         elif scope["type"] == "lifespan":
-            await self.lifespan(receive, send)
+            await self.lifespan(scope, receive, send)
         elif scope["type"] == "websocket":
             await deny_websocket(send)
 
     # -- lifespan ---------------------------------------------------------------------------
 
-    async def lifespan(self, receive: Receive, send: Send) -> None:
-        await Lifespan(
-            self.config, self.access, self.metrics, self.fleet, self.pool, self.admission,
-            self.control, self.generation, self.guard, self.aborts, self.membership,
-            self.ssl_context, self.destinations, self.sources,
-        ).run(receive, send)  # fmt: skip
+    async def lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Startup opens the resources (`lifespan.py`), binds the route table to them and
+        hands it to the requests (`scope["state"]`), then starts the services, supervised as a
+        whole by the process's `ServiceGuard` (crash-only); it is complete once membership had
+        its first read and the first health round found a pair (or timed out). Shutdown comes
+        after hypercorn drained the connections: the aborts of the requests the drain cut are
+        sent (`AbortService.flush`), the services are cancelled, every client is closed."""
+        message = await receive()
+        assert message["type"] == "lifespan.startup"
+        startup_warnings(self.access)
+        async with open_resources(self.config, self.ssl_context, self.destinations) as resources:
+            try:
+                async with trio.open_nursery() as nursery:
+                    services = partial(run_background, self.services(resources))
+                    await nursery.start(self.guard.supervised, "services", services)
+                    # Requests are routed from now on, through every door (`serve/process.py`
+                    # opens the routed doors after this; one open earlier would get a 503).
+                    scope["state"][ROUTES] = self.route_table(resources)
+                    await send({"type": "lifespan.startup.complete"})
+                    message = await receive()
+                    assert message["type"] == "lifespan.shutdown"
+                    if self.aborts is not None:  # what the drain cut is freed in its engines
+                        await self.aborts.flush()
+                    nursery.cancel_scope.cancel(reason="lifespan shutdown")
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self.pool.aclose()
+                    await close_membership(self.membership)
+        await send({"type": "lifespan.shutdown.complete"})
+
+    def route_table(self, resources: Resources) -> dict[str, dict[str, Route]]:
+        """Every route, its handler bound to its narrow context, the resources included."""
+        control = ControlContext(
+            self.config, self.fleet, self.rng, self.store, self.destinations, resources.client
+        )
+        generation = GenerationContext(
+            self.config,
+            self.admission,
+            self.drain,
+            self.dispatch,
+            owned_keys(self.config),
+            RoutingKeys.of(self.config.policy),
+            client_key_is_ours=bool(self.access.client_keys),
+            router_keys=self.router_keys,
+            budget=self.budget,
+            body_copies=BODY_COPIES + 1 if self.config.dp_aware else BODY_COPIES,
+            parsers=resources.parsers,
+            tracing=resources.tracing,
+        )
+        return route_table(control, generation, self.fleet, self.drain, self.metrics, self.guard)
+
+    def services(self, resources: Resources) -> ServiceContext:
+        """The narrow context of the long-lived services."""
+        return ServiceContext(
+            self.config, self.fleet, self.metrics, self.pool, resources.client, self.aborts,
+            self.sources, self.guard,
+        )  # fmt: skip
 
     # -- http -------------------------------------------------------------------------------
 
@@ -241,11 +178,11 @@ class Router:
         self, scope: Scope, receive: Receive, send: Send, door: Door = "data"
     ) -> None:
         """One request through `door`: the data-plane port, or the admin listener
-        (`serve/admin_listener.py`), which serves the control plane, probes and metrics."""
+        (`serve/doors.py`), which serves the control plane, probes and metrics."""
         headers = scope["headers"]
         path = scope["path"]
         request_id = self.request_ids.incoming(headers)
-        if request_id is not None and self.generation.router_keys.carried_by(request_id):
+        if request_id is not None and self.router_keys.carried_by(request_id):
             request_id = None  # a key of the router's would go to the workers and the logs
         request_id = request_id or self.request_ids.new(path)
         current_request_id.set(request_id.decode("latin-1"))
@@ -253,11 +190,14 @@ class Router:
         # the data plane (the admin listener answers no browser: `auth.py`).
         cors = self.cors.response_headers(headers) if door == "data" else ()
         responder = Responder(send, request_id, cors)
-        label = path if path in self.routes else "other"
+        routes: dict[str, dict[str, Route]] | None = scope["state"].get(ROUTES)
+        label = path if routes is not None and path in routes else "other"
         started_at = trio.current_time()
         body = BodySeen(receive)
         try:
-            route = self.route(scope["method"], path, door)
+            if routes is None:  # a door opened before the lifespan started
+                raise starting()
+            route = find_route(routes, self.preflight, scope["method"], path, door)
             caller = self.access.check(route.access, headers, door)
             await route.handler(scope, body, responder)
             if route.access == "write":
@@ -266,7 +206,7 @@ class Router:
                 )
         except* RouterError as group:
             if not responder.started:
-                await responder.error(first_leaf(group), close=body.unread(headers))
+                await responder.error(first_router_error(group), close=body.unread(headers))
         except* ClientGone:
             log.info("client went away before its body arrived")
         except* Exception as group:
@@ -296,26 +236,113 @@ class Router:
                 frame = error_frame("internal router error", "internal_error", 500)
                 await responder.finish_stream(frame)
 
-    def route(self, method: str, path: str, door: Door = "data") -> Route:
-        methods = self.routes.get(path)
-        if methods is None and path.startswith("/workers/"):
-            methods = self.routes["/workers/{id}"]
-        if methods is not None and door == "admin":
-            methods = {m: r for m, r in methods.items() if r.access != "data"}
-            if not methods:
-                raise RouterError(
-                    404, f"{path} is served on the data-plane port, not on the admin listener",
-                    "not_found_error",
-                )  # fmt: skip
-        if methods is None:
-            raise not_found(path)
-        if method == "OPTIONS" and door == "data":  # a CORS preflight, on every data route
-            return self.preflight
-        route = methods.get(method)
-        if route is None:
-            allowed = (*methods, "OPTIONS") if door == "data" else tuple(methods)  # preflights
-            raise method_not_allowed(method, path, allowed)
-        return route
+
+def build_router(
+    config: RouterConfig,
+    *,
+    own_sockets: Sequence[socket.socket] = (),
+    admin_url: str | None = None,
+) -> Router:
+    """The router `config` asks for, each part made once, in this order, from the ones above
+    it. `own_sockets`: every listening socket this process serves (bound before the router is
+    built, so a port 0 is known): a worker URL naming one is the router itself. `admin_url`:
+    where the admin listener answers, for the start-up warning (None: no admin listener)."""
+    metrics = RouterMetrics(duration_buckets=config.prometheus_duration_buckets)
+    panics = metrics.panic_selections
+    overload = metrics.overload_decisions
+    rejected = metrics.load_reports_rejected
+    fleet = Fleet(
+        config,
+        static=config.membership_file is None,  # with a shared file its workers live there
+        on_panic=lambda role: panics.labels(role).inc(),
+        on_overload=lambda role, outcome: overload.labels(role, outcome).inc(),
+        on_load_rejected=lambda w, reason: rejected.labels(w.id, w.role, reason).inc(),
+    )
+    rng = random.Random()
+    ssl_context = worker_ssl_context(config)
+    # The operator's allowed ranges, the listeners the config names and the ones bound.
+    refused = metrics.destinations_refused
+    destinations = Destinations(
+        parse_allow(config.worker_url_allow),
+        on_refused=lambda client, kind: refused.labels(client, kind).inc(),
+    )
+    for host, port in own_listeners(config):
+        destinations.add_own(host, port)
+    destinations.add_own_sockets(own_sockets)
+    idle = config.edges.upstream_pool_idle_timeout_secs  # 0: kept forever
+    pool = UpstreamPool(idle or math.inf, ssl_context=ssl_context, destinations=destinations)
+    admission = Admission(
+        config.max_concurrent_requests,
+        config.queue_size,
+        config.queue_timeout_secs,
+        metrics.admission_waits,
+        config.rate_limit_tokens_per_second,
+    )
+    metrics.attach(fleet, pool, lambda: admission.waiting)
+    aborts = AbortService(metrics) if config.abort_on_cancel else None
+    access = Access(
+        config.control_plane_api_keys,
+        config.data_plane_api_keys,
+        config.control_plane_audit_enabled,
+        router_key=config.api_key,
+        admin_url=admin_url,
+    )
+    drain = Drain(config.shutdown_grace_period_secs)
+    cors = (
+        CorsPolicy.from_origins(config.cors_allowed_origins)
+        if config.cors_enabled  # `trio-pd launch` without --cors-allowed-origins: none
+        else CorsPolicy(frozenset())
+    )
+    return Router(
+        config=config,
+        metrics=metrics,
+        fleet=fleet,
+        rng=rng,
+        ssl_context=ssl_context,
+        destinations=destinations,
+        pool=pool,
+        admission=admission,
+        budget=MemoryBudget(config.max_buffered_bytes),
+        aborts=aborts,
+        access=access,
+        drain=drain,
+        guard=ServiceGuard(metrics, on_fatal=drain.fail),
+        membership=membership_for(config, fleet, metrics, destinations),
+        dispatch=DispatchContext(pool, fleet, config, rng, metrics, aborts),
+        router_keys=RouterKeys.of(config),
+        request_ids=RequestIds(config.request_id_headers),
+        cors=cors,
+        preflight=Route(partial(handle_preflight, cors), "open"),
+    )
+
+
+def find_route(
+    routes: dict[str, dict[str, Route]], preflight: Route, method: str, path: str, door: Door
+) -> Route:
+    """The route of `method` `path` through `door`, or the 404/405 saying why there is none."""
+    methods = routes.get(path)
+    if methods is None and path.startswith("/workers/"):
+        methods = routes["/workers/{id}"]
+    if methods is not None and door == "admin":
+        methods = {m: r for m, r in methods.items() if r.access != "data"}
+        if not methods:
+            raise RouterError(
+                404, f"{path} is served on the data-plane port, not on the admin listener",
+                "not_found_error",
+            )  # fmt: skip
+    if methods is None:
+        raise not_found(path)
+    if method == "OPTIONS" and door == "data":  # a CORS preflight, on every data route
+        return preflight
+    route = methods.get(method)
+    if route is None:
+        allowed = (*methods, "OPTIONS") if door == "data" else tuple(methods)  # preflights
+        raise method_not_allowed(method, path, allowed)
+    return route
+
+
+def starting() -> RouterError:
+    return RouterError(503, "the router is starting; retry", "service_unavailable")
 
 
 def own_listeners(config: RouterConfig) -> list[tuple[str, int]]:
@@ -354,12 +381,3 @@ class BodySeen:
             if name == b"transfer-encoding" or (name == b"content-length" and value != b"0"):
                 return True
         return False
-
-
-def first_leaf(group: BaseExceptionGroup) -> RouterError:
-    """The first RouterError in a (possibly nested) group `except*` caught."""
-    error = group.exceptions[0]
-    while isinstance(error, BaseExceptionGroup):
-        error = error.exceptions[0]
-    assert isinstance(error, RouterError)
-    return error

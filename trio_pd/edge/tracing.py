@@ -50,13 +50,14 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 import trio_pd
 from trio_pd.asgi import ClientGone
-from trio_pd.errors import RouterError
+from trio_pd.errors import RouterError, first_router_error
 from trio_pd.pd.outcome import LegFailure, LegSuccess
 from trio_pd.respond import CLIENT_GONE_STATUS, final_status
 
 if TYPE_CHECKING:
-    from trio_pd.pd.attempt import Attempt, Leg
+    from trio_pd.pd.attempt import Attempt
     from trio_pd.pd.cancel import RequestCancel
+    from trio_pd.pd.outcome import AttemptOutcome, LegEnd
     from trio_pd.respond import Responder
 
 log = logging.getLogger(__name__)
@@ -278,16 +279,6 @@ class RequestTrace:
         span.end()
 
 
-def first_router_error(group: BaseExceptionGroup) -> RouterError:
-    found = group.subgroup(RouterError)
-    assert found is not None
-    error: BaseException = found
-    while isinstance(error, BaseExceptionGroup):
-        error = error.exceptions[0]
-    assert isinstance(error, RouterError)
-    return error
-
-
 class AttemptTrace:
     """The spans of one attempt; ended from the legs' state once the attempt is over."""
 
@@ -298,16 +289,16 @@ class AttemptTrace:
         self.prefill = prefill
         self.decode = decode
 
-    def end(self, attempt: Attempt) -> None:
+    def end(self, ended: AttemptOutcome) -> None:
         """End the legs' spans (at each leg's own end) and the attempt's span."""
-        end_leg(self.prefill, attempt.prefill)
-        end_leg(self.decode, attempt.decode)
-        culprit = attempt.culprit()
+        end_leg(self.prefill, ended.prefill)
+        end_leg(self.decode, ended.decode)
+        culprit = ended.culprit()
         if culprit is not None:
             outcome = f"{culprit.role}_failed"
-        elif attempt.prefill.cancel_cause is not None or attempt.decode.cancel_cause is not None:
+        elif ended.prefill.cancel_cause is not None or ended.decode.cancel_cause is not None:
             outcome = "cancelled"
-        elif attempt.decode.result is not None:
+        elif ended.decode.result is not None:
             outcome = "ok"
         else:
             outcome = "cancelled"
@@ -317,7 +308,7 @@ class AttemptTrace:
         self.span.end()
 
 
-def end_leg(span: Span, leg: Leg) -> None:
+def end_leg(span: Span, leg: LegEnd) -> None:
     """A leg span's ending: how the leg ended, its status, and the cause if it was cancelled."""
     result = leg.result
     attributes: dict[str, Any] = {}

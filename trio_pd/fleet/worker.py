@@ -90,7 +90,7 @@ class Worker:
     @property
     def abort_latch_hazard(self) -> bool:
         """Its engine awaits between registering a rid and scheduling it (docs/protocol.md
-        §10): a leg's first abort then waits a little (`pd/dispatch.abort_hook`)."""
+        §10): a leg's first abort then waits a little (`pd/engines/sglang.abort_hook`)."""
         return self.server_info.abort_latch_hazard
 
     def learn(self, info: ServerInfo | None, served_model: str | None) -> bool:

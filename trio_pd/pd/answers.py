@@ -1,7 +1,7 @@
 """Reading one upstream answer: a whole body within its bounds, JSON parsed on the request's
 budget, an SSE event's in-band failure, a non-2xx answer kept to relay, and the failure a
 buffer the router will not hold becomes. Shared by the SGLang attempt (`attempt.py`, both legs
-at once) and the vLLM one (`vllm_attempt.py`, prefill first)."""
+at once) and the vLLM one (`engines/vllm.py`, prefill first)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import attrs
 
 from trio_pd.pd.budget import Account, OverBudget, json_marks, parse_cost
+from trio_pd.pd.frames import InbandError, data_failure, parse_json
 from trio_pd.pd.outcome import LegFailure
-from trio_pd.pd.relay import InbandError, data_failure, parse_json
 from trio_pd.pd.sse import EventTooLarge
 from trio_pd.upstream.pool import UpstreamError, UpstreamResponse
 

@@ -1,6 +1,10 @@
-"""One PD attempt: the prefill and decode legs as siblings in one trio nursery.
+"""One PD attempt: the prefill and decode legs in one cancel scope, under an engine's rules.
 
-This module is the outcome table of docs/protocol.md §4 in code:
+On SGLang the legs are siblings in one trio nursery; on vLLM they run in sequence (prefill,
+then decode): the schedule, the reading of prefill's answer, the rewriting of decode's and
+what a failure means on that engine are the engine's (`EngineRules`, `pd/engines/`). The rest
+is one code path for every engine. This module is the outcome table of docs/protocol.md §4 in
+code:
 
 - prefill fails (status, transport, timeout, in-band) -> the decode leg is cancelled at once; its
   connection is closed by cancellation, not by an explicit drop;
@@ -14,20 +18,20 @@ This module is the outcome table of docs/protocol.md §4 in code:
 Nothing an attempt starts outlives it: when ``Attempt.run`` returns (or raises), both
 connections are either back in the pool, fully read, or closed. Each leg remembers whether it
 was cancelled after its request went out, and why, so the caller can count it and ask the
-engine to free the request at once (`Leg.cancel_cause`).
+engine to free the request at once (`Leg.cancel_cause`). ``run`` returns how the attempt ended as
+one frozen value (`outcome.AttemptOutcome`); the stream relay and its watchdog are
+`stream_relay.py`'s.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
-import orjson
 import trio
 
 from trio_pd.config import TimeoutConfig
@@ -42,13 +46,13 @@ from trio_pd.pd.answers import (
     status_failure,
 )
 from trio_pd.pd.budget import Account, OverBudget
+from trio_pd.pd.frames import event_data
 from trio_pd.pd.offload import AnswerWork
-from trio_pd.pd.outcome import LegFailure, LegResult, LegSuccess
-from trio_pd.pd.payload import OFFLOAD_BYTES
-from trio_pd.pd.relay import event_data
+from trio_pd.pd.outcome import AttemptOutcome, LegEnd, LegFailure, LegResult, LegSuccess
 from trio_pd.pd.resume import Migration, transcribed
 from trio_pd.pd.sse import EventReader, EventTooLarge
-from trio_pd.respond import Reply, Responder
+from trio_pd.pd.stream_relay import StreamRelay
+from trio_pd.respond import Responder
 from trio_pd.spec import Role
 from trio_pd.upstream.headers import relayable_headers
 from trio_pd.upstream.pool import UpstreamError, UpstreamPool, UpstreamResponse
@@ -56,8 +60,6 @@ from trio_pd.upstream.pool import UpstreamError, UpstreamPool, UpstreamResponse
 log = logging.getLogger(__name__)
 
 DEFAULT_EVENT_LIMIT = 16 << 20  # RouterConfig.max_sse_event_bytes
-CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d{1,12})')
-WATCHDOG_CHECKS = 4  # the stream watchdog looks this often per (shortest) timeout
 
 
 @attrs.define(eq=False)
@@ -117,47 +119,77 @@ class Leg:
     def failed(self) -> bool:
         return isinstance(self.result, LegFailure)
 
+    def end(self) -> LegEnd:
+        """How the leg ended, as a value."""
+        return LegEnd(
+            self.role,
+            self.worker,
+            self.result,
+            self.posted,
+            self.cancel_cause,
+            self.cancelled_at,
+            self.ended_at,
+        )
+
     @property
     def url(self) -> str:
         return self.worker.url
 
 
-@attrs.define
-class StreamClock:
-    """What the stream watchdog reads: counters the relay bumps, no clock reads per event (the
-    watchdog notes the time when it sees them move)."""
+class EngineRules(Protocol):
+    """What an engine decides inside one attempt (`pd/engines/`: one module per engine).
 
-    chunks: int = 0  # decode chunks received
-    started: int = 0  # client writes begun
-    sent: int = 0  # client writes finished (started != sent: a write is in progress)
+    The attempt owns the legs, their scopes, the timeouts and the relay; an engine's rules say
+    only what differs: the schedule, how the prefill's answer is read (and what it makes of the
+    decode's body), how decode's answer is rewritten for the client, and which failures mean
+    something else on this engine.
+    """
+
+    sequential: bool  # the schedule: prefill first, then decode (vLLM); else both at once
+    leases_prefill: bool  # a decode failing after prefill answered leaves prefill's KV leased
+    # What each relayed stream chunk becomes on its way to the client (None: sent as it came).
+    transform: Callable[[bytes], bytes] | None
+
+    async def read_prefill(self, attempt: Attempt, response: UpstreamResponse) -> None:
+        """Read prefill's 2xx answer: fail the prefill (`attempt.fail_prefill`) or set its
+        result; a sequential engine writes the decode leg's body here."""
+
+    async def first_event(self, attempt: Attempt, event: bytes, data: bytes | None) -> bytes | None:
+        """Decode's first stream event as the client gets it; None when this failed decode."""
+
+    def reclassify(self, attempt: Attempt) -> None:
+        """After both legs ended: a failure that means something else on this engine."""
+
+    async def rewrite_answer(self, attempt: Attempt) -> None:
+        """After both legs ended: decode's whole answer as the client gets it."""
+
+    def close(self) -> None:
+        """The attempt is over: free what the rules hold (buffers charged to the request)."""
 
 
 @attrs.define(eq=False)
 class Attempt:
-    """One try of a request on one (prefill, decode) pair, with its own bootstrap room."""
+    """One try of a request on one (prefill, decode) pair, under its engine's rules."""
 
     pool: UpstreamPool
     path: str
     prefill: Leg
     decode: Leg
     stream: bool
-    logprobs: bool
     responder: Responder
     deadline: float
     timeouts: TimeoutConfig
     outer_cause: Callable[[], tuple[str, float]]  # why an enclosing scope cancelled us, and when
     metrics: RouterMetrics
     request_started: float  # the client request's start: time to first token counts from it
+    rules: EngineRules
+    engine: str  # the pair's engine (`WorkerSpec.engine`), for the outcome
     account: Account | None = None  # the request's share of --max-buffered-bytes
     event_limit: int = DEFAULT_EVENT_LIMIT  # --max-sse-event-bytes
-    # Prefill's first answer (an event's data), kept only when logprobs are merged: its bytes,
-    # parsed only by the merge, off the event loop when large (`offload.py`).
-    prefill_answer: bytes | None = None
+    # Set once prefill's first answer is known (read, failed, or the leg ended): a decode whose
+    # first event merges it waits for this (`EngineRules.first_event`).
     prefill_answer_known: trio.Event = attrs.field(factory=trio.Event)
     stalled: bool = False  # the client stopped reading: nothing more can be sent to it
-    # What a relayed stream chunk becomes on its way to the client (None: sent as it came; a
-    # vLLM pair's attempt strips the handoff from it, `vllm_attempt.py`).
-    transform: Callable[[bytes], bytes] | None = None
     parsers: Any = None  # trio_parallel.WorkerContext of the lifespan (None: JSON work inline)
     decode_scan: AnswerScan | None = None  # what reading decode's whole answer found
     work: AnswerWork = attrs.field(
@@ -170,19 +202,25 @@ class Attempt:
     # answers are not searched for it, on every request's path.
     note_cached: bool = False
     # A stream that may resume on another pair if decode breaks (`resume.py`): relayed as
-    # whole events through its transcript. None: relayed raw.
+    # whole events through its transcript. None: relayed as it came.
     migration: Migration | None = None
 
-    async def run(self) -> None:
-        """Run both legs to completion; on return the legs' results say what happened."""
+    async def run(self) -> AttemptOutcome:
+        """Run both legs to completion, in the engine's schedule; how they ended is returned."""
         ended = False
         try:
             with trio.CancelScope(deadline=self.deadline) as deadline_scope:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._decode_leg)
-                    await self._prefill_leg()  # the nursery's own task: one task spawn less
+                if self.rules.sequential:
+                    await self._prefill_leg()
+                    if isinstance(self.prefill.result, LegSuccess):
+                        await self._decode_leg()
+                else:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(self._decode_leg)
+                        await self._prefill_leg()  # the nursery's own task: one task spawn less
             ended = True
         finally:
+            self.rules.close()
             if not ended:  # an enclosing scope cancelled us (client gone, shutdown)
                 cause, at = self.outer_cause()
                 self.prefill.note_outer_cancel(cause, at)
@@ -202,53 +240,26 @@ class Attempt:
                 self.prefill.result = timeout
             elif self.decode.result is None:
                 self.decode.result = timeout
-        if self.logprobs and self.prefill_answer is not None and not self.responder.started:
-            await self._merge_answer()
+        self.rules.reclassify(self)
+        await self.rules.rewrite_answer(self)
+        return self.outcome()
 
-    def reply(self) -> Reply | None:
-        """The client's answer once the attempt ran, or None when it was streamed already."""
-        if self.responder.started:
-            return None
-        if isinstance(self.prefill.result, LegFailure):
-            return self.prefill.result.client_reply("prefill")
-        if isinstance(self.decode.result, LegFailure):
-            return self.decode.result.client_reply("decode")
-        decode = self.decode.result
-        assert isinstance(decode, LegSuccess), "both legs finished without a failure"
-        return Reply(decode.status, decode.headers, decode.body)
-
-    async def _merge_answer(self) -> None:
-        """Both legs answered whole and logprobs were asked for: prefill's input logprobs go in
-        front of decode's (off the event loop when large, `offload.py`). An answer the router
-        cannot hold or re-encode (nested past orjson's 255 levels) is the decode worker's
-        fault, never a 500."""
-        decode = self.decode.result
-        prefill_answer = self.prefill_answer
-        if not (isinstance(decode, LegSuccess) and isinstance(self.prefill.result, LegSuccess)):
-            return
-        assert prefill_answer is not None
-        try:
-            scan = self.decode_scan
-            marks = None if scan is None else scan.marks
-            body = await self.work.merged(prefill_answer, decode.body, marks=marks)
-            if body is not None:
-                self.decode.result = LegSuccess(decode.status, decode.headers, body)
-        except OverBudget as exc:
-            self.decode.result = buffer_failure(exc)
-        except orjson.JSONEncodeError as exc:
-            self.decode.result = LegFailure("transport", f"answer the router cannot merge: {exc}")
-
-    def culprit(self) -> Leg | None:
-        """The leg whose failure decided the attempt (docs/protocol.md §4: prefill's first)."""
-        if self.prefill.failed:
-            return self.prefill
-        if self.decode.failed:
-            return self.decode
-        return None
+    def outcome(self) -> AttemptOutcome:
+        """How the attempt ended so far, as a value (also when an enclosing scope cut it)."""
+        return AttemptOutcome(
+            engine=self.engine,
+            prefill=self.prefill.end(),
+            decode=self.decode.end(),
+            streamed=self.responder.started,
+            finished=self.responder.finished,
+            stalled=self.stalled,
+            leases_prefill=self.rules.leases_prefill,
+            prefill_cached_tokens=self.prefill_cached_tokens,
+        )
 
     # -- prefill ----------------------------------------------------------------------------
 
-    def _fail_prefill(self, failure: LegFailure) -> None:
+    def fail_prefill(self, failure: LegFailure) -> None:
         self.prefill.result = failure
         self.prefill_answer_known.set()
         if not self.responder.started:
@@ -261,17 +272,20 @@ class Attempt:
             try:
                 post = self.pool.post(leg.url, self.path, leg.headers, leg.body, leg.sending)
                 async with post as response:
-                    await self._read_prefill(response)
+                    if not 200 <= response.status < 300:
+                        self.fail_prefill(await status_failure(response))
+                    else:
+                        await self.rules.read_prefill(self, response)
             except UpstreamError as exc:
-                self._fail_prefill(LegFailure(exc.kind, str(exc)))
+                self.fail_prefill(LegFailure(exc.kind, str(exc)))
             except (EventTooLarge, OverBudget) as exc:
-                self._fail_prefill(buffer_failure(exc))
+                self.fail_prefill(buffer_failure(exc))
             finally:
                 leg.ended_at = trio.current_time()
         if leg.scope.cancelled_caught and leg.cancel_cause is None and leg.result is None:
             # Not cancelled by its sibling: the hold deadline set once decode had answered.
             hold = self.timeouts.prefill_hold_secs
-            self._fail_prefill(
+            self.fail_prefill(
                 LegFailure("timeout", f"prefill did not finish within {hold:g}s of decode's answer")
             )
             leg.abandon()
@@ -283,71 +297,9 @@ class Attempt:
             deadline = trio.current_time() + self.timeouts.prefill_hold_secs
             self.prefill.scope.deadline = min(self.prefill.scope.deadline, deadline)
 
-    async def _read_prefill(self, response: UpstreamResponse) -> None:
-        if not 200 <= response.status < 300:
-            self._fail_prefill(await status_failure(response))
-            return
-        if is_sse(response):
-            await self._read_prefill_stream(response)
-            return
-        scan = AnswerScan()
-        body = await read_answer(response, self.account, scan)
-        self._note_cached(body)
-        # Parsed only when something is to be read in it: a failure marker, or logprobs (by the
-        # merge). Either parse is priced once, off the event loop when large (`offload.py`).
-        found = await self.work.failure(body, marks=scan.marks) if scan.suspect else None
-        if found is not None:
-            self._fail_prefill(LegFailure("inband", found.message, found.code))
-            return
-        if self.logprobs:
-            if not scan.suspect:
-                await self.work.price(body, scan.marks)
-            self.prefill_answer = body
-        self.prefill_answer_known.set()
-        self.prefill.result = LegSuccess(response.status, [], b"")
-
-    async def _read_prefill_stream(self, response: UpstreamResponse) -> None:
-        """Read prefill's SSE to its end: any error event fails it; the first one may be merged."""
-        reader = EventReader(self.event_limit, self.account)
-        try:
-            async for chunk in response.chunks():
-                if not await self._read_prefill_events(reader.feed(chunk)):
-                    return
-        finally:
-            reader.close()
-        self.prefill.result = LegSuccess(response.status, [], b"")
-
-    def _note_cached(self, body: bytes) -> None:
-        """The engine's `cached_tokens` (meta_info, or usage.prompt_tokens_details), if said."""
-        if self.note_cached and b"cached_tokens" in body:
-            found = CACHED_TOKENS.search(body)
-            if found is not None:
-                self.prefill_cached_tokens = int(found.group(1))
-
-    async def _read_prefill_events(self, events: list[bytes]) -> bool:
-        """Prefill's events: False once one failed the leg."""
-        for event in events:
-            if len(event) >= OFFLOAD_BYTES:  # each pass over a large event a step of its own
-                await trio.lowlevel.checkpoint()
-            data = event_data(event)
-            if data is None or data == b"[DONE]":
-                continue
-            if await self.work.suspect(data):  # else no failure: no parse
-                found = await self.work.failure(data, hold=False)
-                if found is not None:
-                    self._fail_prefill(LegFailure("inband", found.message, found.code))
-                    return False
-            self._note_cached(data)
-            if not self.prefill_answer_known.is_set():
-                if self.logprobs:
-                    await self.work.price(data)  # the merge's parse of it
-                    self.prefill_answer = data
-                self.prefill_answer_known.set()
-        return True
-
     # -- decode -----------------------------------------------------------------------------
 
-    def _fail_decode(self, failure: LegFailure) -> None:
+    def fail_decode(self, failure: LegFailure) -> None:
         self.decode.result = failure
         self.prefill.cancel("decode_failed")
         log.info("decode failed (%s): %s", failure.kind, failure.message)
@@ -364,7 +316,7 @@ class Attempt:
             with trio.CancelScope(deadline=trio.current_time() + first_token) as first_scope:
                 await self._post_decode(first_scope)
             if first_scope.cancelled_caught:
-                self._fail_decode(LegFailure("timeout", f"no first token within {first_token:g}s"))
+                self.fail_decode(LegFailure("timeout", f"no first token within {first_token:g}s"))
                 leg.abandon()
 
     async def _post_decode(self, first_scope: trio.CancelScope | None) -> None:
@@ -374,9 +326,9 @@ class Attempt:
             async with post as response:
                 await self._read_decode(response, first_scope)
         except UpstreamError as exc:
-            self._fail_decode(LegFailure(exc.kind, str(exc)))
+            self.fail_decode(LegFailure(exc.kind, str(exc)))
         except (EventTooLarge, OverBudget) as exc:
-            self._fail_decode(buffer_failure(exc))
+            self.fail_decode(buffer_failure(exc))
         finally:
             leg.ended_at = trio.current_time()
 
@@ -384,12 +336,12 @@ class Attempt:
         self, response: UpstreamResponse, first_scope: trio.CancelScope | None
     ) -> None:
         if not 200 <= response.status < 300:
-            self._fail_decode(await status_failure(response))
+            self.fail_decode(await status_failure(response))
             return
         headers = relayable_headers(response)
         if is_sse(response):
             if first_scope is None:  # never buffered: a stream has no bound but its deadline
-                self._fail_decode(
+                self.fail_decode(
                     LegFailure("transport", "decode answered a stream to a request for none")
                 )
                 return
@@ -399,7 +351,7 @@ class Attempt:
         body = await read_answer(response, self.account, scan)
         found = await self.work.failure(body, marks=scan.marks) if scan.suspect else None
         if found is not None:
-            self._fail_decode(LegFailure("inband", found.message, found.code))
+            self.fail_decode(LegFailure("inband", found.message, found.code))
             return
         self.decode.result = LegSuccess(response.status, headers, body)
         self._hold_prefill()
@@ -410,10 +362,10 @@ class Attempt:
         headers: list[tuple[bytes, bytes]],
         first_scope: trio.CancelScope,
     ) -> None:
-        """Hold decode's stream until its first event, then relay it raw to the client.
+        """Hold decode's stream until its first event, then have the relay send it raw.
 
         The first event proves the KV cache arrived, so only then do the client's headers go out;
-        with logprobs it also waits for prefill's first answer to merge into that event.
+        an engine may rewrite that event first (SGLang's logprob merge waits for prefill's).
         """
         chunks: AsyncIterator[bytes] = response.chunks()
         reader = EventReader(self.event_limit, self.account)
@@ -427,25 +379,18 @@ class Attempt:
         finally:
             reader.close()
         if not events:
-            self._fail_decode(LegFailure("transport", "decode stream ended before any event"))
+            self.fail_decode(LegFailure("transport", "decode stream ended before any event"))
             return
         first_scope.deadline = math.inf
-        event = events[0]
-        data = event_data(event)
+        data = event_data(events[0])
         found = event_failure(data, self.account) if data is not None else None
         if found is not None:
-            self._fail_decode(LegFailure("inband", found.message, found.code))
+            self.fail_decode(LegFailure("inband", found.message, found.code))
             return
         self._hold_prefill()
-        if self.logprobs:
-            await self.prefill_answer_known.wait()
-            if data is not None and self.prefill_answer is not None:
-                try:
-                    event = await self.work.merged(self.prefill_answer, data, event=True) or event
-                except orjson.JSONEncodeError as exc:
-                    message = f"first event the router cannot merge: {exc}"
-                    self._fail_decode(LegFailure("transport", message))
-                    return
+        event = await self.rules.first_event(self, events[0], data)
+        if event is None:
+            return
         if self.prefill.failed:
             # Prefill failed while this task held a chunk read before its cancellation landed.
             return
@@ -457,74 +402,29 @@ class Attempt:
                     self.event_limit, self.account,
                 )  # fmt: skip
             except UpstreamError as exc:
-                self._fail_decode(LegFailure(exc.kind, str(exc)))
+                self.fail_decode(LegFailure(exc.kind, str(exc)))
                 return
             rest = b""
-        await self.responder.start(response.status, headers)
-        clock = StreamClock()
-        metrics = self.metrics
-        last = trio.current_time()
-        metrics.first_token.observe(last - self.request_started)
-        gaps = metrics.chunk_gap
-        send = self.responder.send
-        relayed = 1 + rest.count(b"\n\n")
-        transform = self.transform
-        try:
-            async with trio.open_nursery() as guard:
-                guard.start_soon(self._watch_stream, clock, response)
-                try:
-                    clock.started += 1
-                    head = event + rest
-                    await send(head if transform is None else transform(head))
-                    clock.sent += 1
-                    async for chunk in chunks:
-                        clock.chunks += 1
-                        now = trio.current_time()
-                        gaps.observe(now - last)
-                        last = now
-                        relayed += chunk.count(b"\n\n")
-                        clock.started += 1
-                        await send(chunk if transform is None else transform(chunk))
-                        clock.sent += 1
-                except UpstreamError as exc:  # decode broke mid-stream: dispatch sends a frame
-                    self._fail_decode(LegFailure(exc.kind, str(exc)))
-                    guard.cancel_scope.cancel()
-                    return
-                guard.cancel_scope.cancel()
-        finally:
-            metrics.events_relayed.inc(relayed)
-        await self.responder.finish_stream(b"")
-        self.decode.result = LegSuccess(response.status, headers, b"")
+        relay = StreamRelay(
+            self.responder,
+            self.metrics,
+            self.timeouts,
+            self.rules.transform,
+            on_broken=self.fail_decode,
+            on_stall=self._stalled,
+            on_idle=self._idle,
+        )
+        if await relay.relay(response, headers, event, rest, chunks, self.request_started):
+            self.decode.result = LegSuccess(response.status, headers, b"")
 
-    async def _watch_stream(self, clock: StreamClock, response: UpstreamResponse) -> None:
-        """The stream's watchdog: a client that stopped reading, or a decode gone silent.
+    def _stalled(self) -> None:
+        """The client stopped reading (the relay closed decode's connection): both legs end."""
+        self.stalled = True
+        self.decode.cancel("stall")
+        self.prefill.cancel("stall")
 
-        A client write can block for good (hypercorn shields its socket writes; the listening
-        socket's TCP_USER_TIMEOUT ends such a connection in the end), so a stall cannot cancel the
-        relay task itself: the watchdog closes decode's connection under it instead (the engine
-        sees the disconnect at once) and cancels the leg. A silent decode is simply cancelled.
-        """
-        stall, idle = self.timeouts.stream_stall_secs, self.timeouts.stream_idle_secs
-        period = min(stall, idle) / WATCHDOG_CHECKS  # a few wakeups per timeout, per stream
-        seen = (clock.chunks, clock.started, clock.sent)
-        moved_at = trio.current_time()  # when the counters last moved
-        while True:
-            await trio.sleep(period)
-            now = trio.current_time()
-            current = (clock.chunks, clock.started, clock.sent)
-            if current != seen:
-                seen, moved_at = current, now
-                continue
-            writing = clock.started != clock.sent
-            if writing and now - moved_at >= stall:
-                log.warning("client stopped reading for %gs: ending the stream", stall)
-                self.stalled = True
-                response.close_connection_now()
-                self.decode.cancel("stall")
-                self.prefill.cancel("stall")
-                return
-            if not writing and now - moved_at >= idle:
-                self._fail_decode(LegFailure("timeout", f"decode sent nothing for {idle:g}s"))
-                self.decode.scope.cancel()
-                self.decode.abandon()
-                return
+    def _idle(self, failure: LegFailure) -> None:
+        """Decode went silent mid-stream: it failed, and is cancelled and aborted."""
+        self.fail_decode(failure)
+        self.decode.scope.cancel()
+        self.decode.abandon()

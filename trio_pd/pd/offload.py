@@ -23,8 +23,8 @@ import orjson
 import trio
 
 from trio_pd.pd.budget import WORKER_COPIES, Account, json_marks, parse_cost
+from trio_pd.pd.frames import InbandError, answer_failure, merge_logprobs, parse_json
 from trio_pd.pd.payload import OFFLOAD_BYTES
-from trio_pd.pd.relay import InbandError, answer_failure, merge_logprobs, parse_json
 
 
 @attrs.define(eq=False)

@@ -7,7 +7,9 @@ docs/protocol.md §4 and §5 as values and pure functions, apart from the I/O of
 - `LegFailure.counts_against_worker()`: a breaker failure, or the client's fault;
 - `LegFailure.retryable()` and `FailureHistory`: whether another attempt may help;
 - `record_outcome`: breaker attribution, once per worker per attempt, and at most one failure
-  per worker per request, so one poisonous request cannot vote a worker out five times.
+  per worker per request, so one poisonous request cannot vote a worker out five times;
+- `AttemptOutcome`: how one attempt ended, as one frozen value (`Attempt.run` returns it), which
+  is all the metrics, the span, the access line and the retry state (`retry_state.py`) read.
 """
 
 from __future__ import annotations
@@ -103,6 +105,76 @@ class LegSuccess:
 LegResult = LegSuccess | LegFailure | None  # None: still running, or cancelled
 
 
+@attrs.frozen
+class LegEnd:
+    """How one leg of an attempt ended (a snapshot of `attempt.Leg` once the attempt is over).
+
+    ``cancel_cause`` is set when the leg was cancelled while its request was out
+    ("prefill_failed", "decode_failed", "client_gone", "deadline", "stall", "shutdown")."""
+
+    role: Role
+    worker: Worker
+    result: LegResult
+    posted: bool  # its request was written (or was being): the engine may have held it
+    cancel_cause: str | None = None
+    cancelled_at: float | None = None
+    ended_at: float | None = None  # its connection released (pooled or closed)
+
+    @property
+    def failed(self) -> bool:
+        return isinstance(self.result, LegFailure)
+
+    @property
+    def succeeded(self) -> bool:
+        return isinstance(self.result, LegSuccess)
+
+    @property
+    def failure(self) -> LegFailure | None:
+        return self.result if isinstance(self.result, LegFailure) else None
+
+
+@attrs.frozen
+class AttemptOutcome:
+    """How one attempt ended: what its legs did, which workers served them, and whether the
+    client already has bytes of it. What a later step needs to decide anything about the
+    request (retry, breakers, metrics, span, access line, a resumed stream) is here."""
+
+    engine: str  # the pair's engine (`WorkerSpec.engine`)
+    prefill: LegEnd
+    decode: LegEnd
+    streamed: bool  # the client's stream started: bytes of this attempt reached the client
+    finished: bool  # ... and the client's answer is complete
+    stalled: bool = False  # the client stopped reading: nothing more can be sent to it
+    # A decode failing after its prefill answered leaves the prefill's KV blocks leased to that
+    # handoff (vLLM: docs/vllm.md §8, finding 1); a retry then leases more.
+    leases_prefill: bool = False
+    prefill_cached_tokens: int | None = None  # the prefill engine's own count, when asked
+
+    @property
+    def legs(self) -> tuple[LegEnd, LegEnd]:
+        return (self.prefill, self.decode)
+
+    def culprit(self) -> LegEnd | None:
+        """The leg whose failure decided the attempt (docs/protocol.md §4: prefill's first)."""
+        if self.prefill.failed:
+            return self.prefill
+        if self.decode.failed:
+            return self.decode
+        return None
+
+    def reply(self) -> Reply | None:
+        """The client's answer, or None when it was streamed already."""
+        if self.streamed:
+            return None
+        if isinstance(self.prefill.result, LegFailure):
+            return self.prefill.result.client_reply("prefill")
+        if isinstance(self.decode.result, LegFailure):
+            return self.decode.result.client_reply("decode")
+        decode = self.decode.result
+        assert isinstance(decode, LegSuccess), "both legs finished without a failure"
+        return Reply(decode.status, decode.headers, decode.body)
+
+
 @attrs.define
 class FailureHistory:
     """The failures of one request's attempts, to tell a failing worker from a failing request.
@@ -123,12 +195,7 @@ class FailureHistory:
         return len(self.workers_by_signature.get(failure.signature(role), ())) >= 2
 
 
-def record_outcome(
-    fleet: Fleet,
-    prefill: tuple[Worker, LegResult],
-    decode: tuple[Worker, LegResult],
-    history: FailureHistory,
-) -> None:
+def record_outcome(fleet: Fleet, outcome: AttemptOutcome, history: FailureHistory) -> None:
     """Circuit-breaker attribution for one attempt (docs/protocol.md §5).
 
     Prefill failed: only prefill records (a refused request is a success: the client's fault);
@@ -136,7 +203,8 @@ def record_outcome(
     disconnect never gets here (``Cancelled`` propagates past it). A worker records at most one
     failure per request (``history.charged``).
     """
-    (p_worker, p), (d_worker, d) = prefill, decode
+    p_worker, p = outcome.prefill.worker, outcome.prefill.result
+    d_worker, d = outcome.decode.worker, outcome.decode.result
     if isinstance(p, LegFailure):
         _record(fleet, p_worker, p, history)
     elif isinstance(d, LegFailure):

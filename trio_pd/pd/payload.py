@@ -264,7 +264,7 @@ def is_multimodal(path: str, payload: dict[str, Any]) -> bool:
     """Whether the engine processes media before scheduling this request (`/generate`'s
     `image_data`/`video_data`/`audio_data`, a chat content part that is not text): its
     tokenizer manager then awaits between registering the rid and scheduling it, the window in
-    which an abort is lost and latches (docs/protocol.md §10, `pd/dispatch.abort_hook`)."""
+    which an abort is lost and latches (docs/protocol.md §10, `pd/engines/sglang.abort_hook`)."""
     if path == GENERATE:
         return any(payload.get(key) not in (None, [], "") for key in MULTIMODAL_KEYS)
     if path == CHAT:

@@ -26,6 +26,7 @@ import attrs
 import orjson
 
 from trio_pd.observe.metrics import RouterMetrics
+from trio_pd.pd.frames import answer_failure, event_data, parse_json
 from trio_pd.pd.injection import splice
 from trio_pd.pd.migration import (
     refusal,
@@ -35,7 +36,6 @@ from trio_pd.pd.migration import (
 )
 from trio_pd.pd.outcome import LegFailure
 from trio_pd.pd.payload import CHAT, COMPLETIONS, GENERATE, Inspected
-from trio_pd.pd.relay import answer_failure, event_data, parse_json
 from trio_pd.pd.sse import EventReader
 from trio_pd.pd.stitch import Transcript
 from trio_pd.respond import Reply, Responder

@@ -36,9 +36,9 @@ import trio
 
 from trio_pd.pd.budget import Account
 from trio_pd.pd.cancel import RequestCancel
+from trio_pd.pd.frames import DONE_FRAME, event_data
+from trio_pd.pd.frames import parse_json as parse
 from trio_pd.pd.payload import CHAT, COMPLETIONS, GENERATE
-from trio_pd.pd.relay import DONE_FRAME, event_data
-from trio_pd.pd.relay import parse_json as parse
 from trio_pd.pd.sse import EventReader, EventTooLarge
 from trio_pd.respond import JSON_HEADERS, Reply, Responder
 

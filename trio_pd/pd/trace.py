@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from trio_pd.pd.attempt import Attempt
+    from trio_pd.pd.outcome import AttemptOutcome
 
 
 class AttemptTrace(Protocol):
-    def end(self, attempt: Attempt) -> None:
-        """The attempt ran: its legs' spans are read off the finished attempt."""
+    def end(self, ended: AttemptOutcome) -> None:
+        """The attempt ran: its legs' spans are read off how it ended."""
 
 
 class RequestTrace(Protocol):

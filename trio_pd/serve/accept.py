@@ -2,8 +2,10 @@
 
 This is hypercorn's own trio worker (`hypercorn.trio.run.worker_serve`: lifespan startup, one
 handler per connection, a `shutdown_trigger`, a graceful timeout for the connections still open,
-lifespan shutdown) with two changes. Each connection is served by `connection.Connection`
-(hypercorn's TCPServer with strict HTTP/1.1, and HTTP/2 off unless asked). And the accept loop:
+lifespan shutdown) with three changes. The lifespan is run once per process around every door
+(`run_lifespan`), not once per listener, and each door's requests see its state. Each
+connection is served by `connection.Connection` (hypercorn's TCPServer with strict HTTP/1.1,
+and HTTP/2 off unless asked). And the accept loop:
 `trio.serve_listeners` accepts one connection per turn of the scheduler; on a busy router a turn
 runs every ready task, so 256 connections arriving together waited up to ~2 s for their turn to
 be accepted (the p99 of a c=256 run of the bare stack was 1.3 s against a p50 of 0.3 s). Here
@@ -32,7 +34,8 @@ import logging
 import math
 import socket
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any, cast
 
@@ -114,6 +117,7 @@ async def serve_app(
     sockets: Sockets,
     shutdown_trigger: Callable[[], Awaitable[None]],
     *,
+    state: dict[str, Any] | None = None,
     http2: bool = False,
     timeouts: ClientTimeouts | None = None,
     cap: ConnectionCap | None = None,
@@ -123,36 +127,42 @@ async def serve_app(
     `shutdown_trigger` returns; `task_status` gets the bound URLs. Connections are served by
     `connection.Connection` (strict HTTP/1.1; HTTP/2 only with `http2`; its head and idle
     bounds `timeouts`, by default the header bound's default and the config's keep-alive);
-    with `cap`, at most that many at once."""
+    with `cap`, at most that many at once. Every request's scope gets a copy of `state` as it
+    is when the request comes (the app's lifespan runs elsewhere, once: `run_lifespan`)."""
     if timeouts is None:
         timeouts = ClientTimeouts(idle_secs=config.keep_alive_timeout)
     config.set_statsd_logger_class(StatsdLogger)
-    lifespan_state: dict[str, Any] = {}
-    lifespan = Lifespan(app, config, lifespan_state)
     context = WorkerContext(None)
+    async with trio.open_nursery() as connections:
+        shared = ConnectionState(state if state is not None else {})  # not a copy: see above
+        handler = partial(Connection, app, config, context, shared, http2=http2, timeouts=timeouts)
+        ssl_context = config.create_ssl_context()
+        listening = [(s, ssl_context) for s in sockets.secure_sockets]
+        listening += [(s, None) for s in sockets.insecure_sockets]
+        try:
+            async with trio.open_nursery() as accepting:
+                for sock, tls in listening:
+                    accepting.start_soon(accept_in_bursts, sock, tls, handler, connections, cap)
+                task_status.started([bound_url(sock, tls) for sock, tls in listening])
+                await shutdown_trigger()
+                accepting.cancel_scope.cancel(reason="shutdown trigger")
+        finally:
+            for sock, _ in listening:
+                sock.close()  # new connections are refused from now on
+            await context.terminated.set()
+            connections.cancel_scope.deadline = trio.current_time() + config.graceful_timeout
+
+
+@asynccontextmanager
+async def run_lifespan(app: Any, config: Config, state: dict[str, Any]) -> AsyncIterator[None]:
+    """hypercorn's lifespan protocol around the body: startup before, shutdown after. The app
+    fills `state` at startup (the ASGI lifespan state, which every request's scope copies)."""
+    config.set_statsd_logger_class(StatsdLogger)
+    lifespan = Lifespan(app, config, state)
     async with trio.open_nursery() as lifespan_nursery:
         await lifespan_nursery.start(lifespan.handle_lifespan)
         await lifespan.wait_for_startup()
-        async with trio.open_nursery() as connections:
-            state = ConnectionState(lifespan_state.copy())
-            handler = partial(
-                Connection, app, config, context, state, http2=http2, timeouts=timeouts
-            )
-            ssl_context = config.create_ssl_context()
-            listening = [(s, ssl_context) for s in sockets.secure_sockets]
-            listening += [(s, None) for s in sockets.insecure_sockets]
-            try:
-                async with trio.open_nursery() as accepting:
-                    for sock, tls in listening:
-                        accepting.start_soon(accept_in_bursts, sock, tls, handler, connections, cap)
-                    task_status.started([bound_url(sock, tls) for sock, tls in listening])
-                    await shutdown_trigger()
-                    accepting.cancel_scope.cancel(reason="shutdown trigger")
-            finally:
-                for sock, _ in listening:
-                    sock.close()  # new connections are refused from now on
-                await context.terminated.set()
-                connections.cancel_scope.deadline = trio.current_time() + config.graceful_timeout
+        yield
         await lifespan.wait_for_shutdown()
         lifespan_nursery.cancel_scope.cancel(reason="lifespan done")
 

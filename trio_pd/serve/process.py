@@ -12,106 +12,157 @@ import gc
 import logging
 import multiprocessing
 import signal
+import socket
 import sys
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
+import attrs
 import trio
 from hypercorn.config import Sockets
 
 from trio_pd.config import RouterConfig
-from trio_pd.edge.router import Router
+from trio_pd.edge.router import Router, build_router
 from trio_pd.observe.logs import configure as configure_logging
-from trio_pd.serve.accept import ConnectionCap, serve_app, wrap_asgi
-from trio_pd.serve.admin_listener import admin_url, bind_admin, serve_admin
-from trio_pd.serve.fd_budget import client_connection_cap, raise_soft_limit
-from trio_pd.serve.listeners import (
-    client_timeouts,
-    close_sockets,
-    hypercorn_config,
-    make_sockets,
+from trio_pd.serve.accept import ConnectionCap, bound_url, run_lifespan, wrap_asgi
+from trio_pd.serve.doors import (
+    DataOptions,
+    Door,
+    DoorName,
+    HttpOnly,
+    bind_doors,
+    data_door,
+    is_loopback_host,
+    metrics_page,
+    probes_only,
+    serve_door,
+    side_doors,
 )
-from trio_pd.serve.metrics_listener import bind_metrics, serve_metrics
-from trio_pd.serve.probe_listener import bind_probes, serve_probes
+from trio_pd.serve.fd_budget import client_connection_cap, raise_soft_limit
+from trio_pd.serve.listeners import client_timeouts, close_sockets, hypercorn_config
 
 log = logging.getLogger(__name__)
+
+
+@attrs.frozen(eq=False)
+class Serving:
+    """What `serve` reports once every door is open: the router it built and the data port's
+    URLs (port 0 picks a free one)."""
+
+    router: Router
+    urls: list[str]
+
+
+def own_sockets(listening: Mapping[DoorName, Sockets]) -> list[socket.socket]:
+    return [
+        sock
+        for bound in listening.values()
+        for sock in (*bound.secure_sockets, *bound.insecure_sockets)
+    ]
 
 
 async def serve(
     config: RouterConfig,
     *,
-    router: Router | None = None,
-    sockets: Sockets | None = None,
-    metrics_sockets: Sockets | None = None,
-    admin_sockets: Sockets | None = None,
-    probe_sockets: Sockets | None = None,
+    listening: Mapping[DoorName, Sockets] | None = None,
     signals: tuple[int, ...] = (),
     parent_sentinel: int | None = None,
-    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[Serving] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve until drained (on one of `signals`, or the parent's death) or cancelled;
-    ``task_status`` gets the data plane's bound URLs (port 0 picks a free one).
+    """Build the router `config` asks for and serve it on its doors until drained (on one of
+    `signals`, or the parent's death) or cancelled.
 
-    With `config.prometheus_port` the metrics listener, and with `config.admin_port` the admin
-    listener, and with `config.edges.health_check_port` the probe listener, are bound first (a
-    port they cannot have fails the start: MetricsListenError, AdminListenError,
-    ProbeListenError) and served until the router is done: they outlive the drain."""
-    app = router if router is not None else Router(config)
-    hc = hypercorn_config(config)
-    side: list[Sockets] = []
+    `listening`: the doors' sockets, bound already (`doors.bind_doors`; the supervisor's
+    copies for a process of `--workers N`); without it every door `config` asks for is bound
+    here first, a port it cannot have failing the start (ListenError). The router is built
+    after the binding, so it knows every socket it serves (`build_router`)."""
+    if listening is None:
+        listening = bind_doors((*side_doors(config), data_door(config)), config)
     try:
-        if metrics_sockets is None and config.prometheus_port is not None:
-            metrics_sockets = bind_metrics(config.prometheus_host, config.prometheus_port)
-        side += [metrics_sockets] if metrics_sockets is not None else []
-        if admin_sockets is None and config.admin_port is not None:
-            admin_sockets = bind_admin(config.admin_host, config.admin_port)[0]
-        side += [admin_sockets] if admin_sockets is not None else []
-        probe_port = config.edges.health_check_port
-        if probe_sockets is None and probe_port is not None:
-            probe_sockets = bind_probes(config.host, probe_port)[0]
-        side += [probe_sockets] if probe_sockets is not None else []
-        if sockets is None:
-            sockets = make_sockets(config, hc)
-    except BaseException:
-        for made in side:
-            close_sockets(made)
-        raise
-    listening = [*sockets.secure_sockets, *sockets.insecure_sockets]
-    for sock in listening:
-        sock.listen(hc.backlog)
-    if admin_sockets is not None:
-        app.access.admin_url = admin_url(admin_sockets)
-    # A worker URL naming any of these is the router itself (`upstream/destinations.py`).
-    for bound in (sockets, metrics_sockets, admin_sockets, probe_sockets):
-        if bound is not None:
-            app.destinations.add_own_sockets((*bound.secure_sockets, *bound.insecure_sockets))
+        admin = listening.get("admin")
+        router = build_router(
+            config,
+            own_sockets=own_sockets(listening),  # a worker URL naming any is the router itself
+            admin_url=bound_url(admin.insecure_sockets[0], None) if admin is not None else None,
+        )
+        await serve_doors(router, listening, signals, parent_sentinel, task_status)
+    finally:  # also a door never served (a start-up that failed): closing twice is harmless
+        for bound in listening.values():
+            close_sockets(bound)
+
+
+async def serve_doors(
+    router: Router,
+    listening: Mapping[DoorName, Sockets],
+    signals: tuple[int, ...],
+    parent_sentinel: int | None,
+    task_status: trio.TaskStatus[Serving],
+) -> None:
+    """Every door of `router`, each served by `doors.serve_door`, around one lifespan.
+
+    A door that does not route through the router (the metrics page) opens first, so a scrape
+    answers during start-up; the others once the lifespan started and handed the requests its
+    route table. The data port closes at the drain (its trigger), after which the lifespan shuts
+    down (`Router.lifespan`); the doors that outlive the drain close when the process is done."""
+    config = router.config
+    doors = {door.name: door for door in (data_door(config), *side_doors(config))}
+    hc = hypercorn_config(config)
+    # The side doors keep the descriptors the cap leaves over.
+    limit = client_connection_cap(config.edges.max_client_connections)
+    data = DataOptions(
+        hc, config.enable_http2, client_timeouts(config),
+        ConnectionCap(limit, router.metrics.connections_refused.inc),
+    )  # fmt: skip
+    admin = doors.get("admin")
+    if admin is not None and router.access.keyless and not is_loopback_host(admin.host):
+        log.warning(
+            "the admin listener on %s is bound beyond loopback (--admin-host %s) and no "
+            "control-plane keys are configured: anyone who reaches it can change membership",
+            router.access.admin_url, admin.host,
+        )  # fmt: skip
+    state: dict[str, Any] = {}  # the lifespan's: every request of every door reads it
     stop = trio.Event()
+
+    async def open_door(name: DoorName, nursery: trio.Nursery) -> list[str]:
+        door = doors[name]
+        trigger = trio.sleep_forever if door.outlives_drain else stop.wait
+        serving = partial(
+            serve_door, door, door_app(door, router), listening[name], trigger, state=state,
+            data=data if name == "data" else None,
+        )  # fmt: skip
+        urls: list[str] = await nursery.start(serving)
+        return urls
+
     async with trio.open_nursery() as nursery:
         # Always: besides the signals, the drain is how a process that gave up on itself
         # (`edge/supervision.py`) stops.
-        nursery.start_soon(app.drain.run, stop, signals, parent_sentinel)
-        if metrics_sockets is not None:  # until the router is done: it outlives the drain
-            render = app.metrics.render
-            await nursery.start(serve_metrics, render, metrics_sockets, trio.sleep_forever)
-        wrapped = wrap_asgi(app, hc)
+        nursery.start_soon(router.drain.run, stop, signals, parent_sentinel)
+        for name in listening:
+            if not doors[name].routed:
+                await open_door(name, nursery)
+        lifespan = run_lifespan(wrap_asgi(router, hc), hc, state)
+        async with lifespan, trio.open_nursery() as drained:  # the doors the drain closes
+            for name in listening:
+                door = doors[name]
+                if door.routed and name != "data":
+                    await open_door(name, nursery if door.outlives_drain else drained)
+            urls = await open_door("data", drained)  # the last: clients come now
+            task_status.started(Serving(router, urls))
+        nursery.cancel_scope.cancel(reason="served")  # the other doors end with the process
 
-        # The probe, admin and metrics listeners keep the descriptors the cap leaves over.
-        limit = client_connection_cap(config.edges.max_client_connections)
-        cap = ConnectionCap(limit, app.metrics.connections_refused.inc)
 
-        async def data_plane(task_status: trio.TaskStatus[list[str]]) -> None:
-            await serve_app(
-                wrapped, hc, sockets, stop.wait, http2=config.enable_http2,
-                timeouts=client_timeouts(config), cap=cap, task_status=task_status,
-            )  # fmt: skip
-            nursery.cancel_scope.cancel(reason="served")  # the side listeners end with it
-
-        urls = await nursery.start(data_plane)  # the lifespan has started
-        if admin_sockets is not None:  # until the router is done, as the metrics listener
-            await nursery.start(serve_admin, app, admin_sockets, trio.sleep_forever)
-        if probe_sockets is not None:  # the same: probes answer through the drain
-            await nursery.start(serve_probes, app, probe_sockets, trio.sleep_forever)
-        task_status.started(urls)
+def door_app(door: Door, router: Router) -> Any:
+    """What `door` serves of `router` (the side doors through door "admin": no CORS, no
+    `Origin`)."""
+    if door.name == "data":
+        return router
+    through_admin = partial(router.handle_http, door="admin")
+    if door.name == "admin":
+        return HttpOnly(through_admin)
+    if door.name == "probes":
+        return HttpOnly(probes_only(through_admin))
+    return HttpOnly(metrics_page(router.metrics.render))
 
 
 GC_THRESHOLDS = (20_000, 50, 100)  # Python's default is (700, 10, 10)
@@ -134,49 +185,36 @@ def tune_gc() -> None:
 
 async def _serve_main(
     config: RouterConfig,
-    sockets: Sockets | None = None,
+    listening: Mapping[DoorName, Sockets],
     signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT),
     parent_sentinel: int | None = None,
     ready: Any = None,
-    *,
-    metrics_sockets: Sockets | None = None,
-    admin_sockets: Sockets | None = None,
-    probe_sockets: Sockets | None = None,
 ) -> int:
     """Serve one router process until it drained; its exit status (1: it gave up on itself)."""
     raise_soft_limit()  # before the cap is derived from it (`fd_budget.py`)
-    router = Router(config)
     async with trio.open_nursery() as nursery:
-        urls = await nursery.start(
+        serving: Serving = await nursery.start(
             partial(
                 serve,
                 config,
-                router=router,
-                sockets=sockets,
-                metrics_sockets=metrics_sockets,
-                admin_sockets=admin_sockets,
-                probe_sockets=probe_sockets,
+                listening=listening,
                 signals=signals,
                 parent_sentinel=parent_sentinel,
             )
         )
-        log.info("trio-pd routing on %s", ", ".join(urls))
+        log.info("trio-pd routing on %s", ", ".join(serving.urls))
         tune_gc()
         if ready is not None:
             ready.set()  # the parent may forward SIGTERM now: the drain handles it
     log.info("trio-pd stopped")
-    return router.drain.exit_status
+    return serving.router.drain.exit_status
 
 
 def worker_main(
-    config: RouterConfig,
-    sockets: Sockets,
-    index: int,
-    ready: Any,
-    admin_sockets: Sockets | None = None,
-    probe_sockets: Sockets | None = None,
+    config: RouterConfig, listening: dict[DoorName, Sockets], index: int, ready: Any
 ) -> None:
-    """A router process of `--workers N` (spawned by `supervisor.Supervisor`).
+    """A router process of `--workers N` (spawned by `supervisor.Supervisor`), serving its
+    copies of the doors' sockets (`listening`).
 
     It answers SIGTERM only: a terminal's Ctrl-C reaches the parent, which forwards SIGTERM
     (were SIGINT taken here too, one Ctrl-C would count as two signals). If the parent dies,
@@ -186,7 +224,6 @@ def worker_main(
     configure_logging(config.log_level, json_lines=config.log_json, log_dir=config.log_dir)
     parent = multiprocessing.parent_process()
     sentinel = parent.sentinel if parent is not None else None
-    main = partial(_serve_main, config, sockets, (signal.SIGTERM,), sentinel, ready)
-    status = trio.run(partial(main, admin_sockets=admin_sockets, probe_sockets=probe_sockets))
+    status = trio.run(partial(_serve_main, config, listening, (signal.SIGTERM,), sentinel, ready))
     if status:
         sys.exit(status)  # the supervisor restarts a process that gave up on itself

@@ -12,7 +12,7 @@ The parent owns what must be one for all:
   served by its process until it exits (drain included), changes landing in the shared file;
 - metrics: `PROMETHEUS_MULTIPROC_DIR` in the run directory, so `/metrics` on any process reports
   the sum over all of them (prometheus-client's multiprocess mode); the `--prometheus-port`
-  listener is the parent's own (`metrics_listener.MetricsThread`), up from before the first
+  listener is the parent's own (`MetricsThread`), up from before the first
   child starts until the last one ended, restarts included;
 - the processes themselves: a child that dies is restarted with a doubling backoff, logged and
   counted (`trio_pd_process_restarts_total`); signals are handled from before the first child
@@ -26,30 +26,44 @@ totals hold exactly.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from functools import partial
 from multiprocessing.connection import wait as wait_for_any
 from pathlib import Path
 from typing import Any
 
 import attrs
+import trio
+from hypercorn.config import Sockets
 
 from trio_pd.config import RouterConfig
 from trio_pd.observe.metrics import render_multiprocess
-from trio_pd.serve.admin_listener import bind_admin
-from trio_pd.serve.listeners import close_sockets
-from trio_pd.serve.metrics_listener import MetricsThread, bind_metrics
-from trio_pd.serve.probe_listener import bind_probes
+from trio_pd.serve.doors import (
+    Door,
+    DoorName,
+    HttpOnly,
+    ListenError,
+    bind_door,
+    data_door,
+    metrics_page,
+    serve_door,
+    side_doors,
+)
+from trio_pd.serve.listeners import SIDE_GRACE_SECS, close_sockets
 
 log = logging.getLogger(__name__)
 RESTART_BACKOFF_SECS = (0.5, 30.0)  # first delay, cap (doubling; reset after a minute of life)
 POLL_SECS = 0.2
+THREAD_START_SECS = 10.0
 
 
 def per_process(config: RouterConfig, workers: int, run_dir: Path) -> RouterConfig:
@@ -99,9 +113,7 @@ class Slot:
     """One child process position: its sockets, its process, its restart backoff."""
 
     index: int
-    sockets: Any  # hypercorn Sockets
-    admin_sockets: Any = None  # its copy of the admin listener's socket (SO_REUSEPORT)
-    probe_sockets: Any = None  # its copy of the probe listener's socket (the same)
+    listening: dict[DoorName, Sockets]  # its copy of each door's sockets (SO_REUSEPORT)
     process: multiprocessing.process.BaseProcess | None = None
     ready: Any = None  # a multiprocessing Event the child sets once it handles SIGTERM
     told: int = 0  # SIGTERMs forwarded to the current process
@@ -149,41 +161,38 @@ class Supervisor:
 
     def _prepare(self) -> None:
         from trio_pd.membership.shared_file import seed
-        from trio_pd.serve.listeners import hypercorn_config, make_sockets
 
         metrics_dir = self.run_dir / "metrics"
         metrics_dir.mkdir()
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)  # inherited by the children
         self.restarts = parent_restart_counter()
         config = self.config
-        if config.prometheus_port is not None:  # first, as SMG: a port taken fails the start
-            sockets = bind_metrics(config.prometheus_host, config.prometheus_port)
+        # Every door is bound before any process exists (metrics first, as SMG: a port taken
+        # fails the start); the metrics door is the parent's, the others one copy a process.
+        workers = config.workers
+        doors = {door.name: door for door in (*side_doors(config), data_door(config))}
+        copies: dict[DoorName, list[Sockets]] = {}
+        try:
+            for name, door in doors.items():
+                copies[name] = bind_door(door, config, 1 if name == "metrics" else workers)
+        except ListenError:
+            for made in copies.values():
+                for sockets in made:
+                    close_sockets(sockets)
+            raise
+        metrics = copies.pop("metrics", None)
+        if metrics is not None:
             render = partial(render_multiprocess, str(metrics_dir))
-            self.metrics_listener = MetricsThread(render, sockets)
+            self.metrics_listener = MetricsThread(doors["metrics"], render, metrics[0])
             self.metrics_listener.start()
-        admin: list[Any] = [None] * config.workers
-        if config.admin_port is not None:  # bound before any process exists, as the metrics'
-            admin = bind_admin(config.admin_host, config.admin_port, copies=config.workers)
-        probes: list[Any] = [None] * config.workers
-        if config.edges.health_check_port is not None:
-            port = config.edges.health_check_port
-            probes = bind_probes(config.host, port, copies=config.workers)
+        first = copies["data"][0]
+        self.port = (*first.secure_sockets, *first.insecure_sockets)[0].getsockname()[1]
         # With etcd every process watches it and the flags' workers stay "static": no file.
         shared = self.child_config.membership_file
         if shared and (self.config.membership_file is None or not Path(shared).exists()):
             seed(Path(shared), (*self.config.prefill, *self.config.decode))
-        hc = hypercorn_config(config)
-        hc.workers = config.workers  # hypercorn then sets SO_REUSEPORT
-        for index in range(config.workers):
-            sockets = make_sockets(config, hc)
-            if index == 0:
-                first = (*sockets.secure_sockets, *sockets.insecure_sockets)[0]
-                self.port = first.getsockname()[1]
-                if config.port == 0:  # the others bind the port the first one got
-                    config = attrs.evolve(config, port=self.port)
-                    hc = hypercorn_config(config)
-                    hc.workers = config.workers
-            self.slots.append(Slot(index, sockets, admin[index], probes[index]))
+        for index in range(workers):
+            self.slots.append(Slot(index, {name: made[index] for name, made in copies.items()}))
 
     def _start(self, slot: Slot) -> None:
         from trio_pd.serve.process import worker_main
@@ -194,11 +203,9 @@ class Supervisor:
             target=worker_main,
             args=(
                 process_config(self.child_config, self.config, slot.index),
-                slot.sockets,
+                slot.listening,
                 slot.index,
                 slot.ready,
-                slot.admin_sockets,
-                slot.probe_sockets,
             ),
             name=f"trio-pd-{slot.index}",
         )
@@ -286,10 +293,8 @@ class Supervisor:
             return
         self.sockets_closed = True
         for slot in self.slots:  # each process holds its own copies until it exits
-            close_sockets(slot.sockets)
-            for side in (slot.admin_sockets, slot.probe_sockets):
-                if side is not None:
-                    close_sockets(side)
+            for sockets in slot.listening.values():
+                close_sockets(sockets)
 
 
 def parent_restart_counter() -> Any:
@@ -305,3 +310,52 @@ def parent_restart_counter() -> Any:
         "Router processes restarted after they died (--workers N).",
         registry=CollectorRegistry(),
     )
+
+
+class MetricsThread:
+    """The supervisor's metrics door (`--workers N`): its own trio run in a daemon thread.
+
+    The parent's main thread waits on its children with `multiprocessing`, not trio; a thread
+    keeps the listener independent of it. `render` must be thread-safe (the parent's renders
+    the multiprocess files, which the children write)."""
+
+    def __init__(self, door: Door, render: Callable[[], bytes], sockets: Sockets) -> None:
+        self.door = door
+        self.render = render
+        self.sockets = sockets
+        self.urls: list[str] = []
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop: trio.Event | None = None
+        self._up = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="trio-pd-metrics", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        if not self._up.wait(THREAD_START_SECS):
+            raise ListenError("the metrics listener did not start")
+
+    def stop(self) -> None:
+        token, stop = self._token, self._stop
+        if token is not None and stop is not None:
+            with contextlib.suppress(trio.RunFinishedError):
+                trio.from_thread.run_sync(stop.set, trio_token=token)
+        self._thread.join(SIDE_GRACE_SECS + 5)
+
+    def _main(self) -> None:
+        try:
+            trio.run(self._serve)
+        except Exception:
+            log.exception("the metrics listener failed")
+        finally:
+            self._up.set()  # (also when it failed before it was up: start() must not hang)
+            close_sockets(self.sockets)
+
+    async def _serve(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._stop = trio.Event()
+        app = HttpOnly(metrics_page(self.render))
+        async with trio.open_nursery() as nursery:
+            self.urls = await nursery.start(
+                partial(serve_door, self.door, app, self.sockets, self._stop.wait)
+            )
+            self._up.set()

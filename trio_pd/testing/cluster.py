@@ -12,6 +12,7 @@ outcome seen as it is) and round robin. trio_pd's own suite is built on it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, Literal
 
 import attrs
@@ -20,7 +21,7 @@ import trio
 
 from trio_pd.config import RetryConfig, RouterConfig
 from trio_pd.edge.router import Router
-from trio_pd.serve.process import serve
+from trio_pd.serve.process import Serving, serve
 from trio_pd.spec import WorkerSpec
 from trio_pd.testing.engine import EngineConfig, EngineHandle, serve_engine
 
@@ -75,11 +76,8 @@ async def start_engine(
 
 
 async def start_router(nursery: trio.Nursery, config: RouterConfig) -> tuple[Router, str]:
-    router = Router(config)
-    urls = await nursery.start(
-        lambda task_status: serve(config, router=router, task_status=task_status)
-    )
-    return router, urls[0]
+    serving: Serving = await nursery.start(partial(serve, config))
+    return serving.router, serving.urls[0]
 
 
 async def start_cluster(

@@ -236,9 +236,7 @@ def run(args: argparse.Namespace) -> None:
         pass
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m trio_pd.testing.engine", description="Simulated SGLang PD engine"
-    )
+def main(argv: list[str] | None = None, prog: str = "python -m trio_pd.testing.engine") -> None:
+    parser = argparse.ArgumentParser(prog=prog, description="Simulated SGLang PD engine")
     add_arguments(parser)
     run(parser.parse_args(argv))

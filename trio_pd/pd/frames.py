@@ -1,4 +1,4 @@
-"""SSE payloads, in-band failure detection and the logprob merge (docs/protocol.md §4, §6).
+"""SSE frames and payloads: event data, in-band failures, the logprob merge, the error frame.
 
 Decode's bytes are relayed raw; only what a decision needs is parsed: the first event of a stream,
 a prefill answer, an error marker. Events are cut out of the byte stream by `sse.EventReader`.

@@ -7,7 +7,7 @@ import pytest
 
 from trio_pd.pd import sse
 from trio_pd.pd.budget import MemoryBudget, OverBudget
-from trio_pd.pd.relay import (
+from trio_pd.pd.frames import (
     InbandError,
     answer_failure,
     error_frame,

@@ -1,13 +1,12 @@
-"""Shared plumbing of the benchmarks: processes (engines, routers), CPU accounting, statistics,
-tables and the JSON results files."""
+"""Processes of a benchmark, started and reaped in one place: engines (the simulator or the
+instant engine), routers (trio_pd, SMG 1.13, mini_lb) and the cluster that holds them; every
+child runs in its own session with its output in a log file, and stop() ends its whole tree."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
-import os
 import re
 import shutil
 import signal
@@ -26,130 +25,23 @@ import attrs
 import orjson
 import psutil
 
-ROOT = Path(__file__).resolve().parent.parent
-BENCH = ROOT / "bench"
-RESULTS = BENCH / "results"
+from bench.harness.cpu import CpuMeter, tree_procs
+from bench.harness.output import BENCH, print_flush
+
 PEERS = BENCH / ".peers"
+# SMG 1.13 as `python -m smg`, never bench/.peers/bin/smg: sglang-router 0.3.2 (mini_lb's
+# package, installed beside it) ships a console script of the same name that runs its own 0.3.2
+# gateway, and which of the two wins depends on pip's install order.
+SMG = (str(PEERS / "bin" / "python"), "-m", "smg")
 VENV_BIN = Path(sys.executable).parent
 HOST = "127.0.0.1"  # the only valid load target
 
 ROUTERS = ("trio_pd", "trio_pd_w2", "trio_pd_noabort", "smg", "mini_lb")
-# `--peers` (make bench-peers) compares against SGLang's routers; trio_pd_noabort (trio_pd with
-# `--no-abort-on-cancel`) runs on request: `--routers trio_pd,trio_pd_noabort`.
+# `--peers` (make bench-peers) compares against SMG 1.13 and SGLang's mini_lb; trio_pd_noabort
+# (trio_pd with `--no-abort-on-cancel`) runs on request: `--routers trio_pd,trio_pd_noabort`.
 PEER_ROUTERS = ("trio_pd", "trio_pd_w2", "smg", "mini_lb")
 TRIO_PD_KINDS = ("trio_pd", "trio_pd_w2", "trio_pd_noabort")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-# ---- machine / run metadata -----------------------------------------------------------------
-def git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
-        )
-        dirty = subprocess.run(
-            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-        )
-        return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except OSError:
-        return "unknown"
-
-
-def meta() -> dict[str, Any]:
-    return {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "nproc": os.cpu_count(),
-        "commit": git_commit(),
-        "python": sys.version.split()[0],
-        "loadavg": os.getloadavg(),
-    }
-
-
-def write_result(name: str, payload: dict[str, Any]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = RESULTS / f"{name}-{stamp}.json"
-    data = {"meta": meta(), **payload}
-    path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
-    return path
-
-
-def fmt(value: Any, digits: int = 1) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        if abs(value) >= 1000:
-            return f"{value:,.0f}"
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
-def table(rows: list[dict[str, Any]], columns: Sequence[str], title: str = "") -> str:
-    cells = [[fmt(r.get(c)) for c in columns] for r in rows]
-    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
-    lines = []
-    if title:
-        lines.append(title)
-    lines.append("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True)))
-    lines.append("  ".join("-" * w for w in widths))
-    for row in cells:
-        lines.append("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)))
-    return "\n".join(lines)
-
-
-# ---- CPU accounting -------------------------------------------------------------------------
-def tree_cpu(pid: int) -> float:
-    """User+system CPU seconds of a process and all its live descendants."""
-    try:
-        proc = psutil.Process(pid)
-        procs = [proc, *proc.children(recursive=True)]
-    except psutil.Error:
-        return 0.0
-    total = 0.0
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            t = p.cpu_times()
-            total += t.user + t.system
-    return total
-
-
-def tree_procs(pid: int) -> list[psutil.Process]:
-    try:
-        proc = psutil.Process(pid)
-        return [proc, *proc.children(recursive=True)]
-    except psutil.Error:
-        return []
-
-
-def machine_busy() -> float:
-    """Busy CPU seconds of the whole machine so far (all cores)."""
-    t = psutil.cpu_times()
-    return t.user + t.nice + t.system + t.irq + t.softirq + getattr(t, "steal", 0.0)
-
-
-class CpuMeter:
-    """CPU seconds used between start() and stop() by some process trees and the machine."""
-
-    def __init__(self, pids: dict[str, int]) -> None:
-        self.pids = pids
-        self.before: dict[str, float] = {}
-        self.result: dict[str, float] = {}
-        self.t0 = 0.0
-        self.wall = 0.0
-
-    def start(self) -> None:
-        self.t0 = time.monotonic()
-        self.before = {name: tree_cpu(pid) for name, pid in self.pids.items()}
-        self.before["machine"] = machine_busy()
-
-    def stop(self) -> dict[str, float]:
-        self.wall = time.monotonic() - self.t0
-        now = {name: tree_cpu(pid) for name, pid in self.pids.items()}
-        now["machine"] = machine_busy()
-        self.result = {k: round(now[k] - self.before[k], 4) for k in now}
-        return self.result
 
 
 # ---- processes ------------------------------------------------------------------------------
@@ -273,6 +165,27 @@ def trio_pd_bin() -> str:
     return str(VENV_BIN / "trio-pd")
 
 
+def start_instant(
+    role: str, logdir: Path, args: Sequence[str] = (), name: str | None = None
+) -> Engine:
+    """bench/instant_engine.py (uvloop + httptools, answers at once): the router is the only
+    busy program. Its `/stats` counts what it completed."""
+    port = free_port()
+    argv = [sys.executable, "-m", "bench.instant_engine", "--role", role, "--host", HOST,
+            "--port", str(port), *args]  # fmt: skip
+    bootstrap = None
+    if role == "prefill":
+        bootstrap = free_port()
+        argv += ["--bootstrap-port", str(bootstrap)]
+    proc = Proc(name or f"instant-{role}", argv, logdir)
+    try:
+        wait_until(lambda: http_get(port, "/health") == 200, 20, role, proc)
+    except BaseException:
+        proc.stop()
+        raise
+    return Engine(role, port, proc, logdir / f"{role}.none", bootstrap)
+
+
 def start_engine(
     role: str, logdir: Path, *, port: int | None = None, bootstrap_port: int | None = None,
     args: Sequence[str] = (), name: str | None = None, wait: bool = True,
@@ -311,11 +224,12 @@ def router_argv(
             argv += ["--no-abort-on-cancel"]
         return argv + list(extra)
     python = str(PEERS / "bin" / "python")
-    argv = [python, "-m", "sglang_router.launch_router", "--pd-disaggregation", *common]
-    if kind == "smg":  # SMG panics at start when its metrics port is taken
-        return [*argv, "--policy", "round_robin", "--log-level", "warn", *metrics, *extra]
-    if kind == "mini_lb":
-        return [*argv, "--mini-lb", "--policy", "random", *extra]
+    if kind == "smg":  # SMG 1.13 (`smg launch`); it panics at start when its metrics port is taken
+        return [*SMG, "launch", "--pd-disaggregation", *common,
+                "--policy", "round_robin", "--log-level", "warn", *metrics, *extra]  # fmt: skip
+    if kind == "mini_lb":  # SGLang's Python mini_lb (its own PD tests still launch it so)
+        return [python, "-m", "sglang_router.launch_router", "--pd-disaggregation", *common,
+                "--mini-lb", "--policy", "random", *extra]  # fmt: skip
     raise ValueError(f"unknown router {kind!r}")
 
 
@@ -524,22 +438,12 @@ def router_rss(c: Cluster) -> dict[str, Any]:
     return {"rss_mb": round(rss / 2**20, 2), "fds": fds, "tcp": conns}
 
 
-def print_flush(*args: Any) -> None:
-    print(*args, flush=True)
-
-
 def scenario_parser(doc: str | None) -> argparse.ArgumentParser:
     """The command line every scenario script shares: `--router` and `--quick`."""
     parser = argparse.ArgumentParser(description=doc)
     parser.add_argument("--router", default="trio_pd", choices=ROUTERS)
     parser.add_argument("--quick", action="store_true")
     return parser
-
-
-def report(name: str, result: dict[str, Any], columns: Sequence[str], title: str) -> None:
-    """Print a scenario's table and write its JSON under bench/results/."""
-    print_flush(table(result["rows"], columns, title))
-    print_flush("wrote", write_result(name, result))
 
 
 def router_and_direct(c: Cluster, **base: Any) -> tuple[dict[str, Any], dict[str, Any], Any]:
