@@ -1,11 +1,14 @@
 """One request's retry state: each attempt reports its outcome here, and here alone is decided
 what follows it (Envoy's model: an upstream request reports to its owner; one retry state).
 
-An attempt's end (`outcome.AttemptOutcome`) leads to one of three next steps:
+An attempt's end (`outcome.AttemptOutcome`) leads to one of four next steps:
 
 - `EndStream`: bytes of the attempt already reached the client, so no other attempt can answer
   instead (`after_bytes_sent`, the one place that decides it: a stream cut by decode is ended
-  with an error event; a resumed stream would be decided there too);
+  with an error event);
+- `Resume`: a stream whose decode broke after its prefill succeeded goes on from a fresh pair
+  after what the client got (migration, `resume.py`), where `--migration-limit` and the
+  request allow it (`after_bytes_sent` too);
 - `Retry`: another attempt on a fresh pair may help (`LegFailure.retryable`), the same failure
   was not already seen on two workers of that role (then it is the request's doing), attempts
   and time are left, and, where a failed decode leaves its prefill's KV leased (vLLM), a decode
@@ -109,9 +112,9 @@ class RetryState:
 
     def after_bytes_sent(self, outcome: AttemptOutcome) -> EndStream | Resume:
         """The client has bytes of this attempt: no other attempt may answer instead. A stream
-        not finished whole and still read is ended with an error event (docs/protocol.md §4);
-        a decode that broke after its prefill succeeded (`decode_broke_after_bytes`) is where
-        a resumed stream would go on instead."""
+        not finished whole and still read is ended with an error event (docs/protocol.md §4),
+        unless its decode broke after its prefill succeeded (`decode_broke_after_bytes`) and
+        migration resumes it (`Resume`)."""
         if outcome.finished or outcome.stalled:
             return EndStream(None)
         if decode_broke_after_bytes(outcome) and self.migration is not None:
