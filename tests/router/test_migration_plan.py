@@ -194,6 +194,11 @@ def test_completions_ids_the_client_asked_for_stay() -> None:
     t = Transcript(COMPLETIONS, strip_ids=False)
     out = t.relay(comp_chunk("a", [10], prompt=[1]))
     assert out["choices"][0]["token_ids"] == [10]
+    assert out["choices"][0]["prompt_token_ids"] == [1]
+    t.resume()
+    out = t.relay(comp_chunk(" b", [11], prompt=[1, 10]))
+    assert out["choices"][0]["token_ids"] == [11]  # the client's ids go on
+    assert "prompt_token_ids" not in out["choices"][0]  # it has the original prompt's
 
 
 def test_whole_answer_events_are_read_only_when_a_break_asks() -> None:

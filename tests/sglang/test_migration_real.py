@@ -71,6 +71,7 @@ def body(route: str, seed: int) -> dict[str, Any]:
     payload = faults.body(route, True, faults.prompt(seed), TOKENS)
     if route == "/v1/completions":
         payload["stream_options"] = {"include_usage": True}
+        payload["return_token_ids"] = True  # the client's own: its ids are compared too
     return payload
 
 
@@ -108,6 +109,8 @@ def answer(route: str, events: list[Any]) -> dict[str, Any]:
         return out
     choices = [c for e in data for c in e.get("choices") or []]
     out["text"] = "".join(c.get("text") or "" for c in choices)
+    out["ids"] = [i for c in choices for i in c.get("token_ids") or []]
+    out["prompt_ids"] = [c["prompt_token_ids"] for c in choices if c.get("prompt_token_ids")]
     out["usage"] = [e["usage"] for e in data if e.get("usage")]
     out["keys"] = sorted({k for c in choices for k in c})
     return out
@@ -170,16 +173,23 @@ async def victims_and_kill(
 
 
 def check(got: dict, want: dict) -> None:
+    """Token for token: the ids equal an uninterrupted run's, the counts and usage too. The
+    text equals it too where the break fell between characters; a break inside a multi-byte
+    character (the tier's random weights emit some) can lose that character's text at the
+    seam (docs/protocol.md §14): printed, not asserted."""
     for route in ROUTES:
         g, w = answer(route, got[route]), answer(route, want[route])
         assert g["done"] == 1 and not g["errors"], (route, g["errors"])
-        assert g["text"] == w["text"], route
+        assert g["ids"] == w["ids"] and len(g["ids"]) == TOKENS, route
         if route == "/generate":
-            assert g["ids"] == w["ids"] and len(g["ids"]) == TOKENS
             assert g["counts"] == w["counts"] and g["grow"]
         else:
             assert g["usage"] == w["usage"]
-            assert "token_ids" not in g["keys"] and "prompt_token_ids" not in g["keys"]
+            assert g["prompt_ids"] == w["prompt_ids"] and len(g["prompt_ids"]) == 1
+        same = g["text"] == w["text"]
+        print(f"\n{route}: ids equal; text equal: {same}; ascii: {w['text'].isascii()}")
+        if w["text"].isascii():
+            assert same, route
 
 
 async def test_a_killed_decodes_streams_finish_on_the_other(

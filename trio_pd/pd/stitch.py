@@ -181,8 +181,11 @@ class Transcript:
                 self.text = self.base_text + self.local_text
             if choice.get("finish_reason") is not None:
                 self.finished = True
-            if self.strip_ids and any(key in choice for key in ROUTER_IDS_KEYS):
-                choice = {k: v for k, v in choice.items() if k not in ROUTER_IDS_KEYS}
+            # The router's ids go; a resumed attempt's prompt ids (the prompt plus the tokens
+            # already sent) too: the client got the original prompt's.
+            cut = ROUTER_IDS_KEYS if self.strip_ids else ("prompt_token_ids",)
+            if (self.strip_ids or self.resumed) and any(key in choice for key in cut):
+                choice = {k: v for k, v in choice.items() if k not in cut}
                 out = {**event, "choices": [choice, *choices[1:]]}
                 changed = True
         if self.created is None and isinstance(event.get("created"), int):
