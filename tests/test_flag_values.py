@@ -133,6 +133,7 @@ CASES: dict[str, Case] = {
     "--disable-circuit-breaker": case([], "breaker.enabled", False),
     "--disable-health-check": case([], "health.periodic", False),
     "--disable-retries": case([], "retry.enabled", False),
+    "--migration-limit": case(["0"], "migration_limit", 0),
     "--disable-worker-overload-protection": case([], "overload.protection", False),
     "--dp-aware": case([], "dp_aware", True),
     "--enable-http2": case([], "enable_http2", True),

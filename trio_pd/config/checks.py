@@ -163,6 +163,8 @@ def check_admission(config: RouterConfig, fail: Fail) -> None:
         fail("rate_limit_tokens_per_second", "must be >= 0")
     if config.breaker.window_duration_secs <= 0:
         fail("breaker.window_duration_secs", "must be > 0")
+    if config.migration_limit < 0:
+        fail("migration_limit", "must be >= 0")
     cap = config.max_concurrent_requests
     if 0 < cap < config.workers:
         fail("max_concurrent_requests", f"{cap} is below --workers {config.workers}: each "

@@ -282,6 +282,9 @@ class RouterConfig:
     # A vLLM prefill's 200 without kv_transfer_params is sent to decode as a plain request
     # ("decode-local", the prompt computed again) or failed ("fail").
     vllm_missing_kv_params: Literal["decode-local", "fail"] = "decode-local"
+    # Migration (issue 29, `pd/migration.py`): how often one request may resume on a fresh pair
+    # after its decode broke mid-stream (0: never, a broken stream ends with an error event).
+    migration_limit: int = 2
     retry: RetryConfig = RetryConfig()
     breaker: BreakerConfig = BreakerConfig()
     health: HealthConfig = HealthConfig()

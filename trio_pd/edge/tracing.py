@@ -238,6 +238,10 @@ class RequestTrace:
             "retry", {"attempt": number, "culprit": role, "backoff_ms": round(delay * 1000, 3)}
         )
 
+    def migrating(self, number: int, reason: str, sent: int) -> None:
+        """Decode broke mid-stream (`reason`) after `sent` tokens: resume `number` follows."""
+        self.span.add_event("migration", {"resume": number, "reason": reason, "sent_tokens": sent})
+
     def end(self, responder: Responder, cancel: RequestCancel, error: BaseException | None) -> None:
         """End the request span with the status the client got (or gets: a RouterError leaving
         the handler is answered by the caller; 499 when the client left first)."""
@@ -261,7 +265,7 @@ class RequestTrace:
             "status_code": status,
             "latency": int((trio.current_time() - self.started) * 1e6),
         }
-        for key in ("model", "attempts", "prefill", "decode"):
+        for key in ("model", "attempts", "prefill", "decode", "migrations"):
             value = info.get(key)
             if value is not None:
                 attributes[key] = value

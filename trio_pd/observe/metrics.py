@@ -129,6 +129,15 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+        self.migrations = Counter(
+            "trio_pd_migrations",
+            "Streams whose decode broke after prefill succeeded, by what broke (transport, "
+            "timeout, inband) and what the router did: resumed on a fresh pair, refused_<rule> "
+            "(resuming would change the answer, pd/migration.py), limit (--migration-limit "
+            "spent), context (over the engine's context), failed (the resume could not start).",
+            ["reason", "outcome"],
+            registry=r,
+        )
         self.legs_cancelled = Counter(
             "trio_pd_legs_cancelled",
             "Legs cancelled while their request was out, by role and cause (prefill_failed, "

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -49,6 +49,7 @@ from trio_pd.pd.budget import Account, OverBudget
 from trio_pd.pd.frames import event_data
 from trio_pd.pd.offload import AnswerWork
 from trio_pd.pd.outcome import AttemptOutcome, LegEnd, LegFailure, LegResult, LegSuccess
+from trio_pd.pd.resume import Migration, transcribed
 from trio_pd.pd.sse import EventReader, EventTooLarge
 from trio_pd.pd.stream_relay import StreamRelay
 from trio_pd.respond import Responder
@@ -200,6 +201,9 @@ class Attempt:
     # Whether anyone reads it (kv_aware's self-check probed this request): else the prefill's
     # answers are not searched for it, on every request's path.
     note_cached: bool = False
+    # A stream that may resume on another pair if decode breaks (`resume.py`): relayed as
+    # whole events through its transcript. None: relayed as it came.
+    migration: Migration | None = None
 
     async def run(self) -> AttemptOutcome:
         """Run both legs to completion, in the engine's schedule; how they ended is returned."""
@@ -363,7 +367,7 @@ class Attempt:
         The first event proves the KV cache arrived, so only then do the client's headers go out;
         an engine may rewrite that event first (SGLang's logprob merge waits for prefill's).
         """
-        chunks = response.chunks()
+        chunks: AsyncIterator[bytes] = response.chunks()
         reader = EventReader(self.event_limit, self.account)
         events: list[bytes] = []
         try:
@@ -390,6 +394,17 @@ class Attempt:
         if self.prefill.failed:
             # Prefill failed while this task held a chunk read before its cancellation landed.
             return
+        migration = self.migration
+        if migration is not None and migration.transcript is not None:
+            try:
+                event, chunks = transcribed(
+                    migration, migration.transcript, event, rest, chunks,
+                    self.event_limit, self.account,
+                )  # fmt: skip
+            except UpstreamError as exc:
+                self.fail_decode(LegFailure(exc.kind, str(exc)))
+                return
+            rest = b""
         relay = StreamRelay(
             self.responder,
             self.metrics,

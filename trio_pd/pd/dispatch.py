@@ -11,6 +11,8 @@ the breakers and the retry state read.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import attrs
 import trio
@@ -22,15 +24,26 @@ from trio_pd.fleet.registry import NO_COMPATIBLE_PAIR
 from trio_pd.fleet.retry import attempts
 from trio_pd.fleet.worker import NoWorkerAvailable, RankHold, Worker, joined
 from trio_pd.pd.admission import admit_decode, admit_pair
+from trio_pd.pd.answers import read_answer
 from trio_pd.pd.cancel import RequestCancel
 from trio_pd.pd.ending import account_cancelled_legs, count_failures
 from trio_pd.pd.engines import engine_for
-from trio_pd.pd.outcome import AttemptOutcome, record_outcome
+from trio_pd.pd.frames import error_frame
+from trio_pd.pd.outcome import AttemptOutcome, LegFailure, record_outcome
 from trio_pd.pd.payload import Inspected
-from trio_pd.pd.request import DispatchContext, PDRequest, Ranks
-from trio_pd.pd.retry_state import Answer, EndStream, RetryState
+from trio_pd.pd.request import DispatchContext, PDRequest, Ranks, leg_headers_for
+from trio_pd.pd.resume import (
+    TOKENIZE_PATH,
+    ContinuedResponder,
+    Migration,
+    ResumeFailed,
+    parse_tokenize,
+    tokenize_body,
+)
+from trio_pd.pd.retry_state import Answer, EndStream, Resume, RetryState
 from trio_pd.pd.samples import dispatch_samples
 from trio_pd.respond import Responder
+from trio_pd.upstream.pool import UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -82,36 +95,66 @@ async def dispatch(
         inspected.text, inspected.length, request.routing_key, model, request.affinity, probe
     )
     trace = request.trace
-    for number in range(1, retries.total + 1):
+    # Migration (`resume.py`): a stream whose decode breaks resumes on a fresh pair; the
+    # attempts after a resume write to the client's open stream (`answering`) and send the
+    # resumed body (`sent`); each resume starts its own count of retries (`number`).
+    migration = Migration.for_request(request.path, inspected, ctx.config.migration_limit)
+    retries.migration = migration
+    answering, sent, resuming = responder, request, False
+    number = tries = 0
+    while number < retries.total:
+        number += 1
+        tries += 1
         try:
             prefill, decode, slots = await admitted_pair(
                 ctx, hints, frozenset(retries.avoid), inspected
             )
         except NoWorkerAvailable as exc:
             code = exc.reason if exc.reason == NO_COMPATIBLE_PAIR else None
+            if answering is not responder:
+                await end_resumed(ctx, migration, responder, str(exc))
+                return
             await responder.error(no_worker(str(exc), code))
             return
         except RouterError as exc:  # shed, or the prefill line or the decode window said no
+            if answering is not responder:
+                await end_resumed(ctx, migration, responder, exc.message)
+                return
             await responder.error(exc)
             return
         ranks = with_slots(choose_ranks(ctx, prefill, decode), *slots)
         try:
             engine = engine_for(prefill.spec.engine)
+            if migration is not None:
+                migration.resumable = engine.RESUMES
+                if resuming:
+                    resumed = await migration.resumed_inspected(
+                        inspected, tokenizer(ctx, request, prefill)
+                    )
+                    sent, resuming = attrs.evolve(request, inspected=resumed), False
+                elif answering is responder:
+                    sent = attrs.evolve(request, inspected=migration.request_inspected())
             attempt = await engine.new_attempt(
-                ctx, request, responder, cancel, (prefill, decode), (started, deadline), ranks
+                ctx, sent, answering, cancel, (prefill, decode), (started, deadline), ranks
             )
+        except (ResumeFailed, UpstreamError) as exc:
+            ranks.release()
+            await end_resumed(ctx, migration, responder, f"the resume failed: {exc}")
+            return
         except BaseException:
             ranks.release()
             raise
+        if migration is not None and migration.watching():
+            attempt.migration = migration
         attempt.note_cached = probe is not None  # kv_aware's self-check reads it
-        responder.route_info.update(prefill=prefill.id, decode=decode.id, attempts=number)
+        responder.route_info.update(prefill=prefill.id, decode=decode.id, attempts=tries)
         if number > 1:
             ctx.metrics.retries.inc()
         spans = None
         outcome: AttemptOutcome | None = None
         try:
             # Its span and its legs' (each leg's traceparent is its own span's): tracing only.
-            spans = trace.attempt(number, attempt) if trace is not None else None
+            spans = trace.attempt(tries, attempt) if trace is not None else None
             outcome = await attempt.run()
         finally:
             ranks.release()  # a leg that never started still held its rank
@@ -123,18 +166,62 @@ async def dispatch(
         if kv is not None and probe is not None and not outcome.prefill.failed:
             kv.observe(probe, prefill, outcome.prefill_cached_tokens)
         count_failures(ctx.metrics, outcome)
+        if migration is not None:
+            migration.settle(ctx.metrics, outcome.streamed)
         step = retries.next_step(outcome, number)
+        if isinstance(step, Resume):
+            assert migration is not None
+            answering, resuming, number = ContinuedResponder.of(responder), True, 0
+            responder.route_info["migrations"] = migration.resumes + 1
+            if trace is not None:
+                trace.migrating(migration.resumes + 1, step.reason, step.sent)
+            continue
         if isinstance(step, EndStream):
             if step.frame is not None and not responder.finished:
                 await responder.finish_stream(step.frame)
             return
         if isinstance(step, Answer):
+            if answering is not responder:  # a resumed attempt that sent nothing
+                await end_resumed(ctx, migration, responder, failure_message(outcome))
+                return
             await responder.reply(step.reply)
             return
         log.info("attempt %d failed with %d, retrying in %.3fs", number, step.status, step.delay)
         if trace is not None:
             trace.retrying(number, step.culprit, step.delay)
         await trio.sleep(step.delay)
+
+
+async def end_resumed(
+    ctx: DispatchContext, migration: Migration | None, responder: Responder, message: str
+) -> None:
+    """A resumed stream that cannot go on: the client's stream ends with the error event."""
+    if migration is not None:
+        migration.fail_open_break(ctx.metrics)
+    if not responder.finished:
+        await responder.finish_stream(error_frame(message, "upstream_error", 502))
+
+
+def failure_message(outcome: AttemptOutcome) -> str:
+    culprit = outcome.culprit()
+    if culprit is not None and isinstance(culprit.result, LegFailure):
+        return f"{culprit.role} worker failed: {culprit.result.message}"
+    return "the resumed attempt failed"
+
+
+def tokenizer(
+    ctx: DispatchContext, request: PDRequest, worker: Worker
+) -> Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]:
+    """The prompt's ids as `worker`'s engine makes them: its own `/tokenize`."""
+
+    async def tokenize(payload: dict[str, Any]) -> dict[str, Any]:
+        headers = leg_headers_for(ctx, request, worker)
+        post = ctx.pool.post(worker.url, TOKENIZE_PATH, headers, tokenize_body(payload))
+        async with post as response:
+            body = await read_answer(response)
+            return parse_tokenize(response.status, body)
+
+    return tokenize
 
 
 async def admitted_pair(

@@ -1,11 +1,14 @@
 """One request's retry state: each attempt reports its outcome here, and here alone is decided
 what follows it (Envoy's model: an upstream request reports to its owner; one retry state).
 
-An attempt's end (`outcome.AttemptOutcome`) leads to one of three next steps:
+An attempt's end (`outcome.AttemptOutcome`) leads to one of four next steps:
 
 - `EndStream`: bytes of the attempt already reached the client, so no other attempt can answer
   instead (`after_bytes_sent`, the one place that decides it: a stream cut by decode is ended
-  with an error event; a resumed stream would be decided there too);
+  with an error event);
+- `Resume`: a stream whose decode broke after its prefill succeeded goes on from a fresh pair
+  after what the client got (migration, `resume.py`), where `--migration-limit` and the
+  request allow it (`after_bytes_sent` too);
 - `Retry`: another attempt on a fresh pair may help (`LegFailure.retryable`), the same failure
   was not already seen on two workers of that role (then it is the request's doing), attempts
   and time are left, and, where a failed decode leaves its prefill's KV leased (vLLM), a decode
@@ -15,6 +18,7 @@ An attempt's end (`outcome.AttemptOutcome`) leads to one of three next steps:
 
 from __future__ import annotations
 
+import logging
 import random
 
 import attrs
@@ -27,8 +31,11 @@ from trio_pd.fleet.worker import Worker
 from trio_pd.observe.metrics import RouterMetrics
 from trio_pd.pd.ending import stream_error_frame
 from trio_pd.pd.outcome import AttemptOutcome, FailureHistory, LegEnd, LegFailure
+from trio_pd.pd.resume import Migration
 from trio_pd.respond import Reply
 from trio_pd.spec import Role
+
+log = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -53,13 +60,23 @@ class Answer:
     reply: Reply
 
 
-Step = EndStream | Retry | Answer
+@attrs.frozen
+class Resume:
+    """Decode broke mid-stream after prefill succeeded: the request resumes on a fresh pair,
+    the broken decode avoided, after what the client already got (`resume.py`)."""
+
+    reason: str  # transport, timeout, inband
+    sent: int  # tokens the client already got
+
+
+Step = EndStream | Retry | Answer | Resume
 
 
 def decode_broke_after_bytes(outcome: AttemptOutcome) -> bool:
     """Decode's answer broke after prefill succeeded and bytes already went out: the one case
     a resumed stream (migration) would take over instead of cutting the stream."""
-    return outcome.streamed and outcome.prefill.succeeded and outcome.decode.failed
+    # A prefill still running counts as done: decode streamed, so its KV cache had arrived.
+    return outcome.streamed and not outcome.prefill.failed and outcome.decode.failed
 
 
 @attrs.define(eq=False)
@@ -75,6 +92,7 @@ class RetryState:
     model: str | None = None  # the model it routes to (None: the router serves one)
     history: FailureHistory = attrs.Factory(FailureHistory)
     avoid: set[Worker] = attrs.Factory(set)  # workers that failed this request
+    migration: Migration | None = None  # a stream that may resume (`resume.py`)
 
     def next_step(self, outcome: AttemptOutcome, number: int) -> Step:
         """What follows attempt `number`, which ended as `outcome`."""
@@ -92,17 +110,36 @@ class RetryState:
             return Answer(reply)
         return Retry(culprit.role, delay, reply.status)
 
-    def after_bytes_sent(self, outcome: AttemptOutcome) -> EndStream:
+    def after_bytes_sent(self, outcome: AttemptOutcome) -> EndStream | Resume:
         """The client has bytes of this attempt: no other attempt may answer instead. A stream
-        not finished whole and still read is ended with an error event (docs/protocol.md §4);
-        a decode that broke after its prefill succeeded (`decode_broke_after_bytes`) is where
-        a resumed stream would go on instead."""
+        not finished whole and still read is ended with an error event (docs/protocol.md §4),
+        unless its decode broke after its prefill succeeded (`decode_broke_after_bytes`) and
+        migration resumes it (`Resume`)."""
         if outcome.finished or outcome.stalled:
             return EndStream(None)
-        if decode_broke_after_bytes(outcome):
-            # Migration's seam: today the stream ends here as any other cut stream does.
-            return EndStream(stream_error_frame(outcome))
+        if decode_broke_after_bytes(outcome) and self.migration is not None:
+            resume = self.resume(outcome, self.migration)
+            if resume is not None:
+                return resume
         return EndStream(stream_error_frame(outcome))
+
+    def resume(self, outcome: AttemptOutcome, migration: Migration) -> Resume | None:
+        """Resume the broken stream (`migration.decide`), or count why not (None: the stream
+        ends with the error event, as without migration)."""
+        decode = outcome.decode
+        reason = migration.broke(outcome.prefill.failed, decode.result, decode.cancel_cause)
+        if reason is None:
+            return None
+        why = migration.decide(migration.resumable)
+        if why is not None:
+            migration.count(self.metrics, reason, why)
+            log.info("decode broke (%s) mid-stream; not resumed: %s", reason, why)
+            return None
+        migration.open_break = reason
+        self.avoid.add(decode.worker)
+        sent = migration.transcript.sent if migration.transcript is not None else 0
+        log.info("decode broke (%s) after %d tokens: resuming on a fresh pair", reason, sent)
+        return Resume(reason, sent)
 
     def retry_plan(self, outcome: AttemptOutcome, number: int) -> tuple[LegEnd, float] | None:
         """(the leg to blame, the backoff) when another attempt may help, else None: a failure

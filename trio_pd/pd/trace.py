@@ -24,3 +24,6 @@ class RequestTrace(Protocol):
 
     def retrying(self, number: int, role: str, delay: float) -> None:
         """Attempt `number` failed on `role` and another follows after `delay` seconds."""
+
+    def migrating(self, number: int, reason: str, sent: int) -> None:
+        """Decode broke (`reason`) after `sent` tokens: resume `number` follows on a fresh pair."""

@@ -5,8 +5,8 @@ router served by `serve()` on real sockets, ready (one health pass done); `Clust
 two clients: the data plane's and the admin listener's (keyless changes are served only there).
 The defaults suit tests: engines notice disconnects every half second (SGLang: 4 s) so slot
 frees are quick to observe, with a long KV waiting timeout so a decode nobody cancels visibly
-hangs; the router runs with aborts on (the production setting), retries off (every outcome seen
-as it is) and round robin. trio_pd's own suite is built on it.
+hangs; the router runs with aborts on (the production setting), retries and migration off (every
+outcome seen as it is) and round robin. trio_pd's own suite is built on it.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ ROUTER_DEFAULTS: dict[str, Any] = {
     "admin_port": 0,
     "request_timeout_secs": 30.0,
     "retry": RetryConfig(enabled=False),
+    # Nor are broken streams resumed (`--migration-limit 0`): a test of migration turns it on.
+    "migration_limit": 0,
     "policy": attrs.evolve(RouterConfig().policy, policy="round_robin"),
 }
 

@@ -244,6 +244,14 @@ FLEET: tuple[Flag, ...] = (
         "--disable-retries", "one attempt per request", "retry.enabled", action=SWITCH, invert=True
     ),
     Flag(
+        "--migration-limit",
+        "times one request may resume on a fresh pair after its decode broke mid-stream, with "
+        "the tokens already sent as its prompt (Dynamo's name; 0: never)",
+        "migration_limit",
+        default=2,
+        type=int,
+    ),
+    Flag(
         "--cb-failure-threshold",
         "failures that open a worker's circuit breaker",
         "breaker.failure_threshold",

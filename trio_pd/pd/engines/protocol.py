@@ -20,6 +20,7 @@ class Engine(Protocol):
     """An engine module (`sglang.py`, `vllm.py`) as dispatch sees it."""
 
     NAME: str
+    RESUMES: bool  # its streams may resume on a fresh pair after decode broke
 
     async def new_attempt(
         self,

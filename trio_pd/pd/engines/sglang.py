@@ -40,6 +40,9 @@ from trio_pd.upstream.pool import UpstreamResponse
 log = logging.getLogger(__name__)
 
 NAME = "sglang"
+# A stream broken mid-way resumes on a fresh pair (`pd/resume.py`): `/generate` events carry
+# their ids, completions give them with `return_token_ids`, `/tokenize` a prompt's.
+RESUMES = True
 CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d{1,12})')
 # How long the first abort of a leg waits where the latch hazard applies (see `abort_hook`).
 LATCH_DELAY_SECS = 1.0

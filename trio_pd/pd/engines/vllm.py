@@ -54,6 +54,8 @@ from trio_pd.upstream.pool import UpstreamResponse
 log = logging.getLogger(__name__)
 
 NAME = "vllm"
+# Not migrated (docs/protocol.md §14): a broken stream ends with the error event.
+RESUMES = False
 
 
 @attrs.define(eq=False)

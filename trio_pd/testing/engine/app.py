@@ -28,6 +28,8 @@ from trio_pd.testing.engine.decode import run_decode
 from trio_pd.testing.engine.intake import admit
 from trio_pd.testing.engine.prefill import run_prefill
 from trio_pd.testing.engine.state import Call, EngineState
+from trio_pd.testing.engine.tokenize import PATHS as TOKENIZE_PATHS
+from trio_pd.testing.engine.tokenize import handle_tokenize
 from trio_pd.testing.engine.tokenizer import abort_request, background_abort, client_left, dispatch
 from trio_pd.testing.engine.workload import ENDPOINTS
 
@@ -72,6 +74,9 @@ class EngineApp:
             return
         if path == "/abort_request":
             await handle_abort(self.engine, scope, receive, send)
+            return
+        if path in TOKENIZE_PATHS:
+            await handle_tokenize(self.engine, scope, receive, send)
             return
         _query.set(scope.get("query_string", b""))
         await self.info(path, method, send, scope.get("headers", ()))

@@ -88,6 +88,9 @@ class Room:
 
 async def run_decode(call: Call) -> None:
     fault = call.plan.terminal
+    start = call.workload.start_of(0)
+    if fault is not None and fault.after_tokens is not None and start >= fault.after_tokens:
+        fault = None  # `@Ntok` counts the answer's tokens: a resumed request is past it
     if fault is not None and fault.delay == 0 and fault.after_tokens is None:
         await fire(call, fault)
         return
@@ -97,7 +100,7 @@ async def run_decode(call: Call) -> None:
     if fault.after_tokens is not None:
         with trio.CancelScope() as trigger:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_cancel_once_sent, call, fault.after_tokens, trigger)
+                nursery.start_soon(_cancel_once_sent, call, fault.after_tokens - start, trigger)
                 await _decode(call)
                 nursery.cancel_scope.cancel()
         fired = trigger.cancelled_caught
@@ -368,6 +371,7 @@ async def _generate(call: Call, item: Item) -> None:
         await output.token(item, k, finish)
         if finish is not None:
             return
-        if k == call.plan.hold_after_tokens:  # `hold@Ntok`: paused mid-stream until released
+        # `hold@Ntok`: paused mid-stream after the answer's N-th token until released
+        if k + call.workload.start_of(item.index) == call.plan.hold_after_tokens:
             await call.engine.released.wait()
         await trio.lowlevel.checkpoint()

@@ -4,10 +4,14 @@ KIND is an HTTP status (`500`, `429`, ...), `sse_error[:CODE]` (an error object 
 answer, code 500 unless given), `abort[:CODE]` (finish_reason abort, with `status_code` CODE when
 given), `close`, `hang`, `slow:MS`, `hold` (decode: waits where `slow` does, until the test calls
 `EngineState.release_held()`: a slot held for exactly as long as a test needs, no clock;
-`hold@Ntok`: the stream pauses there after its N-th token instead), or
+`hold@Ntok`: the stream pauses there after its N-th token instead), `die` (the whole engine
+dies as a SIGKILLed SGLang server does: every connection it has is closed at once, every request
+it holds is dropped, and it accepts no more connections; `EngineState.die`), or
 (engine level only) `refuse`. `@MS` delays the firing by MS milliseconds; `@Ntok` (decode only)
 fires it once the decode's answer has sent N tokens, so "mid-stream" is what happened, not a
-guess about the clock. `+kv` (prefill only) fires the fault after the KV cache was sent, so
+guess about the clock (the answer's tokens: a resumed request, whose `input_ids` end with the
+answer's first M tokens (`workload.continued`), fires after N - M of its own, and not at all
+when M >= N). `+kv` (prefill only) fires the fault after the KV cache was sent, so
 decode can answer before prefill fails.
 """
 
@@ -19,7 +23,7 @@ import attrs
 
 from trio_pd.testing.engine.config import ROLES
 
-KINDS = ("status", "sse_error", "abort", "close", "hang", "slow", "hold", "refuse")
+KINDS = ("status", "sse_error", "abort", "close", "hang", "slow", "hold", "die", "refuse")
 
 
 class FaultError(ValueError):

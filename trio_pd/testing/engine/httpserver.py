@@ -38,6 +38,7 @@ class ConnectionRegistry:
         self._streams: dict[tuple[str, int], trio.SocketStream] = {}
         self.total = 0  # connections accepted since start
         self._changed = trio.Event()
+        self.dead = False  # the engine died (`EngineState.die`): connections close on accept
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -78,6 +79,13 @@ class ConnectionRegistry:
             return False
         await stream.aclose()
         return True
+
+    async def drop_all(self) -> int:
+        """Close every open connection at once (a dead engine's); how many there were."""
+        streams = list(self._streams.values())
+        for stream in streams:
+            await stream.aclose()
+        return len(streams)
 
 
 def hypercorn_config(keep_alive_secs: float, log_level: str = "warning") -> Config:
@@ -122,6 +130,9 @@ async def serve_asgi(
     bound = listeners[0].socket.getsockname()[1]
 
     async def handle(stream: trio.SocketStream) -> None:
+        if registry.dead:  # a dead engine: the connection ends before a byte is read
+            await stream.aclose()
+            return
         peer = registry.add(stream)
         served: trio.abc.Stream = stream
         if ssl_context is not None:

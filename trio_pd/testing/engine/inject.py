@@ -54,6 +54,9 @@ async def fire(call: Call, fault: Fault) -> None:
         call.ended = "closed"
         if not await call.engine.connections.drop(call.client):
             log.warning("%s: close fault: connection %s not found", call.rid, call.client)
+    elif fault.kind == "die":
+        call.ended = "died"
+        await call.engine.die()
     elif fault.kind == "hang":
         call.ended = "hang"
         call.hanging = True

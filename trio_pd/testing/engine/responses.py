@@ -129,12 +129,18 @@ class Output:
 
     def _text(self, item: Item, count: int) -> str:
         """The text of `item`'s first `count` tokens (tagged: its rid first)."""
-        text = output_text(count)
+        text = output_text(count, self.w.start_of(item.index) + 1)
         return f"{item.rid} {text}" if self.tag and count else text
 
     def _piece(self, item: Item, k: int) -> str:
         """The text of `item`'s k-th token in a stream (tagged: the first one after its rid)."""
-        return f"{item.rid} {piece(k)}" if self.tag and k == 1 else piece(k)
+        text = piece(self.w.start_of(item.index) + k)
+        return f"{item.rid} {text}" if self.tag and k == 1 else text
+
+    def _ids(self, item: Item, first: int, last: int) -> list[int]:
+        """The ids of `item`'s tokens first..last (1-based, of this request's answer)."""
+        start = self.w.start_of(item.index)
+        return [output_id(start + k) for k in range(first, last + 1)]
 
     # ---- item callbacks -------------------------------------------------------------------
     async def token(self, item: Item, k: int, finish: dict[str, Any] | None = None) -> None:
@@ -173,7 +179,9 @@ class Output:
             lp = self._completion_logprobs(k, k) if self.w.logprobs else None
             reason = finish["type"] if finish else None
             text = self._piece(item, k)
-            await self._send(self._completion_chunk(item.rid, item.index, text, lp, reason))
+            chunk = self._completion_chunk(item.rid, item.index, text, lp, reason)
+            self._token_ids(chunk, item, self._ids(item, k, k), first=k == 1)
+            await self._send(chunk)
 
     async def finish(self, item: Item, finish: dict[str, Any]) -> None:
         """Item ended without a further token (e.g. aborted before its first)."""
@@ -189,6 +197,7 @@ class Output:
                 await self._send(self._chat_chunk(item.rid, item.index, _role_delta()))
         else:
             chunk = self._completion_chunk(item.rid, item.index, "", None, finish["type"])
+            self._token_ids(chunk, item, [], first=item.generated == 0)
             await self._send(chunk)
 
     async def fail(self, item: Item, status: int, message: str) -> None:
@@ -253,7 +262,7 @@ class Output:
 
     # ---- /generate ------------------------------------------------------------------------
     def meta_info(self, item: Item, done: int, finish: dict[str, Any] | None) -> dict[str, Any]:
-        ids = [output_id(i) for i in range(1, done + 1)]
+        ids = self._ids(item, 1, done)
         meta: dict[str, Any] = {
             "id": item.rid,
             "finish_reason": finish,
@@ -289,7 +298,7 @@ class Output:
     def _generate_event(self, item: Item, k: int, finish: dict[str, Any] | None) -> dict[str, Any]:
         event: dict[str, Any] = {
             "text": self._text(item, k),
-            "output_ids": [output_id(i) for i in range(1, k + 1)],
+            "output_ids": self._ids(item, 1, k),
             "meta_info": self.meta_info(item, k, finish),
         }
         if self.w.is_batch:
@@ -304,7 +313,7 @@ class Output:
             outs = [
                 {
                     "text": self._text(i, i.generated),
-                    "output_ids": [output_id(k) for k in range(1, i.generated + 1)],
+                    "output_ids": self._ids(i, 1, i.generated),
                     "meta_info": self.meta_info(i, i.generated, self.finished.get(i.index)),
                 }
                 for i in items
@@ -327,6 +336,9 @@ class Output:
             choice.update(
                 {"logprobs": lp, "finish_reason": finish.get("type"), "matched_stop": None}
             )
+            if self.w.api == "completions" and self.w.return_token_ids:
+                choice["token_ids"] = self._ids(item, 1, done)
+                choice["prompt_token_ids"] = list(self.w.prompts[self.w.prompt_of(item.index)])
             choices.append(choice)
         return {
             "id": items[0].rid,
@@ -438,6 +450,16 @@ class Output:
             "choices": [choice],
             "usage": None,
         }
+
+    def _token_ids(self, chunk: dict[str, Any], item: Item, ids: list[int], first: bool) -> None:
+        """completions' `return_token_ids` (serving_completions.py): each chunk's new ids, the
+        first chunk's the prompt's too; absent otherwise (popped when None)."""
+        if not self.w.return_token_ids:
+            return
+        choice = chunk["choices"][0]
+        choice["token_ids"] = ids
+        if first:
+            choice["prompt_token_ids"] = list(self.w.prompts[self.w.prompt_of(item.index)])
 
     def _usage_chunk(self) -> dict[str, Any]:
         usage = self._usage()

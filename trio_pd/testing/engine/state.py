@@ -124,6 +124,21 @@ class EngineState:
             config.page_size, config.num_dp_ranks, config.max_total_tokens,
         )  # fmt: skip
 
+    async def die(self) -> None:
+        """The engine dies as a SIGKILLed server does: what it held goes with it (its live
+        requests are dropped, nothing stays counted), every client connection closes at once,
+        and later ones are closed on accept. /ready and /health would answer nothing; here the
+        connection simply ends."""
+        self.stopping = True
+        self.connections.dead = True
+        calls = list(dict.fromkeys(item.call for item in self.live))
+        self.events.emit("engine_died", live=len(self.live), calls=len(calls))
+        for call in calls:  # nothing more is written to them; their slots free as they end
+            call.ended = "died"
+            call.resp.closed = True
+            call.cancel("engine_died")
+        await self.connections.drop_all()
+
     def release_held(self) -> None:
         """Let every request a `hold` fault holds go on (and any later one pass)."""
         self.released.set()

@@ -61,6 +61,12 @@ class Workload:
     model: str | None
     include_usage: bool
     text_prompt: bool  # the engine tokenizes it (the window of config.tokenize_window)
+    # completions' `return_token_ids`: each chunk's `token_ids`, the first's `prompt_token_ids`
+    return_token_ids: bool = False
+
+    def start_of(self, item: int) -> int:
+        """Tokens of the answer before this request's first (a resumed request's, `continued`)."""
+        return continued(self.prompts[item // self.n])
 
     @property
     def batch_size(self) -> int:
@@ -111,7 +117,25 @@ def output_id(i: int) -> int:
 
 
 def output_text(count: int, start: int = 1) -> str:
-    return " ".join(f"tok{i}" for i in range(start, start + count))
+    """The text of `count` tokens from `tok<start>` on; a continuation (start > 1) begins with
+    the space that separates it from the tokens before it, as SGLang's detokenizer renders a
+    resumed answer of a byte-level BPE model."""
+    text = " ".join(f"tok{i}" for i in range(start, start + count))
+    return f" {text}" if start > 1 and count else text
+
+
+def continued(prompt: tuple[int, ...]) -> int:
+    """How many of the prompt's last ids are generated tokens in order (`tok1 ... tokM`): a
+    resumed request (a router's migration sends prompt + the tokens already streamed as
+    `input_ids`) continues with `tok<M+1>`, so its tokens are the uninterrupted run's, byte for
+    byte, as greedy decoding on a real engine. 0 for any other prompt."""
+    if not prompt:
+        return 0
+    last = prompt[-1] - output_id(0)
+    if last < 1 or last > len(prompt):
+        return 0
+    tail = prompt[len(prompt) - last :]
+    return last if all(t == output_id(i + 1) for i, t in enumerate(tail)) else 0
 
 
 def parse_workload(api: str, body: dict[str, Any]) -> Workload:
@@ -164,6 +188,7 @@ def parse_workload(api: str, body: dict[str, Any]) -> Workload:
         model=body.get("model"),
         include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
         text_prompt=text,
+        return_token_ids=api == "completions" and body.get("return_token_ids") is True,
     )
 
 
