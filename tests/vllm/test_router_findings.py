@@ -127,7 +127,13 @@ async def test_a_read_after_the_lease_answers_200_and_the_router_counts_it(
     (r,) = answers
     d1 = await E.metrics(engines, pair.decode_url)
     # The prefill handles the decodes' notifications in its engine steps only: an idle prefill
-    # counts the late read with its next request (checked: not within 60 s while idle).
+    # counts the late read with its next request (checked: not within 60 s while idle). The
+    # router's 1 s health checks saw the stopped decode fail: the nudge waits until they see it
+    # answer again (a 503 "all 1 are unhealthy" otherwise, seen once).
+    await E.wait_router(
+        engines, router.metrics_url, "trio_pd_worker_healthy", lambda v: v == 1, "1",
+        timeout=60.0, role="decode",
+    )  # fmt: skip
     async with httpx2.AsyncClient(base_url=router.url, timeout=300) as client:
         nudge = await client.post("/v1/completions", json=E.completion("and then"))
     assert nudge.status_code == 200, nudge.text
