@@ -120,7 +120,11 @@ sglang-env: $(SGLANG_STAMP)
 # TRIO_PD_SGLANG_TIER makes tests/conftest.py collect tests/sglang (ignored by `make test`).
 # The second step: kv_aware against a prefill publishing its KV events, a pair of its own, so
 # it runs alone (tests/sglang/conftest.py collects it only with TRIO_PD_SGLANG_KV).
+# kv_aware's paused-subscriber row cuts the router's publisher connection with `ss -K` (iproute2).
+SS_INSTALL = command -v ss >/dev/null 2>&1 || apt-get install -y -qq iproute2 >/dev/null 2>&1 \
+	|| (apt-get update -qq && apt-get install -y -qq iproute2) >/dev/null
 test-sglang: $(STAMP) $(SGLANG_STAMP)
+	@$(SS_INSTALL)
 	TRIO_PD_SGLANG_TIER=1 $(BIN)/python -m pytest -q tests/sglang $(SGLANG_TEST_ARGS)
 	TRIO_PD_SGLANG_TIER=1 TRIO_PD_SGLANG_KV=1 $(BIN)/python -m pytest -q \
 		tests/sglang/test_kv_aware_real.py
