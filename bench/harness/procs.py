@@ -36,11 +36,12 @@ SMG = (str(PEERS / "bin" / "python"), "-m", "smg")
 VENV_BIN = Path(sys.executable).parent
 HOST = "127.0.0.1"  # the only valid load target
 
-ROUTERS = ("trio_pd", "trio_pd_w2", "trio_pd_noabort", "smg", "mini_lb")
+ROUTERS = ("trio_pd", "trio_pd_w2", "trio_pd_noabort", "trio_pd_nomigrate", "smg", "mini_lb")
 # `--peers` (make bench-peers) compares against SMG 1.13 and SGLang's mini_lb; trio_pd_noabort
-# (trio_pd with `--no-abort-on-cancel`) runs on request: `--routers trio_pd,trio_pd_noabort`.
+# (trio_pd with `--no-abort-on-cancel`) runs on request: `--routers trio_pd,trio_pd_noabort`;
+# trio_pd_nomigrate (`--migration-limit 0`) is bench/rolling.py's control.
 PEER_ROUTERS = ("trio_pd", "trio_pd_w2", "smg", "mini_lb")
-TRIO_PD_KINDS = ("trio_pd", "trio_pd_w2", "trio_pd_noabort")
+TRIO_PD_KINDS = ("trio_pd", "trio_pd_w2", "trio_pd_noabort", "trio_pd_nomigrate")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -222,6 +223,8 @@ def router_argv(
             argv += ["--workers", "2"]
         if kind == "trio_pd_noabort":  # closing a cancelled leg is all: the engine's poll frees it
             argv += ["--no-abort-on-cancel"]
+        if kind == "trio_pd_nomigrate":  # a broken decode ends the stream (bench/rolling.py)
+            argv += ["--migration-limit", "0"]
         return argv + list(extra)
     python = str(PEERS / "bin" / "python")
     if kind == "smg":  # SMG 1.13 (`smg launch`); it panics at start when its metrics port is taken
