@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: install test lint format demo bench bench-peers bench-router-bound bench-vllm bench-aborts \
-	bench-overload bench-cache clean sglang-env image \
+	bench-overload bench-cache bench-rolling clean sglang-env image \
 	test-sglang demo-sglang chaos-sglang chaos-sglang-smg vllm-env test-vllm demo-vllm
 
 $(STAMP): pyproject.toml
@@ -74,6 +74,13 @@ bench-vllm: $(STAMP)
 bench-overload: $(STAMP)
 	$(PEERS_INSTALL)
 	$(BIN)/python -m bench.overload $(BENCH_ARGS)
+
+# A rolling restart of every decode under steady load (bench/rolling.py, issue 29): trio_pd with
+# and without migration and SMG 1.13 against the same simulator fleet (about 2 minutes; a PNG with
+# BENCH_ARGS='--plot docs/rolling-DATE.png').
+bench-rolling: $(STAMP)
+	$(PEERS_INSTALL)
+	$(BIN)/python -m bench.rolling $(BENCH_ARGS)
 
 # Aborts at storm rate (issue 19, bench/abort_rate.py): 100-750 failing req/s, aborts on and off
 # (4 rates x 2 modes x 3 repetitions, about 8 minutes; BENCH_ARGS=--quick about 1).
