@@ -41,20 +41,31 @@ def pair_session(log_dir: Path) -> Iterator[VllmPair]:
         pair.stop()
 
 
+WARM_UP_ATTEMPTS = 5
+
+
 def warm_up(pair: VllmPair) -> float:
     """One PD request straight to the engines before any test, then until both are idle; the
     seconds its decode took. The decode's first read opens its NIXL connection to the prefill
     (measured 5.7 s on an idle machine); on a loaded one it once came after the prefill's 30 s
     lease (2026-12-05: the session's first test then saw a lease expire and a read after it,
-    finding 4 by itself), so no test's snapshot may hold it."""
+    finding 4 by itself), so no test's snapshot may hold it. A read whose handshake failed is
+    tried again (up to `WARM_UP_ATTEMPTS` PD requests): its prefill's blocks then wait out the
+    lease, which the wait for idle below covers."""
     body = {"model": SERVED_MODEL_NAME, "prompt": "warm up", "max_tokens": 1}
     prefill = {**body, "kv_transfer_params": {"do_remote_decode": True}}
-    status, raw, _ = post(pair.prefill_url + "/v1/completions", prefill, 120.0)
-    assert status == 200, raw
-    params = json.loads(raw)["kv_transfer_params"]
-    status, raw, secs = post(
-        pair.decode_url + "/v1/completions", {**body, "kv_transfer_params": params}, 120.0
-    )
+    for attempt in range(1, WARM_UP_ATTEMPTS + 1):
+        status, raw, _ = post(pair.prefill_url + "/v1/completions", prefill, 120.0)
+        assert status == 200, raw
+        params = json.loads(raw)["kv_transfer_params"]
+        status, raw, secs = post(
+            pair.decode_url + "/v1/completions", {**body, "kv_transfer_params": params}, 120.0
+        )
+        if status == 200:
+            break
+        # NIXL's handshake answers within 5 s or fails the read (`handshake_setup_failed`,
+        # a 500): seen on a busy machine (2026-12-05); the next read handshakes again.
+        print(f"warm-up read {attempt} failed: {status} {raw[:200]!r}", file=sys.stderr)
     assert status == 200, raw
     deadline = time.monotonic() + KV_LEASE_SECS + 30.0
     for engine in pair.engines:
