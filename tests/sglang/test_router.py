@@ -175,25 +175,33 @@ async def test_client_leaves_mid_stream(router, engines, main_pair):
     )
 
 
+BURSTS = 5  # at most, until one shows its hand-offs in the prefill's bootstrap queue
+
+
 async def test_hand_offs_sit_in_the_prefill_bootstrap_queue(router, client, main_pair):
     """A burst through the router: the prefill's `num_waiting_reqs` counts the requests waiting
     for their decode's handshake (`prefill_bootstrap_queue_reqs`), normal PD operation, which
     the overload veto leaves out (docs/overload.md): it never vetoed the prefill."""
-    probe = Probe({"prefill": main_pair.prefill_url})
     body = {"text": "word " * 200, "sampling_params": {"max_new_tokens": 8}}
-    async with trio.open_nursery() as nursery:
-        await nursery.start(probe.run)
-        t0 = time.monotonic()
-        async with trio.open_nursery() as burst:
-            for _ in range(16):
-                burst.start_soon(partial(client.post, "/generate", json=body))
-        probe.stop()
-    samples = [s for s in probe.samples["prefill"] if s.sent >= t0 and s.held is not None]
-    bootstrap = max(s.queues.get("prefill_bootstrap_queue_reqs", 0) for s in samples)
-    queued = max(s.queues["waiting"] for s in samples)  # num_waiting_reqs, bootstrap included
+    bootstrap = queued = bursts = 0
+    # The hand-offs sit in the queue for milliseconds: a burst that came and went between two
+    # polls showed nothing (seen once on a quiet machine), so bursts go on until one shows.
+    while bootstrap == 0 and bursts < BURSTS:
+        bursts += 1
+        probe = Probe({"prefill": main_pair.prefill_url})  # its cancel scope: one run each
+        async with trio.open_nursery() as nursery:
+            await nursery.start(probe.run)
+            t0 = time.monotonic()
+            async with trio.open_nursery() as burst:
+                for _ in range(16):
+                    burst.start_soon(partial(client.post, "/generate", json=body))
+            probe.stop()
+        samples = [s for s in probe.samples["prefill"] if s.sent >= t0 and s.held is not None]
+        bootstrap = max(s.queues.get("prefill_bootstrap_queue_reqs", 0) for s in samples)
+        queued = max(s.queues["waiting"] for s in samples)  # num_waiting_reqs, bootstrap in it
     print(
-        f"\nburst of 16: prefill bootstrap queue up to {bootstrap}, num_waiting_reqs up to "
-        f"{queued} ({len(samples)} snapshots)",
+        f"\nburst {bursts} of 16: prefill bootstrap queue up to {bootstrap}, num_waiting_reqs "
+        f"up to {queued} ({len(samples)} snapshots)",
         file=sys.stderr,
     )
     assert bootstrap > 0  # the provoked thing: hand-offs showed in the bootstrap queue
