@@ -5,8 +5,10 @@ against simulator engines, in `make test`, and its observables (statuses, whole 
 route, rid rules, prefix aborts and `n`, the disconnect timing class, abort answers, and what the
 router reads: `/v1/loads` of a decode waiting for KV, the aborted `finish_reason` object, the
 abort latch, the `/server_info` fields it acts on, streams' finish and usage chunks, batches,
-input logprobs, an unreachable bootstrap server) must be those recorded from a real SGLang
-0.5.23 pair
+input logprobs, an unreachable bootstrap server; and the fault matrix's rows, from
+`tests/sglang/fault_scenarios.py`: a frozen engine, a decode killed mid-stream and while legs
+wait for KV, the prefill's loads in the KV-transfer window) must be those recorded from a real
+SGLang 0.5.23 pair
 (`tests/data/sglang_0.5.23_observables.json`, re-checked live by `make test-sglang`). The
 simulator is configured as the tier's pair is: the prefill's context shorter than the decode's,
 `/health` a generation that takes a second, disconnects polled every 4 s, 32 running requests.
@@ -19,13 +21,16 @@ exactly that: a simulator that drifts from the engine in a new way fails here.
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 
 from tests.conftest import start_engine
-from tests.sglang import scenarios
+from tests.router.test_fault_matrix_sim import engine_process
+from tests.sglang import fault_scenarios, scenarios
 from tests.sglang.record import OUT
 
 RECORDED = json.loads(OUT.read_text())
@@ -63,6 +68,40 @@ async def test_the_simulator_behaves_as_the_real_engine_recorded(
 ) -> None:
     async with scenarios.client() as client:
         live = await scenarios.SCENARIOS[name](target, client)
+    found = difference_paths(RECORDED["main"][name], json.loads(json.dumps(live)))
+    expected = EXPECTED.get(name, {})
+    assert set(found) == set(expected), "\n".join(found.values())
+
+
+# The fault scenarios signal the engines' processes, so the simulator runs here as processes
+# of its own (`python -m trio_pd.testing.engine`): SIGSTOP, SIGCONT and SIGKILL are real. The
+# prefill's KV takes 1 s to move (`--kv-transfer-ms`: the real engine's window, longer so a
+# few-ms poll sees it), the decode 20 ms a token (so a stream is still decoding when killed).
+FAULT_PREFILL = ("--kv-transfer-ms", "1000")
+FAULT_DECODE = ("--inter-token-ms", "20")
+
+
+@pytest.mark.parametrize("name", sorted(fault_scenarios.FAULT_SCENARIOS))
+async def test_the_simulator_meets_the_faults_as_the_real_engine_recorded(
+    name: str, tmp_path: Path
+) -> None:
+    async with (
+        engine_process(tmp_path, "prefill", *FAULT_PREFILL) as prefill,
+        engine_process(tmp_path, "decode", *FAULT_DECODE) as decode,
+        scenarios.client() as client,
+    ):
+        engines = {"prefill": prefill, "decode": decode}
+        target = scenarios.Target(prefill.url, decode.url, prefill.bootstrap_port or 0)
+
+        def send(role: str, signum: int) -> None:
+            os.kill(engines[role].process.pid, signum)
+
+        async def restart(role: str) -> None:
+            """Nothing runs on the engine after its scenario: the test ends with it."""
+
+        live = await fault_scenarios.FAULT_SCENARIOS[name](
+            target, fault_scenarios.Signals(send, restart), client
+        )
     found = difference_paths(RECORDED["main"][name], json.loads(json.dumps(live)))
     expected = EXPECTED.get(name, {})
     assert set(found) == set(expected), "\n".join(found.values())

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import trio
+
+from tests.sglang.fault_scenarios import Signals
 from tests.sglang.scenarios import Target
 from trio_pd.testing.sglang import SGLangPair
 
@@ -40,6 +44,19 @@ def target(pair: SGLangPair) -> Target:
         api_key=pair.api_key,
         admin_api_key=pair.admin_api_key,
     )
+
+
+def signals(pair: SGLangPair) -> Signals:
+    """Real signals to the pair's engines (each engine's whole process group), and a killed
+    engine started again on its own ports."""
+
+    def send(role: str, signum: int) -> None:
+        os.killpg((pair.prefill if role == "prefill" else pair.decode).pid, signum)
+
+    async def restart(role: str) -> None:
+        await trio.to_thread.run_sync(pair.restart, role)
+
+    return Signals(send, restart)
 
 
 def main_flags() -> list[str]:

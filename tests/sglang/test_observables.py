@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.sglang import scenarios
+from tests.sglang import fault_scenarios, pairs, scenarios
 from tests.sglang.record import OUT
 
 RECORDED = json.loads(OUT.read_text())
@@ -25,6 +25,21 @@ async def test_live_matches_recording(name, main_target, client):
     recorded = RECORDED["main"][name]
     diffs = scenarios.differences(
         scenarios.comparable(recorded),
+        scenarios.comparable(json.loads(json.dumps(live))),
+        rules=RECORDED["shape_rules"],
+    )
+    assert not diffs, diffs
+
+
+# After the others (file order): `decode_killed` kills the main pair's decode and restarts it
+# in place (same ports: routers in front keep their URLs).
+@pytest.mark.parametrize("name", list(fault_scenarios.FAULT_SCENARIOS))
+async def test_faults_live_match_recording(name, main_pair, main_target, client):
+    live = await fault_scenarios.FAULT_SCENARIOS[name](
+        main_target, pairs.signals(main_pair), client
+    )
+    diffs = scenarios.differences(
+        scenarios.comparable(RECORDED["main"][name]),
         scenarios.comparable(json.loads(json.dumps(live))),
         rules=RECORDED["shape_rules"],
     )
