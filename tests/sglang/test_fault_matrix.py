@@ -61,6 +61,7 @@ OUT_DIR = Path(__file__).resolve().parents[2] / ".cache" / "fault-matrix"
 # The decode's log line when an abort ends a request waiting for its KV (disaggregation/decode.py).
 ABORTED_WAITING = "Decode transfer failed for request"
 RECOVERY_SECS = 240.0  # from an engine's restart until a request through the router succeeds
+TRY_SECS = 45.0  # one recovery request, at most (a hang guard per try)
 LEDGER_TOKENS: list[tuple[str, int, float]] = []  # (role, tokens, seconds held) past idle
 _references: dict[tuple, Result] = {}
 
@@ -507,12 +508,16 @@ async def _recovered(pair, router, client, role: str, ledger: Ledger, label: str
     # A hang guard: the router takes the engine back after its health checks pass, and the
     # first PD request to a restarted prefill waits for the decode's new KV handshake (once
     # over 60 s on a loaded machine); what the row asserts is that it comes back, not how fast.
+    # Each try is given up after TRY_SECS: the first request to a restarted prefill once hung
+    # past the whole guard (the decode waiting on its old KV handshake); a client that leaves
+    # has the router abort both legs, and the next try starts a new handshake.
     with trio.fail_after(RECOVERY_SECS):
         while True:
             payload = faults.body("/generate", False, faults.prompt(1), SHORT)
-            got = await faults.request(client, url, "/generate", False, payload)
-            if got.status == 200:
-                break
+            with trio.move_on_after(TRY_SECS):
+                got = await faults.request(client, url, "/generate", False, payload)
+                if got.status == 200:
+                    break
             await trio.sleep(0.5)
     assert http_status(router.url + "/readiness") == 200
 
