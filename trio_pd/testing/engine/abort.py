@@ -19,8 +19,8 @@ from typing import Any
 import orjson
 import trio
 
-from trio_pd.testing.engine.asgi import BodyTooLarge, Responder, read_body
-from trio_pd.testing.engine.failures import method_not_allowed, validation_error
+from trio_pd.testing.engine.asgi import Responder
+from trio_pd.testing.engine.failures import read_post_body, validation_error
 from trio_pd.testing.engine.state import EngineState
 from trio_pd.testing.engine.tokenizer import abort_request
 
@@ -34,14 +34,7 @@ class _Invalid(ValueError):
 
 async def handle_abort(engine: EngineState, scope: dict[str, Any], receive: Any, send: Any):
     resp = Responder(send)
-    if scope["method"] != "POST":
-        await method_not_allowed(resp)
-        return
-    try:
-        raw = await read_body(receive)
-    except BodyTooLarge:
-        await resp.error(413, "request body too large")
-        return
+    raw = await read_post_body(scope, receive, resp)
     if raw is None:
         return
     try:

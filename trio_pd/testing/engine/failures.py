@@ -25,7 +25,7 @@ from __future__ import annotations
 from http import HTTPStatus
 from typing import Any
 
-from trio_pd.testing.engine.asgi import Responder
+from trio_pd.testing.engine.asgi import BodyTooLarge, Responder, read_body
 
 
 def flat_error(message: str, err_type: str, code: int) -> dict[str, Any]:
@@ -79,6 +79,19 @@ async def not_found(resp: Responder) -> None:
 
 async def method_not_allowed(resp: Responder) -> None:
     await resp.json(405, {"detail": "Method Not Allowed"})
+
+
+async def read_post_body(scope: dict[str, Any], receive: Any, resp: Responder) -> bytes | None:
+    """A POST route's whole body; None once answered (405 for another method, 413 for a body
+    too large) or when the client left before sending it."""
+    if scope["method"] != "POST":
+        await method_not_allowed(resp)
+        return None
+    try:
+        return await read_body(receive)
+    except BodyTooLarge:
+        await resp.error(413, "request body too large")
+        return None
 
 
 async def internal_error(resp: Responder) -> None:

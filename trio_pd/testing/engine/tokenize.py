@@ -13,8 +13,8 @@ from typing import Any
 
 import orjson
 
-from trio_pd.testing.engine.asgi import BodyTooLarge, Responder, read_body
-from trio_pd.testing.engine.failures import method_not_allowed
+from trio_pd.testing.engine.asgi import Responder
+from trio_pd.testing.engine.failures import read_post_body
 from trio_pd.testing.engine.state import EngineState
 from trio_pd.testing.engine.workload import BadRequest, _content_text, text_ids
 
@@ -23,14 +23,7 @@ PATHS = ("/tokenize", "/v1/tokenize")
 
 async def handle_tokenize(engine: EngineState, scope: dict[str, Any], receive: Any, send: Any):
     resp = Responder(send)
-    if scope["method"] != "POST":
-        await method_not_allowed(resp)
-        return
-    try:
-        raw = await read_body(receive)
-    except BodyTooLarge:
-        await resp.error(413, "request body too large")
-        return
+    raw = await read_post_body(scope, receive, resp)
     if raw is None:
         return
     try:
