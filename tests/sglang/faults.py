@@ -295,6 +295,32 @@ def thaw(pid: int) -> None:
     os.kill(pid, signal.SIGCONT)
 
 
+# A decode's log when it forgets a prefill: `SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE` (2)
+# missed heartbeats `SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL` (5 s) apart (`common/conn.py`).
+LOST_PREFILL = "Lost connection with prefill instance (bootstrap_addr: 127.0.0.1:{port})"
+FORGET_SECS = 60.0  # a hang guard: two missed heartbeats take 5-10 s
+
+
+def losses(decode: Engine, bootstrap_port: int | None) -> int:
+    """How often the decode's log says it forgot the prefill at this bootstrap port."""
+    return decode.log_text().count(LOST_PREFILL.format(port=bootstrap_port))
+
+
+async def decode_forgets(decode: Engine, bootstrap_port: int | None, before: int) -> None:
+    """Until the decode has forgotten a killed prefill (its log says so).
+
+    A decode registers its KV buffers with a prefill once, the first time it reaches that
+    prefill's bootstrap address, and keeps them until it misses two heartbeats to it. A prefill
+    started again on its own ports answers heartbeats within ~6 s of the kill (its bootstrap
+    server starts before its model has loaded), so a decode that missed fewer than two never
+    registers with the new one, and every request through the pair then waits in both engines
+    for a transfer that cannot come (`tests/sglang/restart_probe.py`: 2 of 2 quick restarts;
+    docs/protocol.md §10). A test restarting a prefill waits for this first."""
+    with trio.fail_after(FORGET_SECS):
+        while losses(decode, bootstrap_port) == before:
+            await trio.sleep(0.1)
+
+
 def counter(metrics: str, name: str, **labels: str) -> float:
     """The sum of a Prometheus counter's samples with these labels, from a /metrics page."""
     total = 0.0

@@ -31,6 +31,7 @@ import pytest
 import zmq
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from tests.sglang import faults
 from tests.sglang.conftest import ROUTER_FLAGS
 from tests.sglang.scenarios import shape
 from trio_pd.control.engine_info import parse_kv_events
@@ -404,8 +405,12 @@ def test_a_prefill_restart_is_resynced(fleet, start_router) -> None:
     generate(other, tenant(30) + " question 0")
     url_b = fleet.b.url
     until(lambda: workers_kv(router)[url_b]["blocks"] > 0)
+    lost_before = faults.losses(fleet.pair.decode, fleet.b.bootstrap_port)
     fleet.b.kill()
     until(lambda: workers_kv(router)[url_b]["down"])
+    # Started again only once the decode has forgotten the dead B: a B started sooner is never
+    # registered with, and its requests wait for a transfer that cannot come (faults.py).
+    until(lambda: faults.losses(fleet.pair.decode, fleet.b.bootstrap_port) > lost_before)
     fleet.b = spawn_engine(
         "prefill", fleet.b.port, fleet.b.log_path, fleet.b.command,
         bootstrap_port=fleet.b.bootstrap_port,
