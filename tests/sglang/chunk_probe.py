@@ -3,8 +3,9 @@ real SGLang 0.5.23 pair.
 
 `python -m tests.sglang.chunk_probe [--rounds N] [--out FILE]` (under `flock
 /work/real-engine.lock`): one pair (two servers) whose prefill has `--chunked-prefill-size
-128`, engine-direct (no router). The tier's own prefill keeps the default 4096, above its 1024
-context, so its prompts are never chunked (docs/protocol.md §10). Each round:
+128`, engine-direct (no router). The tier's main prefill chunks by 256 (`pairs.PREFILL_CHUNK`),
+and its fault matrix runs `one_round` as a row (`test_abort_mid_chunked_prefill`); this probe
+is the longer by-hand form (docs/protocol.md §10). Each round:
 
 - a fresh ~850-token prompt's unfaulted answer (the reference), then `/flush_cache` so the
   round's request computes every chunk again;

@@ -14,6 +14,10 @@ from trio_pd.testing.sglang import SGLangPair
 # The main pair's prefill accepts 1024 tokens, its decode 4096 (the model's): a prompt between
 # the two gets a real prefill 400 while its decode waits for KV.
 PREFILL_CONTEXT_LENGTH = 1024
+# Its prefill computes a prompt in chunks of 256 tokens (SGLang's default, 4096, is above the
+# context: nothing would be chunked), so an abort can land mid chunked prefill (SGLang PR
+# #35255's race: test_fault_matrix.py `test_abort_mid_chunked_prefill`).
+PREFILL_CHUNK = 256
 API_KEY = "tier-generation-key"
 ADMIN_API_KEY = "tier-admin-key"
 LOG_DIR = Path(__file__).resolve().parents[2] / ".cache" / "sglang-logs"
@@ -21,7 +25,10 @@ LOG_DIR = Path(__file__).resolve().parents[2] / ".cache" / "sglang-logs"
 
 def start_main(log_dir: Path = LOG_DIR) -> SGLangPair:
     return SGLangPair.start(
-        prefill_context_length=PREFILL_CONTEXT_LENGTH, log_dir=log_dir, name="main"
+        prefill_args=("--chunked-prefill-size", str(PREFILL_CHUNK)),
+        prefill_context_length=PREFILL_CONTEXT_LENGTH,
+        log_dir=log_dir,
+        name="main",
     )
 
 
@@ -60,4 +67,7 @@ def signals(pair: SGLangPair) -> Signals:
 
 
 def main_flags() -> list[str]:
-    return [f"--context-length {PREFILL_CONTEXT_LENGTH} (prefill only)"]
+    return [
+        f"--context-length {PREFILL_CONTEXT_LENGTH} (prefill only)",
+        f"--chunked-prefill-size {PREFILL_CHUNK} (prefill only)",
+    ]
