@@ -60,6 +60,9 @@ def url_of(t: Target, role: str) -> str:
     return t.prefill_url if role == "prefill" else t.decode_url
 
 
+LOADED_SECS = 120.0  # hang guards of the signal scenarios, for a machine busy with other work
+
+
 async def read_outcome(client: httpx2.AsyncClient, method: str, url: str, secs: float) -> str:
     """What a reader of `url` gets within `secs`: `answered <status>`, `connect refused`,
     `no answer` (connected, nothing came back), or the transport error's class."""
@@ -161,38 +164,45 @@ async def decode_killed(t: Target, sig: Signals, client: httpx2.AsyncClient) -> 
     legs: dict[str, dict] = {name: {} for name in ("decoding", "waiting_stream", "waiting_plain")}
     # As long as the prefill's context (1024) lets it: still decoding when the kill comes.
     long_gen = {"text": "go on", "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+    # The two waiters first: they wait for a KV that never comes (no prefill leg), so they stay
+    # held as long as it takes; then the decoding stream, killed at its third event. (The other
+    # order raced: the 1000-token stream ends ~2.7 s after its KV came, and on a loaded machine
+    # the waiters were not yet shown held by then: this scenario's live flake, reproduced
+    # 2026-12-05 under CPU load.)
     async with trio.open_nursery() as nursery:
         started = {name: trio.Event() for name in legs}
-        body = {**long_gen, **bootstrap(t), "rid": fresh_rid("kdec"), "stream": True}
-        nursery.start_soon(
-            _leg, client, t.decode_url + "/generate", body, legs["decoding"], started["decoding"]
-        )
-        prefill = await client.post(t.prefill_url + "/generate", json=body)
-        out["prefill_status"] = prefill.status_code
-        with trio.fail_after(60):
-            await started["decoding"].wait()
-            while len(legs["decoding"]["events"]) < 3:  # tokens came: it decodes
-                assert legs["decoding"]["ending"] is None, legs["decoding"]
-                await trio.sleep(0.005)
         for name, stream in (("waiting_stream", True), ("waiting_plain", False)):
             waiting = {**GEN, **bootstrap(t), "rid": fresh_rid("kwait"), "stream": stream}
             nursery.start_soon(
                 _leg, client, t.decode_url + "/generate", waiting, legs[name], started[name]
             )
-        with trio.fail_after(20):  # the decode holds all three (the engine's own counters)
-            while True:
-                load = (await loads(client, t.decode_url))["loads"][0]
-                if load["num_running_reqs"] >= 1 and load["num_waiting_reqs"] >= 2:
-                    break
+        with trio.fail_after(LOADED_SECS):  # hang guards, for a machine busy with other work
+            while (await loads(client, t.decode_url))["loads"][0]["num_waiting_reqs"] < 2:
                 await trio.sleep(0.005)
             # and the waiting stream's headers came (both engines send them before its KV):
             # a kill before them would be another row
             await started["waiting_stream"].wait()
+        body = {**long_gen, **bootstrap(t), "rid": fresh_rid("kdec"), "stream": True}
+        nursery.start_soon(
+            _leg, client, t.decode_url + "/generate", body, legs["decoding"], started["decoding"]
+        )
+
+        async def prefill_leg() -> None:
+            out["prefill_status"] = (
+                await client.post(t.prefill_url + "/generate", json=body)
+            ).status_code
+
+        nursery.start_soon(prefill_leg)
+        with trio.fail_after(LOADED_SECS):
+            await started["decoding"].wait()
+            while len(legs["decoding"]["events"]) < 3:  # tokens came: it decodes
+                assert legs["decoding"]["ending"] is None, legs["decoding"]
+                await trio.sleep(0.005)
         sig.send("decode", signal.SIGKILL)
     for name, box in legs.items():
         out[name] = _leg_view(box)
     # The next read, once the killed process's sockets are gone (its teardown takes a moment).
-    with trio.move_on_after(10):
+    with trio.move_on_after(LOADED_SECS):
         while (after := await read_outcome(client, "GET", t.decode_url + "/v1/loads", 1.0)) in (
             "no answer",
             "ReadError",

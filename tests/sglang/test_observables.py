@@ -33,19 +33,7 @@ async def test_live_matches_recording(name, main_target, client):
 
 # After the others (file order): `decode_killed` kills the main pair's decode and restarts it
 # in place (same ports: routers in front keep their URLs).
-# `decode_killed` live failed once in five real runs, cause unknown (2026-12-05): recorded, and
-# the simulator held to that recording in `make test`, but not re-checked live in CI until the
-# failure is understood (to run it, take it out of LIVE_FLAKY).
-LIVE_FLAKY = {"decode_killed": "failed once in five real runs, cause not yet known"}
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=pytest.mark.skip(reason=LIVE_FLAKY[n])) if n in LIVE_FLAKY else n
-        for n in fault_scenarios.FAULT_SCENARIOS
-    ],
-)
+@pytest.mark.parametrize("name", list(fault_scenarios.FAULT_SCENARIOS))
 async def test_faults_live_match_recording(name, main_pair, main_target, client):
     live = await fault_scenarios.FAULT_SCENARIOS[name](
         main_target, pairs.signals(main_pair), client
