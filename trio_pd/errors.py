@@ -33,8 +33,7 @@ def without_frames(error: RouterError) -> RouterError:
     `except` block, or awaits inside it (answering the error: without this first, a refused
     body outlives its answer, tests/router/test_containment4_memory.py), otherwise keeps every
     local of those frames, a request's body among them, in a cycle with its own frame that only
-    a full collection frees
-    (`serve/process.py` `tune_gc`: practically never)."""
+    a full collection frees (`serve/process.py` `tune_gc`: practically never)."""
     error.__traceback__ = None
     error.__context__ = None
     error.__cause__ = None
