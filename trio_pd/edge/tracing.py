@@ -21,7 +21,10 @@ Where this module goes further, because a PD request is two requests:
   span's), so a worker's spans hang under the leg that called it;
 - a leg span says how the leg ended (`outcome`: ok, failed, cancelled), and when the router
   cancelled it, why (`cancel_cause`: prefill_failed, decode_failed, client_gone, deadline,
-  stall, shutdown).
+  stall, shutdown);
+- the request span is ended by the router with the request's outcome (`respond.RequestOutcome`)
+  once the client's answer went out, so its status and workers are the access line's and the
+  metrics' (one value, one final status).
 
 Cost: nothing when tracing is off (the router holds None and checks it once per request and
 once per attempt; this module and OpenTelemetry are not even imported). When it is on, spans
