@@ -72,9 +72,11 @@ class RequestOutcome:
 
     @classmethod
     def of(cls, responder: Responder) -> RequestOutcome:
-        notes = responder.notes
+        """The outcome of the request `responder` answered, now that it has ended."""
+        notes, status = responder.notes, responder.status
         return cls(
-            status=final_status(responder),
+            # The one final status: 499 unless the client's answer was complete.
+            status=status if responder.finished and status is not None else CLIENT_GONE_STATUS,
             bytes_sent=responder.bytes_sent,
             inband_status=responder.inband_status,
             model=notes.model,
@@ -102,14 +104,6 @@ class RequestOutcome:
             "inband_status": self.inband_status,
         }
         return {key: value for key, value in fields.items() if value is not None}
-
-
-def final_status(responder: Responder) -> int:
-    """The status a request ended with (`RequestOutcome.status`): what the client got once its
-    answer was complete, 499 when the client left before."""
-    if responder.finished and responder.status is not None:
-        return responder.status
-    return CLIENT_GONE_STATUS
 
 
 class RequestSpan(Protocol):
