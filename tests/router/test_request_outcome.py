@@ -6,6 +6,7 @@ worker served a request is read off the engines (the request id and the engine r
 received), never off the router; the line is then compared with it, its fields in the order
 operators parse (method, path, status, ms, bytes, client_rid, model, prefill, decode, attempts,
 migrations, samples, inband_status, each only when known) and its text `key=value` form.
+Where tracing is on, the request's span is checked against the same line: both read one value.
 """
 
 from __future__ import annotations
@@ -14,12 +15,16 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import pytest
 import trio
+import trio.testing
 
 from tests.conftest import Cluster, start_cluster
 from tests.router.helpers import leave_when, read_sse, settle
+from trio_pd.config import RouterConfig
 from trio_pd.observe.logs import RequestIdFilter
+from trio_pd.respond import Responder
 from trio_pd.testing.engine.serve import EngineHandle
 
 ORDER = (
@@ -238,3 +243,67 @@ async def test_a_client_gone_is_one_outcome_in_the_line_and_the_span(
     assert {k: attributes[k] for k in ("model", "prefill", "decode", "attempts")} == {
         k: line[k] for k in ("model", "prefill", "decode", "attempts")
     }
+
+
+async def test_an_error_event_after_the_keepalive_headers_is_the_inband_status(
+    nursery: trio.Nursery, kept: Kept, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The keep-alive sent the stream's 200 before the prefill failed: the client's status is
+    200 (the line's), the error event's 502 is `inband_status`, and the pair is named."""
+    keepalive = attrs.evolve(RouterConfig().edges, sse_keepalive_secs=1)
+    cluster = await start_cluster(
+        nursery, n_prefill=2, n_decode=2, access_log=True, edges=keepalive
+    )
+    rid = "late-502"
+    payload = {"text": "a b c", "stream": True, "sim_fault": "prefill:500@3000"}
+    async with cluster.client.stream(
+        "POST", "/generate", json=payload, headers={"x-request-id": rid}
+    ) as response:
+        raw = b"".join([chunk async for chunk in response.aiter_raw()])
+    assert response.status_code == 200
+    assert raw.startswith(b": ping") and b'"code":502' in raw.replace(b" ", b"")  # provoked
+    [prefill] = served(cluster, cluster.prefills, rid)
+    [decode] = served(cluster, cluster.decodes, rid)
+    line = await access_line(kept, rid)
+    assert (line["status"], line["inband_status"], line["bytes"]) == (200, 502, len(raw))
+    assert (line["prefill"], line["decode"], line["attempts"]) == (prefill, decode, 1)
+
+
+async def test_an_internal_error_mid_stream_is_an_inband_500_and_an_error_span(
+    nursery: trio.Nursery, kept: Kept, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug after the stream started: the client got 200 and then the router's error event;
+    the line says `inband_status=500` and the span, with the same status 200, is an error."""
+    from tests.otlp_receiver import otlp_receiver
+
+    original = Responder.send
+    sends = 0
+
+    async def flaky_send(self: Responder, chunk: bytes) -> None:
+        nonlocal sends
+        sends += 1
+        if sends == 3:
+            raise RuntimeError("a bug in the relay")
+        await original(self, chunk)
+
+    with otlp_receiver() as receiver:
+        cluster = await start_cluster(
+            nursery, decode={"inter_token_ms": 10.0}, access_log=True, enable_trace=True,
+            otlp_traces_endpoint=receiver.endpoint,
+        )  # fmt: skip
+        monkeypatch.setattr(Responder, "send", flaky_send)
+        rid = "a-bug"
+        payload = {"text": "a b c", "stream": True, "sampling_params": {"max_new_tokens": 50}}
+        async with cluster.client.stream(
+            "POST", "/generate", json=payload, headers={"x-request-id": rid}
+        ) as response:
+            events = await read_sse(response)
+        assert response.status_code == 200 and sends == 3  # provoked: the third send failed
+        assert events[-2]["error"]["code"] == 500
+        line = await access_line(kept, rid)
+        spans = await receiver.wait_for(
+            lambda s: any(x.attributes.get("request_id") == rid for x in s), "the span"
+        )
+        [span] = [s for s in spans if s.attributes.get("request_id") == rid]
+    assert (line["status"], line["inband_status"]) == (200, 500)
+    assert span.attributes["status_code"] == 200 and span.status == "error"
