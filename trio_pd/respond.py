@@ -137,8 +137,10 @@ class Responder:
     status: int | None = None
     audit: str = ""  # what a control-plane change did, for the audit log
     bytes_sent: int = 0  # body bytes, for the access log
-    notes: RequestNotes = attrs.Factory(RequestNotes)  # for the outcome: the route, ...
-    inband_status: int | None = None  # the status of the error event the router ended it with
+    notes: RequestNotes = attrs.Factory(RequestNotes)  # the route, the cause: for the outcome
+    # The status of the error event the router itself ended a started stream with: the early
+    # headers' error reply (below), or an internal error (`edge/router.py`).
+    inband_status: int | None = None
     span: RequestSpan | None = None  # ended with the outcome by the router, after the answer
     # The SSE keep-alive (`edge/keepalive.py`) reads these: body writes begun and finished (a
     # write under way when they differ; counters, as no clock is read per chunk) and the last
