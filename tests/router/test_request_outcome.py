@@ -25,7 +25,6 @@ from tests.router.helpers import leave_when, read_sse, settle
 from trio_pd.config import RouterConfig
 from trio_pd.observe.logs import RequestIdFilter
 from trio_pd.respond import Responder
-from trio_pd.testing.engine.serve import EngineHandle
 
 ORDER = (
     "method", "path", "status", "ms", "bytes", "client_rid", "model", "prefill", "decode",
@@ -75,12 +74,12 @@ async def access_line(kept: Kept, rid: str) -> dict[str, Any]:
     return fields
 
 
-def worker_id(cluster: Cluster, engine: EngineHandle) -> str:
+def worker_id(cluster: Cluster, engine: Any) -> str:
     [worker] = [w for w in cluster.router.fleet.workers(engine.role) if w.url == engine.url]
     return worker.id
 
 
-def served(cluster: Cluster, engines: list[EngineHandle], rid: str, **fields: Any) -> list[str]:
+def served(cluster: Cluster, engines: list[Any], rid: str, **fields: Any) -> list[str]:
     """The ids of the workers among `engines` whose engine received a request of `rid`."""
     return [
         worker_id(cluster, e) for e in engines if e.events.find("request_start", rid=rid, **fields)
