@@ -24,7 +24,7 @@ from tests.conftest import Cluster, start_cluster
 from tests.router.helpers import leave_when, read_sse, settle
 from trio_pd.config import RouterConfig
 from trio_pd.observe.logs import RequestIdFilter
-from trio_pd.respond import Responder
+from trio_pd.respond import RequestOutcome, Responder
 
 ORDER = (
     "method", "path", "status", "ms", "bytes", "client_rid", "model", "prefill", "decode",
@@ -306,3 +306,14 @@ async def test_an_internal_error_mid_stream_is_an_inband_500_and_an_error_span(
         [span] = [s for s in spans if s.attributes.get("request_id") == rid]
     assert (line["status"], line["inband_status"]) == (200, 500)
     assert span.attributes["status_code"] == 200 and span.status == "error"
+
+
+def test_every_field_known_keeps_the_order() -> None:
+    """No request above has every field at once (a resumed sample after the keep-alive's
+    headers would): the order of all of them, without a socket."""
+    outcome = RequestOutcome(
+        status=200, bytes_sent=1, inband_status=502, model="m", client_rid="c",
+        prefill="p", decode="d", attempts=3, migrations=1, samples=2,
+        cancel_cause=None, error=None,
+    )  # fmt: skip
+    assert tuple(outcome.access_fields()) == ORDER[5:]
