@@ -30,9 +30,10 @@ class RouterError(Exception):
 def without_frames(error: RouterError) -> RouterError:
     """`error` holding none of the frames it was raised through, nor the exceptions it was
     raised while handling (`__context__`, `__cause__`). A handler that keeps an error past its
-    `except` block (for a trace, say) otherwise keeps every local of those frames, a request's
-    body among them, in a cycle with its own frame that only a full collection frees
-    (`serve/process.py` `tune_gc`: practically never)."""
+    `except` block, or awaits inside it (answering the error: without this first, a refused
+    body outlives its answer, tests/router/test_containment4_memory.py), otherwise keeps every
+    local of those frames, a request's body among them, in a cycle with its own frame that only
+    a full collection frees (`serve/process.py` `tune_gc`: practically never)."""
     error.__traceback__ = None
     error.__context__ = None
     error.__cause__ = None

@@ -65,13 +65,12 @@ async def handle_generation(
 ) -> None:
     """A PD request: admitted first, then its body read within the memory budget and inspected,
     then dispatched, all in a scope the client's disconnect cancels (`intake.py` says why in
-    this order). With tracing, the whole of it is the request's span."""
-    # Tracing off costs the two None checks; one function, not a wrapper, for the same reason.
+    this order). With tracing, the whole of it is the request's span: begun here, ended by the
+    router with the request's outcome once the client's answer is sent (`rsp.span`)."""
+    # Tracing off costs the None checks; one function, not a wrapper, for the same reason.
     trace = gen.tracing.begin(scope, rsp.request_id) if gen.tracing is not None else None
+    rsp.span = trace
     cancel = RequestCancel()
-    # The error the client got, for the trace: kept without its frames (`without_frames`), so
-    # a refused body is freed when its answer is sent, not by a collection that never runs.
-    answered: RouterError | None = None
     gone = False
     try:
         config = gen.config
@@ -84,7 +83,9 @@ async def handle_generation(
                     body.check_declared(gen.budget.limit)
                     await admitted_run(gen, scope, receive, rsp, cancel, body, trace, nursery)
                 except RouterError as error:  # 4xx of the body, 429 of admission or the budget
-                    answered = without_frames(error)
+                    # Its frames hold the body read so far: freed now, not by a collection.
+                    without_frames(error)
+                    rsp.notes.error = error.message  # the outcome's: the message only
                     if not rsp.started:
                         if not body.complete:  # refused unread: see intake.DISCARD_SECS
                             await body.discard_rest()
@@ -98,13 +99,9 @@ async def handle_generation(
             log.info("request cancelled (%s); every leg of it was closed", cancel.cause)
             if cancel.cause == "shutdown":
                 await answer_cut(rsp, cut_by_shutdown(gen.drain.grace_secs))
-    except BaseException as error:
-        if trace is not None:
-            trace.end(rsp, cancel, error)
-        raise
-    else:
-        if trace is not None:
-            trace.end(rsp, cancel, answered)
+    finally:
+        if cancel.scope.cancel_called:
+            rsp.notes.cancel_cause = cancel.cause
 
 
 async def admitted_run(

@@ -52,7 +52,7 @@ from trio_pd.pd.aborts import AbortService
 from trio_pd.pd.budget import MemoryBudget
 from trio_pd.pd.dispatch import DispatchContext
 from trio_pd.pd.frames import error_frame
-from trio_pd.respond import Responder, deny_websocket, final_status
+from trio_pd.respond import RequestOutcome, Responder, deny_websocket
 from trio_pd.upstream.destinations import Destinations, parse_allow
 from trio_pd.upstream.headers import RouterKeys
 from trio_pd.upstream.pool import UpstreamPool
@@ -205,25 +205,24 @@ class Router:
                     caller, scope["method"], path, responder.status or 0, responder.audit
                 )
         except* RouterError as group:
-            if not responder.started:
-                await responder.error(first_router_error(group), close=body.unread(headers))
+            await answer_error(responder, first_router_error(group), body.unread(headers))
         except* ClientGone:
             log.info("client went away before its body arrived")
         except* Exception as group:
             await self.internal_error(group, responder)
         finally:
-            status = final_status(responder)
+            # The request's outcome, built once, all its metrics, access line and span read.
+            outcome = RequestOutcome.of(responder)
             elapsed = trio.current_time() - started_at
-            self.metrics.count_request(label, status, elapsed)
-            model = responder.route_info.get("model")
-            if model not in (None, "-"):
-                self.metrics.model_requests.labels(model, str(status)).inc()
+            self.metrics.count_request(label, outcome, elapsed)
             if self.config.access_log:
                 log_access({
-                    "method": scope["method"], "path": path, "status": status,
-                    "ms": round(elapsed * 1000, 1), "bytes": responder.bytes_sent,
-                    **responder.route_info,
+                    "method": scope["method"], "path": path, "status": outcome.status,
+                    "ms": round(elapsed * 1000, 1), "bytes": outcome.bytes_sent,
+                    **outcome.access_fields(),
                 })  # fmt: skip
+            if responder.span is not None:
+                responder.span.end(outcome)
 
     async def internal_error(self, group: BaseExceptionGroup, responder: Responder) -> None:
         """A bug or an unforeseen input: logged with its traceback, answered with the envelope."""
@@ -234,6 +233,7 @@ class Router:
                 await responder.error(internal_error())
             elif not responder.finished:
                 frame = error_frame("internal router error", "internal_error", 500)
+                responder.inband_status = 500
                 await responder.finish_stream(frame)
 
 
@@ -339,6 +339,14 @@ def find_route(
         allowed = (*methods, "OPTIONS") if door == "data" else tuple(methods)  # preflights
         raise method_not_allowed(method, path, allowed)
     return route
+
+
+async def answer_error(responder: Responder, error: RouterError, close: bool) -> None:
+    """The error a request ended with: noted for its outcome, and its envelope (with
+    `Connection: close` when `close`) unless the answer had started."""
+    responder.notes.error = error.message
+    if not responder.started:
+        await responder.error(error, close=close)
 
 
 def starting() -> RouterError:

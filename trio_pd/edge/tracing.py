@@ -21,7 +21,10 @@ Where this module goes further, because a PD request is two requests:
   span's), so a worker's spans hang under the leg that called it;
 - a leg span says how the leg ended (`outcome`: ok, failed, cancelled), and when the router
   cancelled it, why (`cancel_cause`: prefill_failed, decode_failed, client_gone, deadline,
-  stall, shutdown).
+  stall, shutdown);
+- the request span is ended by the router with the request's outcome (`respond.RequestOutcome`)
+  once the client's answer went out, so its status and workers are the access line's and the
+  metrics' (one value, one final status).
 
 Cost: nothing when tracing is off (the router holds None and checks it once per request and
 once per attempt; this module and OpenTelemetry are not even imported). When it is on, spans
@@ -49,16 +52,12 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 import trio_pd
-from trio_pd.asgi import ClientGone
-from trio_pd.errors import RouterError, first_router_error
 from trio_pd.pd.outcome import LegFailure, LegSuccess
-from trio_pd.respond import CLIENT_GONE_STATUS, final_status
 
 if TYPE_CHECKING:
     from trio_pd.pd.attempt import Attempt
-    from trio_pd.pd.cancel import RequestCancel
     from trio_pd.pd.outcome import AttemptOutcome, LegEnd
-    from trio_pd.respond import Responder
+    from trio_pd.respond import RequestOutcome
 
 log = logging.getLogger(__name__)
 
@@ -242,40 +241,31 @@ class RequestTrace:
         """Decode broke mid-stream (`reason`) after `sent` tokens: resume `number` follows."""
         self.span.add_event("migration", {"resume": number, "reason": reason, "sent_tokens": sent})
 
-    def end(self, responder: Responder, cancel: RequestCancel, error: BaseException | None) -> None:
-        """End the request span with the status the client got (or gets: a RouterError leaving
-        the handler is answered by the caller; 499 when the client left first)."""
+    def end(self, outcome: RequestOutcome) -> None:
+        """End the request span with its outcome (`respond.RequestOutcome`), once the client's
+        answer was sent: the status its metrics and access line count (499 when the client left
+        first), the route, why it was cancelled and the router's error it ended with. An error
+        status, or an error event the router ended a started stream with (`inband_status`),
+        of 500 or more marks the span an error."""
         span = self.span
-        cancel_cause = cancel.cause if cancel.scope.cancel_called else None
-        if responder.finished:
-            status = responder.status or 0
-        elif isinstance(error, RouterError):
-            status = error.status
-        elif isinstance(error, BaseExceptionGroup) and error.subgroup(RouterError) is not None:
-            error = first_router_error(error)
-            status = error.status
-        elif cancel_cause is not None or isinstance(error, (trio.Cancelled, ClientGone)):
-            status = CLIENT_GONE_STATUS
-        elif error is not None:
-            status = 500
-        else:  # as metrics and the access log count it
-            status = final_status(responder)
-        info = responder.route_info
         attributes: dict[str, Any] = {
-            "status_code": status,
+            "status_code": outcome.status,
             "latency": int((trio.current_time() - self.started) * 1e6),
         }
-        for key in ("model", "attempts", "prefill", "decode", "migrations"):
-            value = info.get(key)
-            if value is not None:
-                attributes[key] = value
-        if cancel_cause is not None:
-            attributes["cancel_cause"] = cancel_cause
-        if isinstance(error, RouterError):
-            attributes["error"] = error.message
+        route = {
+            "model": outcome.model,
+            "attempts": outcome.attempts,
+            "prefill": outcome.prefill,
+            "decode": outcome.decode,
+            "migrations": outcome.migrations,
+            "cancel_cause": outcome.cancel_cause,
+            "error": outcome.error,
+        }
+        attributes.update((key, value) for key, value in route.items() if value is not None)
         span.set_attributes(attributes)
-        if status >= 500:
-            span.set_status(Status(StatusCode.ERROR, f"status {status}"))
+        worst = max(outcome.status, outcome.inband_status or 0)
+        if worst >= 500:
+            span.set_status(Status(StatusCode.ERROR, f"status {worst}"))
         span.end()
 
 

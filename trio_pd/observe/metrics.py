@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from trio_pd.fleet.registry import Fleet
+    from trio_pd.respond import RequestOutcome
     from trio_pd.upstream.pool import UpstreamPool
 
 BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
@@ -259,14 +260,18 @@ class RouterMetrics:
             return self.duration_buckets
         return default
 
-    def count_request(self, path: str, status: int, seconds: float) -> None:
-        """One answered request (the hot path: its labelled children are looked up once)."""
+    def count_request(self, path: str, outcome: RequestOutcome, seconds: float) -> None:
+        """One answered request, by its outcome (the hot path: its labelled children are looked
+        up once); by model too when the router serves several."""
+        status = outcome.status
         children = self._per_request.get((path, status))
         if children is None:
             children = (self.requests.labels(path, str(status)), self.latency.labels(path))
             self._per_request[(path, status)] = children
         children[0].inc()
         children[1].observe(seconds)
+        if outcome.model not in (None, "-"):
+            self.model_requests.labels(outcome.model, str(status)).inc()
 
     def attach(self, fleet: Fleet, pool: UpstreamPool, queue_depth: Callable[[], int]) -> None:
         """Add the fleet, pool and queue gauges (read at scrape time, or synced)."""

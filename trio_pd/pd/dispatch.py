@@ -57,7 +57,7 @@ async def dispatch_request(
     (`samples.py`: PD engines cannot sample n > 1 themselves)."""
     rid = request.inspected.rid
     if rid is not None:  # logged, never sent: the engines' rids are the router's own
-        responder.route_info["client_rid"] = str(rid)[:200]
+        responder.notes.client_rid = str(rid)[:200]
     count = request.inspected.samples
     if count <= 1:
         await dispatch(ctx, request, responder, cancel)
@@ -83,7 +83,8 @@ async def dispatch(
         ctx.fleet, ctx.config.retry, ctx.rng, ctx.metrics, attempts(ctx.config.retry), deadline,
         model,
     )  # fmt: skip
-    responder.route_info["model"] = model or "-"
+    notes = responder.notes  # the route, for the request's outcome (`respond.RequestNotes`)
+    notes.model = model or "-"
     inspected = request.inspected
     kv = ctx.fleet.kv_policy()
     probe = None
@@ -147,7 +148,7 @@ async def dispatch(
         if migration is not None and migration.watching():
             attempt.migration = migration
         attempt.note_cached = probe is not None  # kv_aware's self-check reads it
-        responder.route_info.update(prefill=prefill.id, decode=decode.id, attempts=tries)
+        notes.prefill, notes.decode, notes.attempts = prefill.id, decode.id, tries
         if number > 1:
             ctx.metrics.retries.inc()
         spans = None
@@ -172,7 +173,7 @@ async def dispatch(
         if isinstance(step, Resume):
             assert migration is not None
             answering, resuming, number = ContinuedResponder.of(responder), True, 0
-            responder.route_info["migrations"] = migration.resumes + 1
+            notes.migrations = migration.resumes + 1
             if trace is not None:
                 trace.migrating(migration.resumes + 1, step.reason, step.sent)
             continue

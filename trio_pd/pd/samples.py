@@ -22,6 +22,10 @@ the client's (a prefill 4xx stays that 4xx, and so on) and the other samples are
 once, which closes their legs and aborts them in their engines, exactly as a failed prefill
 cancels its decode; after it started, its error frame ends the stream. A client that leaves
 cancels every sample.
+
+The request's outcome (the access line, the span: `respond.RequestNotes`) names the route of
+the sample that decided the answer: the first to fail (its workers, its attempts and
+resumes), not a sample that another's failure cancelled; else sample 0. `samples` is n.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from trio_pd.pd.frames import DONE_FRAME, event_data
 from trio_pd.pd.frames import parse_json as parse
 from trio_pd.pd.payload import CHAT, COMPLETIONS, GENERATE
 from trio_pd.pd.sse import EventReader, EventTooLarge
-from trio_pd.respond import JSON_HEADERS, Reply, Responder
+from trio_pd.respond import JSON_HEADERS, Reply, RequestNotes, Responder
 
 log = logging.getLogger(__name__)
 MAX_HELD_BYTES = 64 << 10  # a sample's stream held before the client's stream starts, at most
@@ -62,6 +66,7 @@ class Sample:
     held_bytes: int = 0
     done: bool = False  # its response ended
     failed: bool = False  # not a 2xx, or its stream ended with an error frame
+    notes: RequestNotes = attrs.Factory(RequestNotes)  # its route (its own dispatch writes it)
 
 
 class SampleStreams:
@@ -227,12 +232,11 @@ async def dispatch_samples(
             if ending:
                 sample.done = True
 
-        sub = Responder(sink, responder.request_id)
+        sub = Responder(sink, responder.request_id, notes=sample.notes)
         with sample.cancel.scope:
             await dispatch_one(sample.index, sub, sample.cancel)
-        if sample.index == 0:
-            responder.route_info.update(sub.route_info)
 
+    responder.notes.samples = count
     try:
         async with trio.open_nursery() as nursery:
             for sample in samples:
@@ -240,7 +244,8 @@ async def dispatch_samples(
     finally:
         for sample in samples:
             sample.reader.close()  # gives its budget back
-    responder.route_info["samples"] = count
+        # The request's route is the one of the sample that decided its answer.
+        responder.notes.take_route((failure or samples)[0].notes)
     await answer(path, responder, samples, merge, failure)
 
 
