@@ -1,6 +1,6 @@
 """An in-process PD cluster on 127.0.0.1 ephemeral ports: simulator engines and a real router.
 
-`start_cluster(nursery)` starts a prefill and a decode simulator (`trio_pd.testing.engine`) and a
+`start_cluster(nursery)` starts a prefill and a decode simulator (`trio_pd_testing.engine`) and a
 router served by `serve()` on real sockets, ready (one health pass done); `Cluster` holds them and
 two clients: the data plane's and the admin listener's (keyless changes are served only there).
 The defaults suit tests: engines notice disconnects every half second (SGLang: 4 s) so slot
@@ -23,7 +23,7 @@ from trio_pd.config import RetryConfig, RouterConfig
 from trio_pd.edge.router import Router
 from trio_pd.serve.process import Serving, serve
 from trio_pd.spec import WorkerSpec
-from trio_pd.testing.engine import EngineConfig, EngineHandle, serve_engine
+from trio_pd_testing.engine import EngineConfig, EngineHandle, serve_engine
 
 ENGINE_DEFAULTS: dict[str, Any] = {"disconnect_poll_secs": 0.5, "waiting_timeout": 60.0}
 CLIENT_SECS = 120.0  # a cluster's clients' timeout
@@ -120,5 +120,5 @@ async def cluster_of(
 async def wait_until_ready(client: httpx2.AsyncClient) -> None:
     with trio.fail_after(10):
         # Polling, start-up only: readiness is a route, not an event to wait on.
-        while (await client.get("/readiness")).status_code != 200:  # noqa: ASYNC110
+        while (await client.get("/readiness")).status_code != 200:
             await trio.sleep(0.02)

@@ -2,9 +2,9 @@
 
 `serve/connection.py` subclasses hypercorn's `TCPServer`, `H11Protocol` and `ProtocolWrapper`,
 overrides their underscore methods and swaps h11's receive buffer for a stricter one;
-`testing/engine/httpserver.py` drives `TCPServer` by hand. None of that is public API, so
-`pyproject.toml` pins both packages exactly and this test names each private piece: an upgrade
-that moves one fails here, by name, instead of at a client's first request.
+`testing/trio_pd_testing/engine/httpserver.py` drives `TCPServer` by hand. None of that is public
+API, so `pyproject.toml` pins both packages exactly and this test names each private piece: an
+upgrade that moves one fails here, by name, instead of at a client's first request.
 """
 
 import importlib.metadata

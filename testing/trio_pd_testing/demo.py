@@ -100,7 +100,7 @@ class Demo:
         prefill = [
             py,
             "-m",
-            "trio_pd.testing.engine",
+            "trio_pd_testing.engine",
             "--role",
             "prefill",
             "--port",
@@ -111,7 +111,7 @@ class Demo:
         decode = [
             py,
             "-m",
-            "trio_pd.testing.engine",
+            "trio_pd_testing.engine",
             "--role",
             "decode",
             "--port",
@@ -258,7 +258,7 @@ class Demo:
         print("\n4. a vLLM pair (NixlConnector pull: prefill first, then decode with its params)")
         py = sys.executable
         ports = {name: free_port() for name in ("vllm-prefill", "vllm-decode", "vllm-router")}
-        engine = [py, "-m", "trio_pd.testing.engine.vllm", "--host", HOST]
+        engine = [py, "-m", "trio_pd_testing.engine.vllm", "--host", HOST]
         prefill = f"http://{HOST}:{ports['vllm-prefill']}"
         decode = f"http://{HOST}:{ports['vllm-decode']}"
         router = f"http://{HOST}:{ports['vllm-router']}"

@@ -1,4 +1,4 @@
-"""What the real-engine tiers share (SGLang `testing/sglang/`, vLLM `testing/vllm/`).
+"""What the real-engine tiers share (SGLang `sglang/`, vLLM `vllm/`).
 
 One engine server as a process group (`Engine`: started with `spawn_engine`, ready by
 `wait_ready`, killed with everything it started); free ports; `trio-pd serve` in front of a
@@ -327,7 +327,7 @@ P = TypeVar("P", bound=Pair)
 
 
 def hold(start_pair: Callable[[], P], info: Callable[[P], dict[str, object]]) -> int:
-    """`python -m trio_pd.testing.<tier>`: start a pair, print its `info` as one JSON line and
+    """`python -m trio_pd_testing.<tier>`: start a pair, print its `info` as one JSON line and
     keep it until SIGINT or SIGTERM (or until an engine dies: 1); the pair is stopped on the
     way out. The signals are caught before the start, so one during it stops the pair once it
     is up, never orphans it."""

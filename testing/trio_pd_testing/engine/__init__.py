@@ -28,8 +28,8 @@ slot is held from preallocation to the end; some queues (waiting, retraction, gr
 chunking) and the n > 1 warmup are not modelled. docs/engine-simulator.md has the full lists.
 """
 
-from trio_pd.testing.engine.config import EngineConfig
-from trio_pd.testing.engine.events import EventLog
-from trio_pd.testing.engine.serve import EngineHandle, serve_engine
+from trio_pd_testing.engine.config import EngineConfig
+from trio_pd_testing.engine.events import EventLog
+from trio_pd_testing.engine.serve import EngineHandle, serve_engine
 
 __all__ = ["EngineConfig", "EngineHandle", "EventLog", "serve_engine"]

@@ -1,6 +1,6 @@
-"""`python -m trio_pd.testing.engine ...` runs one simulated engine."""
+"""`python -m trio_pd_testing.engine ...` runs one simulated engine."""
 
-from trio_pd.testing.engine.cli import main
+from trio_pd_testing.engine.cli import main
 
 if __name__ == "__main__":
     main()

@@ -19,10 +19,10 @@ from typing import Any
 import orjson
 import trio
 
-from trio_pd.testing.engine.asgi import Responder
-from trio_pd.testing.engine.failures import read_post_body, validation_error
-from trio_pd.testing.engine.state import EngineState
-from trio_pd.testing.engine.tokenizer import abort_request
+from trio_pd_testing.engine.asgi import Responder
+from trio_pd_testing.engine.failures import read_post_body, validation_error
+from trio_pd_testing.engine.state import EngineState
+from trio_pd_testing.engine.tokenizer import abort_request
 
 _TRUE = {"1", "true", "t", "yes", "y", "on"}
 _FALSE = {"0", "false", "f", "no", "n", "off"}

@@ -21,19 +21,19 @@ from typing import Any
 
 import trio
 
-from trio_pd.testing.engine import failures, info, loads
-from trio_pd.testing.engine.abort import handle_abort
-from trio_pd.testing.engine.asgi import Responder
-from trio_pd.testing.engine.decode import run_decode
-from trio_pd.testing.engine.intake import admit
-from trio_pd.testing.engine.prefill import run_prefill
-from trio_pd.testing.engine.state import Call, EngineState
-from trio_pd.testing.engine.tokenize import PATHS as TOKENIZE_PATHS
-from trio_pd.testing.engine.tokenize import handle_tokenize
-from trio_pd.testing.engine.tokenizer import abort_request, background_abort, client_left, dispatch
-from trio_pd.testing.engine.workload import ENDPOINTS
+from trio_pd_testing.engine import failures, info, loads
+from trio_pd_testing.engine.abort import handle_abort
+from trio_pd_testing.engine.asgi import Responder
+from trio_pd_testing.engine.decode import run_decode
+from trio_pd_testing.engine.intake import admit
+from trio_pd_testing.engine.prefill import run_prefill
+from trio_pd_testing.engine.state import Call, EngineState
+from trio_pd_testing.engine.tokenize import PATHS as TOKENIZE_PATHS
+from trio_pd_testing.engine.tokenize import handle_tokenize
+from trio_pd_testing.engine.tokenizer import abort_request, background_abort, client_left, dispatch
+from trio_pd_testing.engine.workload import ENDPOINTS
 
-log = logging.getLogger("trio_pd.testing.engine")
+log = logging.getLogger("trio_pd_testing.engine")
 
 INFO_ROUTES: dict[str, tuple[str, ...]] = {
     "/health": ("GET",),

@@ -15,9 +15,9 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from trio_pd.testing.engine.asgi import Responder, header
-from trio_pd.testing.engine.events import EventLog
-from trio_pd.testing.engine.httpserver import ASGIApp
+from trio_pd_testing.engine.asgi import Responder, header
+from trio_pd_testing.engine.events import EventLog
+from trio_pd_testing.engine.httpserver import ASGIApp
 
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 ADMIN_OPTIONAL = frozenset({"/abort_request", "/flush_cache"})

@@ -25,8 +25,8 @@ import attrs
 import httpx2
 import trio
 
-from trio_pd.testing.engine.asgi import Responder, header
-from trio_pd.testing.engine.events import EventLog
+from trio_pd_testing.engine.asgi import Responder, header
+from trio_pd_testing.engine.events import EventLog
 
 KV_READY = b"kv_ready\n"
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # disaggregation/utils.py: no prefill, a fake KV transfer

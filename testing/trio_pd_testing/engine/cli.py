@@ -1,4 +1,4 @@
-"""Command line of the simulator: `trio-pd engine ...` / `python -m trio_pd.testing.engine ...`.
+"""The simulator's command line: `trio-pd-testing engine ...`, `python -m trio_pd_testing.engine`.
 
 Flag names follow SGLang's (`--dp-size`, `--attn-dp-size`, `--enable-dp-attention`,
 `--load-balance-method`, `--api-key`, `--admin-api-key`, `--enable-dynamic-batch-tokenizer`,
@@ -14,14 +14,14 @@ import sys
 
 import trio
 
-from trio_pd.testing.engine.config import (
+from trio_pd_testing.engine.config import (
     LOAD_BALANCE_METHODS,
     ROLES,
     TRANSFER_BACKENDS,
     EngineConfig,
 )
-from trio_pd.testing.engine.faults import FaultError, parse_many
-from trio_pd.testing.engine.serve import serve_engine
+from trio_pd_testing.engine.faults import FaultError, parse_many
+from trio_pd_testing.engine.serve import serve_engine
 
 CLI_HEALTH_GENERATE_SECS = 1.0  # SGLang's /health takes >= 1 s; in-process test engines: 0
 
@@ -232,18 +232,18 @@ def run(args: argparse.Namespace) -> None:
     try:
         parse_many(args.fault)
     except FaultError as exc:
-        raise SystemExit(f"trio-pd engine: {exc}") from None
+        raise SystemExit(f"trio-pd-testing engine: {exc}") from None
     try:
         config = config_from_args(args)
     except ValueError as exc:
-        raise SystemExit(f"trio-pd engine: {exc}") from None
+        raise SystemExit(f"trio-pd-testing engine: {exc}") from None
     try:
         trio.run(serve_engine, config)
     except* KeyboardInterrupt:  # Ctrl-C: trio delivers it inside an exception group
         pass
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m trio_pd.testing.engine") -> None:
+def main(argv: list[str] | None = None, prog: str = "python -m trio_pd_testing.engine") -> None:
     parser = argparse.ArgumentParser(prog=prog, description="Simulated SGLang PD engine")
     add_arguments(parser)
     run(parser.parse_args(argv))

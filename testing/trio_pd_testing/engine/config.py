@@ -100,7 +100,7 @@ class EngineConfig:
     # Be an engine before 0.5.23: the old GET /get_load, no /v1/loads (a router's fallback).
     legacy_load_endpoint: bool = False
     # GET /health and /health_generate run a 1-token generation; SGLang answers after >= 1 s.
-    # 0 here so in-process test engines answer probes at once; `trio-pd engine` defaults to 1.
+    # 0 here so in-process test engines answer probes at once; `trio-pd-testing engine`: 1.
     health_generate_secs: float = 0.0
     # decode: each prefill bootstrap server it talks to gets GET /health every interval; after
     # max_failures misses in a row that prefill's unfinished rooms fail (conn.py heartbeat).

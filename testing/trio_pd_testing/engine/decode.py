@@ -36,20 +36,20 @@ from functools import partial
 import attrs
 import trio
 
-from trio_pd.testing.engine.bootstrap import (
+from trio_pd_testing.engine.bootstrap import (
     FAKE_BOOTSTRAP_HOST,
     BootstrapError,
     notify_abort,
     register_room,
 )
-from trio_pd.testing.engine.inject import fire
-from trio_pd.testing.engine.responses import abort_finish, length_finish
-from trio_pd.testing.engine.scheduler import ABORTED_BY_ABORTREQ
-from trio_pd.testing.engine.slots import SlotPool
-from trio_pd.testing.engine.state import Call, EngineState, Item
-from trio_pd.testing.engine.workload import DEFAULT_BOOTSTRAP_PORT
+from trio_pd_testing.engine.inject import fire
+from trio_pd_testing.engine.responses import abort_finish, length_finish
+from trio_pd_testing.engine.scheduler import ABORTED_BY_ABORTREQ
+from trio_pd_testing.engine.slots import SlotPool
+from trio_pd_testing.engine.state import Call, EngineState, Item
+from trio_pd_testing.engine.workload import DEFAULT_BOOTSTRAP_PORT
 
-log = logging.getLogger("trio_pd.testing.engine")
+log = logging.getLogger("trio_pd_testing.engine")
 
 
 # tokenizer_manager._handle_abort_req: what an abort of a waiting-queue request answers

@@ -23,8 +23,8 @@ from typing import Any
 
 import attrs
 
-from trio_pd.testing.engine.config import EngineConfig
-from trio_pd.testing.engine.workload import BadRequest, Refused
+from trio_pd_testing.engine.config import EngineConfig
+from trio_pd_testing.engine.workload import BadRequest, Refused
 
 
 @attrs.frozen

@@ -25,7 +25,7 @@ from __future__ import annotations
 from http import HTTPStatus
 from typing import Any
 
-from trio_pd.testing.engine.asgi import BodyTooLarge, Responder, read_body
+from trio_pd_testing.engine.asgi import BodyTooLarge, Responder, read_body
 
 
 def flat_error(message: str, err_type: str, code: int) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from trio_pd.testing.engine.config import ROLES
+from trio_pd_testing.engine.config import ROLES
 
 KINDS = ("status", "sse_error", "abort", "close", "hang", "slow", "hold", "die", "refuse")
 

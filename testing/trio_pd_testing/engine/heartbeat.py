@@ -18,8 +18,8 @@ from typing import Any
 import httpx2
 import trio
 
-from trio_pd.testing.engine.config import EngineConfig
-from trio_pd.testing.engine.events import EventLog
+from trio_pd_testing.engine.config import EngineConfig
+from trio_pd_testing.engine.events import EventLog
 
 LOST = "Lost connection with prefill instance (bootstrap_addr: {addr})"
 

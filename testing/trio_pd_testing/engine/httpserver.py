@@ -27,7 +27,7 @@ from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ASGIFramework
 
-log = logging.getLogger("trio_pd.testing.engine.http")
+log = logging.getLogger("trio_pd_testing.engine.http")
 ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 
 
@@ -92,7 +92,7 @@ def hypercorn_config(keep_alive_secs: float, log_level: str = "warning") -> Conf
     config = Config()
     config.keep_alive_timeout = keep_alive_secs
     config.accesslog = None
-    config.errorlog = logging.getLogger("trio_pd.testing.engine.hypercorn")
+    config.errorlog = logging.getLogger("trio_pd_testing.engine.hypercorn")
     config.loglevel = log_level.upper()
     return config
 

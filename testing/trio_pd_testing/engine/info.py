@@ -22,9 +22,9 @@ from typing import Any
 
 import trio
 
-from trio_pd.testing.engine.config import SGLANG_VERSION
-from trio_pd.testing.engine.state import EngineState
-from trio_pd.testing.engine.workload import DEFAULT_BOOTSTRAP_PORT
+from trio_pd_testing.engine.config import SGLANG_VERSION
+from trio_pd_testing.engine.state import EngineState
+from trio_pd_testing.engine.workload import DEFAULT_BOOTSTRAP_PORT
 
 
 def server_info(engine: EngineState, http_port: int | None, bootstrap_port: int | None) -> Any:
@@ -71,7 +71,7 @@ def server_info(engine: EngineState, http_port: int | None, bootstrap_port: int 
         "frontend": "python",
         "kv_events": engine.kv.describe(),  # `describe_kv_events_publisher`: None when off
         "simulator": {  # not SGLang's: this simulator's own settings
-            "name": "trio_pd.testing.engine",
+            "name": "trio_pd_testing.engine",
             "waiting_timeout": cfg.waiting_timeout,
             "bootstrap_timeout": cfg.bootstrap_timeout,
             "disconnect_poll_secs": cfg.disconnect_poll_secs,

@@ -13,12 +13,12 @@ import logging
 
 import trio
 
-from trio_pd.testing.engine.asgi import error_body
-from trio_pd.testing.engine.faults import Fault
-from trio_pd.testing.engine.responses import abort_finish
-from trio_pd.testing.engine.state import Call
+from trio_pd_testing.engine.asgi import error_body
+from trio_pd_testing.engine.faults import Fault
+from trio_pd_testing.engine.responses import abort_finish
+from trio_pd_testing.engine.state import Call
 
-log = logging.getLogger("trio_pd.testing.engine")
+log = logging.getLogger("trio_pd_testing.engine")
 
 
 async def fire(call: Call, fault: Fault) -> None:

@@ -19,16 +19,16 @@ from typing import Any
 
 import orjson
 
-from trio_pd.testing.engine import failures
-from trio_pd.testing.engine.asgi import BodyTooLarge, Responder, header, read_body
-from trio_pd.testing.engine.bootstrap import FAKE_BOOTSTRAP_HOST
-from trio_pd.testing.engine.dp import parse_pins, serving_ranks
-from trio_pd.testing.engine.faults import FaultError, parse_many, plan_for
-from trio_pd.testing.engine.responses import Output
-from trio_pd.testing.engine.rids import UnhashableRid, new_rid, normalize_rids
-from trio_pd.testing.engine.state import Call, EngineState, Item
-from trio_pd.testing.engine.tokenizer import background_abort
-from trio_pd.testing.engine.workload import BadRequest, Refused, Workload, parse_workload
+from trio_pd_testing.engine import failures
+from trio_pd_testing.engine.asgi import BodyTooLarge, Responder, header, read_body
+from trio_pd_testing.engine.bootstrap import FAKE_BOOTSTRAP_HOST
+from trio_pd_testing.engine.dp import parse_pins, serving_ranks
+from trio_pd_testing.engine.faults import FaultError, parse_many, plan_for
+from trio_pd_testing.engine.responses import Output
+from trio_pd_testing.engine.rids import UnhashableRid, new_rid, normalize_rids
+from trio_pd_testing.engine.state import Call, EngineState, Item
+from trio_pd_testing.engine.tokenizer import background_abort
+from trio_pd_testing.engine.workload import BadRequest, Refused, Workload, parse_workload
 
 
 class _Refusal(Exception):

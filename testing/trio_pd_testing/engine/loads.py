@@ -32,8 +32,8 @@ import time
 from typing import Any
 from urllib.parse import parse_qs
 
-from trio_pd.testing.engine.config import SGLANG_VERSION
-from trio_pd.testing.engine.state import EngineState, Item
+from trio_pd_testing.engine.config import SGLANG_VERSION
+from trio_pd_testing.engine.state import EngineState, Item
 
 SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})
 

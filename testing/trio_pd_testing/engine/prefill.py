@@ -29,11 +29,11 @@ import time
 
 import trio
 
-from trio_pd.testing.engine.bootstrap import FAKE_BOOTSTRAP_HOST, RoomState
-from trio_pd.testing.engine.inject import fire
-from trio_pd.testing.engine.responses import abort_finish, length_finish
-from trio_pd.testing.engine.scheduler import ABORTED_BY_ABORTREQ
-from trio_pd.testing.engine.state import Call, Item
+from trio_pd_testing.engine.bootstrap import FAKE_BOOTSTRAP_HOST, RoomState
+from trio_pd_testing.engine.inject import fire
+from trio_pd_testing.engine.responses import abort_finish, length_finish
+from trio_pd_testing.engine.scheduler import ABORTED_BY_ABORTREQ
+from trio_pd_testing.engine.state import Call, Item
 
 FROM_ANOTHER_RANK = "Failed due to an unknown reason from another rank"
 

@@ -31,10 +31,10 @@ from typing import Any, Protocol
 
 import trio
 
-from trio_pd.testing.engine.asgi import Responder
-from trio_pd.testing.engine.asgi import error_body as error_body  # (router tests import it here)
-from trio_pd.testing.engine.failures import abort_failure_body, stream_error
-from trio_pd.testing.engine.workload import Workload, output_id, output_text
+from trio_pd_testing.engine.asgi import Responder
+from trio_pd_testing.engine.asgi import error_body as error_body  # (router tests import it here)
+from trio_pd_testing.engine.failures import abort_failure_body, stream_error
+from trio_pd_testing.engine.workload import Workload, output_id, output_text
 
 
 class Item(Protocol):

@@ -26,7 +26,7 @@ from typing import Any, Generic, TypeVar
 
 import attrs
 
-from trio_pd.testing.engine.workload import BadRequest, Refused, Workload
+from trio_pd_testing.engine.workload import BadRequest, Refused, Workload
 
 Owner = TypeVar("Owner")
 

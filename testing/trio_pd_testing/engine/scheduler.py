@@ -18,7 +18,7 @@ An item not yet dispatched (the tokenize window) is invisible here: the abort is
 
 from __future__ import annotations
 
-from trio_pd.testing.engine.state import EngineState, Item
+from trio_pd_testing.engine.state import EngineState, Item
 
 ABORTED_BY_ABORTREQ = "Aborted by AbortReq."
 

@@ -8,17 +8,17 @@ from typing import Any
 import attrs
 import trio
 
-from trio_pd.testing.engine.app import EngineApp
-from trio_pd.testing.engine.auth import ApiKeyGate
-from trio_pd.testing.engine.bootstrap import BootstrapApp, bootstrap_client
-from trio_pd.testing.engine.config import EngineConfig
-from trio_pd.testing.engine.events import EventLog
-from trio_pd.testing.engine.heartbeat import Heartbeat
-from trio_pd.testing.engine.httpserver import ASGIApp, ConnectionRegistry, serve_asgi
-from trio_pd.testing.engine.state import EngineState
-from trio_pd.testing.engine.tls import server_ssl_context
+from trio_pd_testing.engine.app import EngineApp
+from trio_pd_testing.engine.auth import ApiKeyGate
+from trio_pd_testing.engine.bootstrap import BootstrapApp, bootstrap_client
+from trio_pd_testing.engine.config import EngineConfig
+from trio_pd_testing.engine.events import EventLog
+from trio_pd_testing.engine.heartbeat import Heartbeat
+from trio_pd_testing.engine.httpserver import ASGIApp, ConnectionRegistry, serve_asgi
+from trio_pd_testing.engine.state import EngineState
+from trio_pd_testing.engine.tls import server_ssl_context
 
-log = logging.getLogger("trio_pd.testing.engine")
+log = logging.getLogger("trio_pd_testing.engine")
 
 
 @attrs.define(eq=False)

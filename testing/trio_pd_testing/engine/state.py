@@ -20,19 +20,19 @@ import attrs
 import httpx2
 import trio
 
-from trio_pd.testing.engine.asgi import Responder
-from trio_pd.testing.engine.bootstrap import RoomTable
-from trio_pd.testing.engine.config import EngineConfig
-from trio_pd.testing.engine.dp import DpPins
-from trio_pd.testing.engine.events import EventLog
-from trio_pd.testing.engine.faults import Fault, FaultPlan, parse_many
-from trio_pd.testing.engine.heartbeat import Heartbeat
-from trio_pd.testing.engine.httpserver import ConnectionRegistry
-from trio_pd.testing.engine.kv_events import KvEvents
-from trio_pd.testing.engine.responses import Output
-from trio_pd.testing.engine.rids import RidTable
-from trio_pd.testing.engine.slots import SlotPool
-from trio_pd.testing.engine.workload import Workload
+from trio_pd_testing.engine.asgi import Responder
+from trio_pd_testing.engine.bootstrap import RoomTable
+from trio_pd_testing.engine.config import EngineConfig
+from trio_pd_testing.engine.dp import DpPins
+from trio_pd_testing.engine.events import EventLog
+from trio_pd_testing.engine.faults import Fault, FaultPlan, parse_many
+from trio_pd_testing.engine.heartbeat import Heartbeat
+from trio_pd_testing.engine.httpserver import ConnectionRegistry
+from trio_pd_testing.engine.kv_events import KvEvents
+from trio_pd_testing.engine.responses import Output
+from trio_pd_testing.engine.rids import RidTable
+from trio_pd_testing.engine.slots import SlotPool
+from trio_pd_testing.engine.workload import Workload
 
 STAGES = ("queued", "prealloc", "bootstrap", "transfer", "waiting", "running", "done")
 END = "done"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ssl
 
-from trio_pd.testing.engine.config import EngineConfig
+from trio_pd_testing.engine.config import EngineConfig
 
 
 def server_ssl_context(config: EngineConfig) -> ssl.SSLContext | None:

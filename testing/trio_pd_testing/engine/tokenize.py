@@ -13,10 +13,10 @@ from typing import Any
 
 import orjson
 
-from trio_pd.testing.engine.asgi import Responder
-from trio_pd.testing.engine.failures import read_post_body
-from trio_pd.testing.engine.state import EngineState
-from trio_pd.testing.engine.workload import BadRequest, _content_text, text_ids
+from trio_pd_testing.engine.asgi import Responder
+from trio_pd_testing.engine.failures import read_post_body
+from trio_pd_testing.engine.state import EngineState
+from trio_pd_testing.engine.workload import BadRequest, _content_text, text_ids
 
 PATHS = ("/tokenize", "/v1/tokenize")
 

@@ -28,8 +28,8 @@ from typing import Any
 
 import trio
 
-from trio_pd.testing.engine.scheduler import abort_matching
-from trio_pd.testing.engine.state import Call, EngineState, Item
+from trio_pd_testing.engine.scheduler import abort_matching
+from trio_pd_testing.engine.state import Call, EngineState, Item
 
 BACKGROUND_ABORT_DELAY = 2.0
 

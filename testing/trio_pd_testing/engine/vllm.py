@@ -44,15 +44,15 @@ import attrs
 import httpx2
 import trio
 
-from trio_pd.testing.engine.events import EventLog
-from trio_pd.testing.engine.httpserver import ConnectionRegistry, serve_asgi
-from trio_pd.testing.engine.vllm_app import VllmApp
-from trio_pd.testing.engine.vllm_kv import BlockPool
-from trio_pd.testing.engine.vllm_state import FAILURE_POLICIES, VERSION, VllmEngineConfig, VllmState
+from trio_pd_testing.engine.events import EventLog
+from trio_pd_testing.engine.httpserver import ConnectionRegistry, serve_asgi
+from trio_pd_testing.engine.vllm_app import VllmApp
+from trio_pd_testing.engine.vllm_kv import BlockPool
+from trio_pd_testing.engine.vllm_state import FAILURE_POLICIES, VERSION, VllmEngineConfig, VllmState
 
 __all__ = ["VERSION", "VllmEngineConfig", "VllmEngineHandle", "main", "serve_vllm_engine"]
 
-log = logging.getLogger("trio_pd.testing.engine.vllm")
+log = logging.getLogger("trio_pd_testing.engine.vllm")
 
 
 @attrs.define(eq=False)
@@ -145,10 +145,10 @@ async def serve_vllm_engine(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m trio_pd.testing.engine.vllm --port N [...]`: one vLLM-mode engine process."""
+    """`python -m trio_pd_testing.engine.vllm --port N [...]`: one vLLM-mode engine process."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="trio_pd.testing.engine.vllm", description=__doc__)
+    parser = argparse.ArgumentParser(prog="trio_pd_testing.engine.vllm", description=__doc__)
     defaults = VllmEngineConfig()
     add = parser.add_argument
     add("--host", default=defaults.host)

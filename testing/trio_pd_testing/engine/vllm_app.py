@@ -15,9 +15,9 @@ import httpx2
 import orjson
 import trio
 
-from trio_pd.testing.engine.asgi import Responder, header, read_body
-from trio_pd.testing.engine.httpserver import ConnectionRegistry
-from trio_pd.testing.engine.vllm_request import (
+from trio_pd_testing.engine.asgi import Responder, header, read_body
+from trio_pd_testing.engine.httpserver import ConnectionRegistry
+from trio_pd_testing.engine.vllm_request import (
     CHAT,
     COMPLETIONS,
     GENERATION_ERROR,
@@ -29,9 +29,9 @@ from trio_pd.testing.engine.vllm_request import (
     prompt_of,
     validate,
 )
-from trio_pd.testing.engine.vllm_state import VERSION, VllmState
+from trio_pd_testing.engine.vllm_state import VERSION, VllmState
 
-log = logging.getLogger("trio_pd.testing.engine.vllm")
+log = logging.getLogger("trio_pd_testing.engine.vllm")
 
 
 class VllmApp:

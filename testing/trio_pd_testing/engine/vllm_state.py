@@ -8,8 +8,8 @@ import attrs
 import httpx2
 import trio
 
-from trio_pd.testing.engine.events import EventLog
-from trio_pd.testing.engine.vllm_kv import BlockPool
+from trio_pd_testing.engine.events import EventLog
+from trio_pd_testing.engine.vllm_kv import BlockPool
 
 VERSION = "0.33.0"  # the vLLM whose behaviour this models
 FAILURE_POLICIES = ("fail", "recompute")

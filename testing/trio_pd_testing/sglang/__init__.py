@@ -4,7 +4,7 @@
 (`make sglang-env`) on 127.0.0.1 and `stop()` kills every process they started.
 """
 
-from trio_pd.testing.sglang.launcher import (
+from trio_pd_testing.sglang.launcher import (
     ENGINE_PYTHON,
     MODEL_DIR,
     SERVED_MODEL_NAME,

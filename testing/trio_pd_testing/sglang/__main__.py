@@ -1,4 +1,4 @@
-"""`python -m trio_pd.testing.sglang [--prefill-context-length N] [--admin-api-key K]`.
+"""`python -m trio_pd_testing.sglang [--prefill-context-length N] [--admin-api-key K]`.
 
 Starts a real pair, prints its URLs as one JSON line, and keeps it until SIGINT or SIGTERM (for
 benchmarks and by-hand exploration); every engine process is killed on the way out.
@@ -10,12 +10,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from trio_pd.testing import real_pair
-from trio_pd.testing.sglang.launcher import REPO_ROOT, SGLangPair
+from trio_pd_testing import real_pair
+from trio_pd_testing.sglang.launcher import REPO_ROOT, SGLangPair
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trio_pd.testing.sglang")
+    parser = argparse.ArgumentParser(prog="python -m trio_pd_testing.sglang")
     parser.add_argument("--prefill-context-length", type=int)
     parser.add_argument("--api-key")
     parser.add_argument("--admin-api-key")

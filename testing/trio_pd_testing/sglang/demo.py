@@ -15,8 +15,8 @@ import time
 import urllib.error
 import urllib.request
 
-from trio_pd.testing import real_pair
-from trio_pd.testing.sglang.launcher import REPO_ROOT, SGLangPair
+from trio_pd_testing import real_pair
+from trio_pd_testing.sglang.launcher import REPO_ROOT, SGLangPair
 
 LOG_DIR = REPO_ROOT / ".cache" / "sglang-logs" / "demo"
 PREFILL_CONTEXT = 1024

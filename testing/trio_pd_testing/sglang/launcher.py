@@ -27,20 +27,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trio_pd.testing import real_pair
+from trio_pd_testing import real_pair
 
-# What both real-engine tiers share lives in `testing/real_pair.py`; named here too, where the
-# SGLang tier's tests and tools have always imported them from.
-from trio_pd.testing.real_pair import Engine as Engine
-from trio_pd.testing.real_pair import EngineStartError as EngineStartError
-from trio_pd.testing.real_pair import PairBase, with_port_retries
-from trio_pd.testing.real_pair import distinct_free_ports as distinct_free_ports
-from trio_pd.testing.real_pair import free_port as free_port
-from trio_pd.testing.real_pair import group_pids as group_pids
-from trio_pd.testing.real_pair import http_status as http_status
+# What both real-engine tiers share lives in `trio_pd_testing/real_pair.py`; named here too, where
+# the SGLang tier's tests and tools have always imported them from.
+from trio_pd_testing.real_pair import Engine as Engine
+from trio_pd_testing.real_pair import EngineStartError as EngineStartError
+from trio_pd_testing.real_pair import PairBase, with_port_retries
+from trio_pd_testing.real_pair import distinct_free_ports as distinct_free_ports
+from trio_pd_testing.real_pair import free_port as free_port
+from trio_pd_testing.real_pair import group_pids as group_pids
+from trio_pd_testing.real_pair import http_status as http_status
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-REPO_ROOT = PACKAGE_DIR.parents[2]
+REPO_ROOT = PACKAGE_DIR.parents[3]  # the checkout (testing/trio_pd_testing/<tier>/launcher.py)
 # The engines' own environment; `make sglang-env` creates it.
 VENV = Path(os.environ.get("TRIO_PD_SGLANG_VENV", REPO_ROOT / ".venv-sglang"))
 ENGINE_PYTHON = VENV / "bin" / "python"

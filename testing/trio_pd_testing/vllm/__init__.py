@@ -4,7 +4,7 @@
 (`make vllm-env`) on 127.0.0.1 and `stop()` kills every process they started.
 """
 
-from trio_pd.testing.vllm.launcher import (
+from trio_pd_testing.vllm.launcher import (
     ENGINE_PYTHON,
     KV_LEASE_SECS,
     MODEL_DIR,

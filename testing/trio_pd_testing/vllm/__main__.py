@@ -1,4 +1,4 @@
-"""`python -m trio_pd.testing.vllm [--prefill-max-model-len N]`.
+"""`python -m trio_pd_testing.vllm [--prefill-max-model-len N]`.
 
 Starts a real vLLM pair, prints its URLs as one JSON line, and keeps it until SIGINT or SIGTERM
 (for benchmarks and by-hand exploration); every engine process is killed on the way out.
@@ -10,12 +10,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from trio_pd.testing import real_pair
-from trio_pd.testing.vllm.launcher import REPO_ROOT, VllmPair
+from trio_pd_testing import real_pair
+from trio_pd_testing.vllm.launcher import REPO_ROOT, VllmPair
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trio_pd.testing.vllm")
+    parser = argparse.ArgumentParser(prog="python -m trio_pd_testing.vllm")
     parser.add_argument("--prefill-max-model-len", type=int, default=512)
     parser.add_argument("--decode-max-model-len", type=int, default=2048)
     parser.add_argument("--log-dir", default=str(REPO_ROOT / ".cache" / "vllm-logs"))

@@ -14,8 +14,8 @@ import sys
 import urllib.error
 import urllib.request
 
-from trio_pd.testing import real_pair
-from trio_pd.testing.vllm.launcher import REPO_ROOT, SERVED_MODEL_NAME, VllmPair
+from trio_pd_testing import real_pair
+from trio_pd_testing.vllm.launcher import REPO_ROOT, SERVED_MODEL_NAME, VllmPair
 
 LOG_DIR = REPO_ROOT / ".cache" / "vllm-logs" / "demo"
 

@@ -8,7 +8,7 @@ under the router's venv and starts the stock OpenAI server
 engine-core child together. No vLLM file is patched and nothing is shimmed.
 
 Synchronous on purpose, as the SGLang launcher (the process helpers both share are in
-`trio_pd/testing/real_pair.py`): pytest-trio cannot run session-scoped async fixtures, and a
+`testing/trio_pd_testing/real_pair.py`): pytest-trio cannot run session-scoped async fixtures, and a
 pair costs ~30-100 s and ~2 GB of RAM per server, so the tier starts it once.
 
 What makes the stock engine run here (docs/vllm-tier.md):
@@ -33,8 +33,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trio_pd.testing import real_pair
-from trio_pd.testing.real_pair import (
+from trio_pd_testing import real_pair
+from trio_pd_testing.real_pair import (
     Engine,
     PairBase,
     distinct_free_ports,
@@ -42,7 +42,7 @@ from trio_pd.testing.real_pair import (
 )
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-REPO_ROOT = PACKAGE_DIR.parents[2]
+REPO_ROOT = PACKAGE_DIR.parents[3]  # the checkout (testing/trio_pd_testing/<tier>/launcher.py)
 # The engines' own environment; `make vllm-env` creates it.
 VENV = Path(os.environ.get("TRIO_PD_VLLM_VENV", REPO_ROOT / ".venv-vllm"))
 ENGINE_PYTHON = VENV / "bin" / "python"
