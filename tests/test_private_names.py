@@ -33,6 +33,12 @@ def test_installed_versions_are_the_pinned_ones() -> None:
         assert importlib.metadata.version(dist) == pinned(dist)
 
 
+def test_the_test_engines_pin_the_routers_hypercorn() -> None:
+    """The simulator's HTTP server drives `TCPServer` too, from its own distribution."""
+    testing = PYPROJECT.parent / "testing" / "pyproject.toml"
+    assert f'"hypercorn=={pinned("hypercorn")}"' in testing.read_text()
+
+
 def test_h11_receive_buffer_layout() -> None:
     connection = h11.Connection(h11.SERVER)
     assert isinstance(connection._receive_buffer, ReceiveBuffer)
