@@ -1,13 +1,13 @@
 """`make bench-cache`, simulator half: which prefill policy makes the engines reuse the most KV.
 
-A multi-turn trace (tenants with long shared system prompts, sessions growing a turn at a time) is
-sent through TWO router replicas taking turns (as behind a load balancer), in front of the same
-simulated engines: two prefills publishing SGLang's KV events with a small KV pool (so they evict)
-and one decode. Each policy gets fresh engines and the same trace. The figure is the engines' own
-count: cached tokens / prompt tokens over all prefills
+A multi-turn trace (tenants with long shared system prompts, sessions growing a turn at a time)
+is sent through TWO router replicas taking turns (as behind a load balancer), in front of the
+same simulated engines: two prefills publishing SGLang's KV events with a small KV pool (so they
+evict) and one decode. Each policy gets fresh engines and the same trace. The figure is the
+engines' own count: cached tokens / prompt tokens over all prefills
 (`testing/trio_pd_testing/engine/kv_events.py`), with wall time per request; the table is printed
-and written to bench/results/cache-sim-*.json. The real-engine half, with SMG 1.13, is
-`bench/cache_real.py` (`make bench-cache` runs both).
+and written to bench/results/cache-sim-*.json.
+The real-engine half, with SMG 1.13, is `bench/cache_real.py` (`make bench-cache` runs both).
 
     .venv/bin/python -m bench.cache [--sessions 24] [--turns 6]
 """

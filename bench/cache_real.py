@@ -1,13 +1,14 @@
 """`make bench-cache`, real half: the prefill policies in front of real SGLang 0.5.23 engines.
 
-The same multi-turn trace as the simulator half (`bench/cache.py`: tenants with long shared system
-prompts, sessions growing a turn at a time, interleaved), sent by 4 closed-loop clients through TWO
-router replicas taking turns, in front of the same three real servers (the tier's `.venv-sglang` and
-tiny model, `testing/trio_pd_testing/sglang/launcher.py`): two prefills publishing their KV events
-with a small KV pool (`--max-total-tokens`, so they evict) and one decode. Rows: trio_pd's `random`,
-`round_robin`, `cache_aware` (the approximate tree) and `kv_aware`, and SMG 1.13's `cache_aware`
-(`smg launch --pd-disaggregation --policy cache_aware`, from bench/.peers; skipped without it). Each
-row starts from empty caches (`/flush_cache` on both prefills).
+The same multi-turn trace as the simulator half (`bench/cache.py`: tenants with long shared
+system prompts, sessions growing a turn at a time, interleaved), sent by 4 closed-loop clients
+through TWO router replicas taking turns, in front of the same three real servers (the tier's
+`.venv-sglang` and tiny model, `testing/trio_pd_testing/sglang/launcher.py`): two prefills
+publishing their KV events with a small KV pool (`--max-total-tokens`, so they evict) and one
+decode. Rows:
+trio_pd's `random`, `round_robin`, `cache_aware` (the approximate tree) and `kv_aware`, and SMG
+1.13's `cache_aware` (`smg launch --pd-disaggregation --policy cache_aware`, from bench/.peers;
+skipped without it). Each row starts from empty caches (`/flush_cache` on both prefills).
 
 The figure is the engines' own count: `sglang:cached_tokens_total / sglang:prompt_tokens_total`
 over both prefills' `/metrics` (`--enable-metrics`), taken before and after the row. Beside it:
