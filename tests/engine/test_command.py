@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from trio_pd_testing.cli import main
@@ -33,3 +35,14 @@ def test_anything_else_is_a_usage_error(
         main(argv)
     assert exited.value.code == 2
     assert capsys.readouterr().err.startswith("usage: trio-pd-testing {engine,demo,sglang,vllm}")
+
+
+def test_the_launchers_find_the_checkout() -> None:
+    """The real-engine launchers resolve `.venv-sglang`, `.venv-vllm` and `.cache/` from the
+    checkout they sit in (testing/trio_pd_testing/<tier>/), wherever the tests run from."""
+    from trio_pd_testing.sglang import launcher as sglang
+    from trio_pd_testing.vllm import launcher as vllm
+
+    checkout = Path(__file__).resolve().parents[2]
+    assert (checkout / "testing" / "pyproject.toml").is_file()
+    assert sglang.REPO_ROOT == vllm.REPO_ROOT == checkout

@@ -40,7 +40,7 @@ from trio_pd_testing.real_pair import group_pids as group_pids
 from trio_pd_testing.real_pair import http_status as http_status
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-REPO_ROOT = PACKAGE_DIR.parents[3]  # the checkout (testing/trio_pd_testing/<tier>/launcher.py)
+REPO_ROOT = PACKAGE_DIR.parents[2]  # the checkout (testing/trio_pd_testing/<tier>/launcher.py)
 # The engines' own environment; `make sglang-env` creates it.
 VENV = Path(os.environ.get("TRIO_PD_SGLANG_VENV", REPO_ROOT / ".venv-sglang"))
 ENGINE_PYTHON = VENV / "bin" / "python"

@@ -42,7 +42,7 @@ from trio_pd_testing.real_pair import (
 )
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-REPO_ROOT = PACKAGE_DIR.parents[3]  # the checkout (testing/trio_pd_testing/<tier>/launcher.py)
+REPO_ROOT = PACKAGE_DIR.parents[2]  # the checkout (testing/trio_pd_testing/<tier>/launcher.py)
 # The engines' own environment; `make vllm-env` creates it.
 VENV = Path(os.environ.get("TRIO_PD_VLLM_VENV", REPO_ROOT / ".venv-vllm"))
 ENGINE_PYTHON = VENV / "bin" / "python"
