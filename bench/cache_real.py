@@ -3,8 +3,9 @@
 The same multi-turn trace as the simulator half (`bench/cache.py`: tenants with long shared
 system prompts, sessions growing a turn at a time, interleaved), sent by 4 closed-loop clients
 through TWO router replicas taking turns, in front of the same three real servers (the tier's
-`.venv-sglang` and tiny model, `trio_pd/testing/sglang/launcher.py`): two prefills publishing
-their KV events with a small KV pool (`--max-total-tokens`, so they evict) and one decode. Rows:
+`.venv-sglang` and tiny model, `testing/trio_pd_testing/sglang/launcher.py`): two prefills
+publishing their KV events with a small KV pool (`--max-total-tokens`, so they evict) and one
+decode. Rows:
 trio_pd's `random`, `round_robin`, `cache_aware` (the approximate tree) and `kv_aware`, and SMG
 1.13's `cache_aware` (`smg launch --pd-disaggregation --policy cache_aware`, from bench/.peers;
 skipped without it). Each row starts from empty caches (`/flush_cache` on both prefills).
@@ -39,7 +40,7 @@ import httpx2
 from bench.cache import trace, vocabulary
 from bench.harness import cpu as cpu_meter
 from bench.harness import output, procs
-from trio_pd.testing.sglang.launcher import (
+from trio_pd_testing.sglang.launcher import (
     MODEL_DIR,
     Engine,
     distinct_free_ports,

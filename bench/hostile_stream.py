@@ -1,10 +1,10 @@
 """Scenario `hostile-stream`: another model's latency beside a worker whose first SSE event never
 ends, before and after the linear SSE reader of issue 19 (item 4), in the same run.
 
-One router serves two models. Model A: the simulator (`trio-pd engine`), the victims: a closed
-loop of non-stream `/generate` requests (`--concurrency`, default 4) whose p50/p99 are measured.
-Model B: bench/hostile_worker.py, with two streaming clients of its own in flight all the time,
-in one of three conditions:
+One router serves two models. Model A: the simulator (`trio-pd-testing engine`), the victims: a
+closed loop of non-stream `/generate` requests (`--concurrency`, default 4) whose p50/p99 are
+measured. Model B: bench/hostile_worker.py, with two streaming clients of its own in flight all the
+time, in one of three conditions:
 
 - `alone`: B's clients are off: the victims' baseline;
 - `benign`: B's decode sends `--rate` bytes a second per stream (8 MB/s) as complete 1 KiB

@@ -43,7 +43,7 @@ from bench.harness.output import print_flush
 from bench.harness.run import Phase, Scenario, Verdict
 from bench.httpc import one_request
 from bench.stats import pct
-from trio_pd.testing.engine.workload import output_text
+from trio_pd_testing.engine.workload import output_text
 
 NAME = "rolling"
 LOAD = (

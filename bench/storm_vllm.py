@@ -1,6 +1,6 @@
 """Scenario `storm-vllm`: the storm in vLLM mode, trio_pd against vllm-router 0.1.17.
 
-Engines: the simulator's vLLM mode (`python -m trio_pd.testing.engine.vllm`) as processes. Two
+Engines: the simulator's vLLM mode (`python -m trio_pd_testing.engine.vllm`) as processes. Two
 prefills, one healthy and one answering every request 500 (`--fault prefill:status:500`), round
 robin, so half the prefills fail; one decode with 16 running requests (`--max-num-seqs 16`),
 50 tokens at 10 ms a token (~0.5 s). Open loop, non-stream `/v1/completions`, 20 req/s for 10 s
@@ -53,7 +53,7 @@ def settings(quick: bool) -> dict[str, Any]:
 
 def engine(name: str, logdir: Path, args: list[str]) -> tuple[Proc, int]:
     port = free_port()
-    argv = [sys.executable, "-m", "trio_pd.testing.engine.vllm", "--host", HOST,
+    argv = [sys.executable, "-m", "trio_pd_testing.engine.vllm", "--host", HOST,
             "--port", str(port), "--role", name, *args]  # fmt: skip
     proc = Proc(name, argv, logdir)
     wait_until(lambda: http_get(port, "/health") == 200, 20, name, proc)

@@ -1,6 +1,6 @@
 """Scenario `doomed-vllm`: KV blocks held by doomed requests on a real vLLM pair (issue 27).
 
-One real vLLM 0.32 prefill/decode pair (`trio_pd.testing.vllm.VllmPair`, NIXL over UCX/TCP,
+One real vLLM 0.32 prefill/decode pair (`trio_pd_testing.vllm.VllmPair`, NIXL over UCX/TCP,
 `.venv-vllm`), trio_pd (`trio-pd serve --vllm-pd-disaggregation`, its defaults) and
 vllm-router 0.1.17 (bench/.peers, its defaults) in front of it, one after the other in one run,
 round robin. Per router, one request per scenario, each alone on the pair:
@@ -8,7 +8,7 @@ round robin. Per router, one request per scenario, each alone on the pair:
 - `ok`: a plain 4-token completion (the control: its blocks are freed by the decode's read);
 - `client_leaves`: a 1500-token stream whose client leaves after its first event;
 - `dead_decode`: the router's only decode passed its first health check, then died (connect
-  refused; `trio_pd.testing.vllm.dead_decode`; the routers' health checks off or slow, so they
+  refused; `trio_pd_testing.vllm.dead_decode`; the routers' health checks off or slow, so they
   take it for up);
 - `prefill_400`: a prompt over the prefill's `--max-model-len` (512), under the decode's;
 - `n2`: a 4-token completion with `n: 2`.
@@ -38,9 +38,9 @@ import trio
 from bench.harness.cpu import machine_busy
 from bench.harness.output import ROOT, print_flush, table, write_result
 from bench.harness.procs import HOST, PEERS, Proc, free_port, http_get, trio_pd_bin, wait_until
-from trio_pd.testing.vllm import KV_LEASE_SECS, SERVED_MODEL_NAME, VllmPair
-from trio_pd.testing.vllm.dead_decode import PassingThenDead
-from trio_pd.testing.vllm.engine_metrics import idle, summed
+from trio_pd_testing.vllm import KV_LEASE_SECS, SERVED_MODEL_NAME, VllmPair
+from trio_pd_testing.vllm.dead_decode import PassingThenDead
+from trio_pd_testing.vllm.engine_metrics import idle, summed
 
 NAME = "doomed-vllm"
 ROUTERS = ("trio_pd", "vllm_router")

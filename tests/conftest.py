@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from tests import deadline
-from trio_pd.testing.cluster import (  # noqa: F401 - the suite's own names for them
+from tests.cluster import (  # noqa: F401 - the suite's own names for them
     ENGINE_DEFAULTS,
     ROUTER_DEFAULTS,
     Cluster,

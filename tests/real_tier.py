@@ -11,7 +11,7 @@ from typing import TypeVar
 
 import pytest
 
-from trio_pd.testing.real_pair import PairBase, ServeProcess
+from trio_pd_testing.real_pair import PairBase, ServeProcess
 
 P = TypeVar("P", bound=PairBase)
 R = TypeVar("R", bound=ServeProcess)

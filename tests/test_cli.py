@@ -1,11 +1,15 @@
-"""The real command line: `python -m trio_pd serve` as a separate process, one and two workers."""
+"""The real command line: `python -m trio_pd serve` as a separate process, one and two workers;
+and the router's wheel, which holds the router only."""
 
 from __future__ import annotations
 
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import zipfile
+from pathlib import Path
 
 import httpx2
 import pytest
@@ -13,7 +17,9 @@ import trio
 
 from tests.conftest import start_engine
 from tests.router.helpers import generate_body
-from trio_pd.cli.main import build_parser, router_config
+from trio_pd.cli.main import build_parser, main, router_config
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
@@ -114,7 +120,7 @@ async def test_serve_command_routes_and_stops_on_sigint(
     assert len(decode.events.find("slot_freed", reason="finished")) == 6
     imported = imported_modules((tmp_path / "stderr").read_text())
     assert {"trio_pd.serve.run", "trio_pd.pd.dispatch"} <= imported  # the log is the router's
-    assert sorted(name for name in imported if name.startswith("trio_pd.testing")) == []
+    assert sorted(name for name in imported if name.startswith("trio_pd_testing")) == []
 
 
 def test_edge_flags_keep_sglang_router_defaults_and_values() -> None:
@@ -174,3 +180,42 @@ def test_memory_flags_reach_the_config_and_bad_values_are_refused() -> None:
     for bad in (["--max-buffered-bytes", "-1"], ["--max-sse-event-bytes", "0"]):
         with pytest.raises(SystemExit):
             router_config(parser.parse_args([*base, *bad]))
+
+
+def test_the_routers_wheel_holds_the_router_only(tmp_path: Path) -> None:
+    """Built offline from a copy of the checkout's packaging (the router's pyproject.toml,
+    README.md and trio_pd/, as the Dockerfile copies them, beside the test engines' testing/),
+    the router's wheel holds trio_pd/'s modules, all of them, and nothing of the test engines
+    (`trio_pd_testing`, testing/pyproject.toml): no simulator, launcher or demo (issue 31)."""
+    source = tmp_path / "source"
+    skip = shutil.ignore_patterns("__pycache__", "*.egg-info", "build")
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for name in ("trio_pd", "testing"):
+        shutil.copytree(ROOT / name, source / name, ignore=skip)
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "--no-index", "-w", str(tmp_path / "dist"), str(source)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    (wheel,) = (tmp_path / "dist").glob("trio_pd-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+        commands = archive.read(entry_points).decode()
+    modules = {n for n in names if n.endswith(".py")}
+    router = {p.relative_to(ROOT).as_posix() for p in (ROOT / "trio_pd").rglob("*.py")}
+    assert "trio_pd/serve/run.py" in modules and "trio_pd/cli/main.py" in modules
+    assert modules == router
+    assert [n for n in names if n.startswith(("trio_pd_testing", "trio_pd/testing"))] == []
+    assert "trio-pd = trio_pd.cli.main:main" in commands and "trio-pd-testing" not in commands
+
+
+@pytest.mark.parametrize("command", ["engine", "demo"])
+def test_the_test_engines_commands_moved(command: str) -> None:
+    """`trio-pd engine` and `trio-pd demo` are the test engines' now: the router says where."""
+    with pytest.raises(SystemExit) as exited:
+        main([command, "--help"])
+    assert f"`trio-pd-testing {command}`" in str(exited.value.code)

@@ -5,7 +5,8 @@ A link `[text](path)` or `![alt](path)` must name a file or directory of the rep
 spelled as GitHub spells heading anchors. A repository path a page names in backticks
 (`trio_pd/pd/attempt.py`, `tests/conftest.py`, `docs/flags.md`...) must exist too: that is how a
 page notices a module that moved. Links inside code blocks and spans are code, not links. And
-docs/architecture.md's tree names exactly the packages and modules of `trio_pd/`.
+docs/architecture.md's two trees name exactly the packages and modules of `trio_pd/` and of the
+test engines' `testing/trio_pd_testing/`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ FENCE = re.compile(r"^(```|~~~)")
 CODE_SPAN = re.compile(r"`[^`\n]+`")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 # Backticked paths below these top-level folders are the repository's own files.
-REPO_DIRS = ("trio_pd/", "tests/", "bench/", "docs/")
+REPO_DIRS = ("trio_pd/", "testing/", "tests/", "bench/", "docs/")
 # Made by a run, not in the repository (git-ignored), named bare or as a folder.
 GENERATED = ("bench/results", "bench/.peers")
 
@@ -136,10 +137,11 @@ def test_the_slugs_are_githubs() -> None:
     assert slug("`--workers N` with etcd or Kubernetes") == "--workers-n-with-etcd-or-kubernetes"
 
 
-def architecture_tree() -> set[str]:
-    """The paths docs/architecture.md's tree names (`trio_pd/...`; a folder ends with /)."""
+def architecture_tree(top: str) -> set[str]:
+    """The paths the tree of docs/architecture.md that starts at `top` names (`top/...`; a folder
+    ends with /)."""
     text = (ROOT / "docs" / "architecture.md").read_text()
-    block = text[text.index("```\ntrio_pd/\n") + 4 :]
+    block = text[text.index(f"```\n{top}\n") + 4 :]
     block = block[: block.index("```")]
     names: set[str] = set()
     stack: list[str] = []
@@ -151,24 +153,34 @@ def architecture_tree() -> set[str]:
     return names
 
 
-def test_the_architecture_tree_is_the_package() -> None:
-    """Every package and module of trio_pd/ has its line in docs/architecture.md, and every
-    line names one that exists (the simulator's and the SGLang and vLLM launchers' insides
-    excepted: they have pages of their own)."""
-    package = ROOT / "trio_pd"
-    actual = {"trio_pd/"}
+def package_tree(package: Path, opaque: tuple[str, ...] = ()) -> set[str]:
+    """The package's modules and subpackages as a tree names them (`name/...`), the insides of
+    the subpackages in `opaque` excepted: they have pages of their own."""
+    top = package.name + "/"
+    actual = {top}
     for path in package.rglob("*.py"):
-        relative = path.relative_to(ROOT)
-        if relative.parts[1:3] in (
-            ("testing", "engine"),
-            ("testing", "sglang"),
-            ("testing", "vllm"),
-        ):
+        relative = path.relative_to(package.parent)
+        if len(relative.parts) > 2 and relative.parts[1] in opaque:
             continue
         if path.name != "__init__.py":
             actual.add(relative.as_posix())
         if path.parent != package:
-            actual.add(path.parent.relative_to(ROOT).as_posix() + "/")
-    actual |= {"trio_pd/testing/engine/", "trio_pd/testing/sglang/", "trio_pd/testing/vllm/"}
-    actual.discard("trio_pd/__init__.py")
-    assert architecture_tree() == actual
+            actual.add(path.parent.relative_to(package.parent).as_posix() + "/")
+    actual |= {f"{top}{name}/" for name in opaque}
+    actual.discard(f"{top}__init__.py")
+    return actual
+
+
+def test_the_architecture_tree_is_the_package() -> None:
+    """Every package and module of trio_pd/ has its line in docs/architecture.md, and every
+    line names one that exists."""
+    assert architecture_tree("trio_pd/") == package_tree(ROOT / "trio_pd")
+
+
+def test_the_test_engines_tree_is_their_package() -> None:
+    """The same for the test engines' package (the simulator's and the SGLang and vLLM
+    launchers' insides excepted: they have pages of their own)."""
+    package = ROOT / "testing" / "trio_pd_testing"
+    expected = package_tree(package, opaque=("engine", "sglang", "vllm"))
+    assert "trio_pd_testing/engine/" in expected and "trio_pd_testing/cli.py" in expected
+    assert architecture_tree("trio_pd_testing/") == expected

@@ -23,7 +23,6 @@ import trio.testing
 import trustme
 
 from tests.engine.helpers import new_room, pd_body
-from trio_pd.testing.engine import EngineConfig, EngineHandle, serve_engine
 from trio_pd.upstream.connect import connect
 from trio_pd.upstream.http11 import (
     MAX_HEAD_BYTES,
@@ -32,6 +31,7 @@ from trio_pd.upstream.http11 import (
     Response,
     TransportError,
 )
+from trio_pd_testing.engine import EngineConfig, EngineHandle, serve_engine
 
 # -- the scripted server ------------------------------------------------------------------------
 

@@ -2,9 +2,9 @@
 
 `serve/connection.py` subclasses hypercorn's `TCPServer`, `H11Protocol` and `ProtocolWrapper`,
 overrides their underscore methods and swaps h11's receive buffer for a stricter one;
-`testing/engine/httpserver.py` drives `TCPServer` by hand. None of that is public API, so
-`pyproject.toml` pins both packages exactly and this test names each private piece: an upgrade
-that moves one fails here, by name, instead of at a client's first request.
+`testing/trio_pd_testing/engine/httpserver.py` drives `TCPServer` by hand. None of that is public
+API, so `pyproject.toml` pins both packages exactly and this test names each private piece: an
+upgrade that moves one fails here, by name, instead of at a client's first request.
 """
 
 import importlib.metadata
@@ -31,6 +31,12 @@ def pinned(name: str) -> str:
 def test_installed_versions_are_the_pinned_ones() -> None:
     for dist in ("hypercorn", "h11"):
         assert importlib.metadata.version(dist) == pinned(dist)
+
+
+def test_the_test_engines_pin_the_routers_hypercorn() -> None:
+    """The simulator's HTTP server drives `TCPServer` too, from its own distribution."""
+    testing = PYPROJECT.parent / "testing" / "pyproject.toml"
+    assert f'"hypercorn=={pinned("hypercorn")}"' in testing.read_text()
 
 
 def test_h11_receive_buffer_layout() -> None:

@@ -166,6 +166,11 @@ def trio_pd_bin() -> str:
     return str(VENV_BIN / "trio-pd")
 
 
+def trio_pd_testing_bin() -> str:
+    """The test engines' command (testing/: the simulator), installed beside the router's."""
+    return str(VENV_BIN / "trio-pd-testing")
+
+
 def start_instant(
     role: str, logdir: Path, args: Sequence[str] = (), name: str | None = None
 ) -> Engine:
@@ -193,7 +198,7 @@ def start_engine(
 ) -> Engine:  # fmt: skip
     port = port or free_port()
     events = logdir / f"{name or role}.events.jsonl"
-    argv = [trio_pd_bin(), "engine", "--role", role, "--host", HOST, "--port", str(port)]
+    argv = [trio_pd_testing_bin(), "engine", "--role", role, "--host", HOST, "--port", str(port)]
     if role == "prefill":
         bootstrap_port = bootstrap_port or free_port()
         argv += ["--bootstrap-port", str(bootstrap_port)]

@@ -6,7 +6,7 @@ import httpx2
 import pytest
 import trio
 
-from trio_pd.testing.engine import EngineHandle
+from trio_pd_testing.engine import EngineHandle
 
 from .helpers import start_engine
 

@@ -10,7 +10,7 @@ import httpx2
 import orjson
 import trio
 
-from trio_pd.testing.engine import EngineConfig, EngineHandle, serve_engine
+from trio_pd_testing.engine import EngineConfig, EngineHandle, serve_engine
 
 _rooms = itertools.count(1_000_000_007, 7919)
 

@@ -9,7 +9,7 @@ from typing import Any
 import httpx2
 import trio
 
-from trio_pd.testing.engine import EngineHandle
+from trio_pd_testing.engine import EngineHandle
 
 from .helpers import Background, eventually, new_room, pd_body, pd_post, sse_events, start_engine
 

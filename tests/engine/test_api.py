@@ -6,7 +6,7 @@ import orjson
 import pytest
 import trio
 
-from trio_pd.testing.engine import EventLog
+from trio_pd_testing.engine import EventLog
 
 from .helpers import new_room, pd_body, pd_post, start_engine
 

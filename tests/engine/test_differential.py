@@ -74,7 +74,7 @@ async def test_the_simulator_behaves_as_the_real_engine_recorded(
 
 
 # The fault scenarios signal the engines' processes, so the simulator runs here as processes
-# of its own (`python -m trio_pd.testing.engine`): SIGSTOP, SIGCONT and SIGKILL are real. The
+# of its own (`python -m trio_pd_testing.engine`): SIGSTOP, SIGCONT and SIGKILL are real. The
 # prefill's KV takes 1 s to move (`--kv-transfer-ms`: the real engine's window, longer so a
 # few-ms poll sees it), the decode 20 ms a token (so a stream is still decoding when killed).
 FAULT_PREFILL = ("--kv-transfer-ms", "1000")

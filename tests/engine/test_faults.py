@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio.testing
 
-from trio_pd.testing.engine.faults import FaultError, parse_fault, plan_for
+from trio_pd_testing.engine.faults import FaultError, parse_fault, plan_for
 
 from .helpers import new_room, pd_body, pd_post, sse_events, start_engine
 

@@ -21,7 +21,7 @@ async def test_server_info_reports_the_resolved_args(pair, client):
         assert info["tokenizer_worker_num"] == 1
         assert info["version"] == "0.5.23" and info["frontend"] == "python"
         assert len(info["internal_states"]) == 1
-        assert info["simulator"]["name"] == "trio_pd.testing.engine"  # ours, not SGLang's
+        assert info["simulator"]["name"] == "trio_pd_testing.engine"  # ours, not SGLang's
         assert "waiting_timeout" in info["simulator"] and "faults" in info["simulator"]
     # `auto` resolves per role: the PD prefill follows the bootstrap room, decode round-robins
     assert p["load_balance_method"] == "follow_bootstrap_room"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import httpx2
 
-from trio_pd.testing.engine.workload import continued, output_id, text_ids
+from trio_pd_testing.engine.workload import continued, output_id, text_ids
 
 from .helpers import new_room, pd_body, pd_post, sse_events, start_engine
 

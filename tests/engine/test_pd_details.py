@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import trio
 
-from trio_pd.testing.engine import EngineHandle
+from trio_pd_testing.engine import EngineHandle
 
 from .helpers import Background, new_room, pd_body, pd_post, start_engine
 

@@ -9,7 +9,7 @@ import httpx2
 import pytest
 import trustme
 
-from trio_pd.testing.engine import EngineConfig
+from trio_pd_testing.engine import EngineConfig
 
 from .helpers import new_room, pd_body, pd_post, start_engine
 

@@ -18,7 +18,7 @@ import httpx2
 import trio
 
 from tests.vllm import scenarios
-from trio_pd.testing.engine.vllm import VllmEngineConfig, serve_vllm_engine
+from trio_pd_testing.engine.vllm import VllmEngineConfig, serve_vllm_engine
 
 # The prefill's context as the tier's (512 tokens; the simulator's tokens are words).
 PREFILL = VllmEngineConfig(max_model_len=512)

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from tests.router.helpers import leave_when, settle
-from trio_pd.testing.engine.vllm import VllmEngineConfig, VllmEngineHandle, serve_vllm_engine
+from trio_pd_testing.engine.vllm import VllmEngineConfig, VllmEngineHandle, serve_vllm_engine
 
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}  # fmt: skip

@@ -117,7 +117,7 @@ async def test_prefill_bootstrap_timeout(nursery, client):
 
 
 def test_the_bootstrap_timeout_is_sglangs_by_default():
-    from trio_pd.testing.engine import EngineConfig
+    from trio_pd_testing.engine import EngineConfig
 
     assert EngineConfig(role="prefill").bootstrap_timeout == 300.0
     assert EngineConfig(role="decode").waiting_timeout == 300.0

@@ -27,7 +27,7 @@ from tests.conftest import start_engine
 from tests.etcd.conftest import EtcdServer
 from tests.ops.serve import ServeProcess, clients_per_process, start_serve
 from tests.router.helpers import eventually
-from trio_pd.testing.engine import EngineHandle
+from trio_pd_testing.engine import EngineHandle
 
 PROPAGATION_SECS = 10.0  # a hang guard: a watch delivers in milliseconds, and the fallback it would
 # hide is the 30 s resync; the 1 s figure of the design is not asserted (a busy machine breaks it)

@@ -20,7 +20,7 @@ from trio_pd.fleet.kv_events import (
 )
 from trio_pd.fleet.kv_hash import block_hashes, cacheable_tokens
 from trio_pd.fleet.kv_index import BlockIndex
-from trio_pd.testing.engine.kv_events import page_hashes
+from trio_pd_testing.engine.kv_events import page_hashes
 
 DATA = Path(__file__).parent.parent / "data"
 

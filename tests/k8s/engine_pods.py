@@ -13,7 +13,7 @@ from typing import Any
 import httpx2
 
 from tests.k8s.fake_apiserver import FakeApiServer
-from trio_pd.testing.engine import EngineHandle
+from trio_pd_testing.engine import EngineHandle
 
 PREFILL = {"app": "sglang", "role": "prefill"}
 DECODE = {"app": "sglang", "role": "decode"}

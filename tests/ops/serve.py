@@ -18,7 +18,7 @@ import attrs
 import httpx2
 import trio
 
-from trio_pd.testing.engine import EngineHandle
+from trio_pd_testing.engine import EngineHandle
 
 # Hang guards, not bounds: readiness is waited for as an event (`/readiness` answering 200,
 # every process of --workers N reached), and these only end a wait that will never finish. A

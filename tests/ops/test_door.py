@@ -36,7 +36,7 @@ from tests.ops.sockets import listeners
 from tests.router.helpers import generate_body, read_sse
 from trio_pd.cli.main import build_parser, router_config
 from trio_pd.config import ControlKey
-from trio_pd.testing.engine import EngineHandle
+from trio_pd_testing.engine import EngineHandle
 
 LOOSE = 10.0
 SIDECAR_SOURCE = "127.0.0.6"  # where Istio's inbound sidecar connects to the app from

@@ -21,7 +21,7 @@ import trio
 from tests.conftest import start_engine
 from tests.ops.serve import ServeProcess, free_port
 from tests.router.helpers import generate_body
-from trio_pd.testing.engine import EngineHandle
+from trio_pd_testing.engine import EngineHandle
 
 # SMG's README at the sglang-router 0.3.2 release (lightseekorg/smg c7f9bf9f5, README.md,
 # "Prefill/Decode Disaggregation (PD)", Python launcher).

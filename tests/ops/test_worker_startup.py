@@ -18,7 +18,7 @@ from tests.ops.serve import PROCESSES_SECS, ServeProcess, free_port, start_serve
 from tests.router.fleet_tools import start_stoppable
 from tests.router.helpers import eventually, generate_body
 from trio_pd.cli.main import build_parser, router_config
-from trio_pd.testing.engine import EngineHandle
+from trio_pd_testing.engine import EngineHandle
 
 LOOSE = 10.0
 

@@ -10,7 +10,7 @@ import trio
 
 from tests.conftest import ENGINE_DEFAULTS, Cluster, cluster_of
 from trio_pd.config import HealthConfig
-from trio_pd.testing.engine import EngineConfig, EngineHandle, serve_engine
+from trio_pd_testing.engine import EngineConfig, EngineHandle, serve_engine
 
 # Health checks fast enough for tests over real sockets; bounds on them stay loose (seconds).
 FAST_HEALTH = HealthConfig(

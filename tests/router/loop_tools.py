@@ -173,11 +173,11 @@ class ExternalEngine:
 async def external_engine(
     tmp: Path, role: str, engine: Engine = "sglang"
 ) -> AsyncIterator[ExternalEngine]:
-    """The simulator as a process of its own (`trio_pd.testing.engine`, or its vLLM mode
-    `trio_pd.testing.engine.vllm`), healthy; its JSON-lines events in `tmp`."""
+    """The simulator as a process of its own (`trio_pd_testing.engine`, or its vLLM mode
+    `trio_pd_testing.engine.vllm`), healthy; its JSON-lines events in `tmp`."""
     port = await free_port()
     events = tmp / f"{engine}-{role}-events.jsonl"
-    module = "trio_pd.testing.engine" if engine == "sglang" else "trio_pd.testing.engine.vllm"
+    module = "trio_pd_testing.engine" if engine == "sglang" else "trio_pd_testing.engine.vllm"
     command = [
         sys.executable, "-m", module, "--role", role,
         "--host", "127.0.0.1", "--port", str(port), "--events", str(events),

@@ -18,14 +18,14 @@ import httpx2
 import pytest
 import trio
 
+from tests.cluster import ROUTER_DEFAULTS, wait_until_ready
 from tests.conftest import Cluster, start_cluster, start_engine, start_router
 from tests.router.fleet_tools import LOOSE
 from tests.router.helpers import generate_body
 from trio_pd.config import OverloadConfig, PolicyConfig, RouterConfig
 from trio_pd.pd.aborts import AbortJob
 from trio_pd.spec import WorkerSpec
-from trio_pd.testing.cluster import ROUTER_DEFAULTS, wait_until_ready
-from trio_pd.testing.engine import EngineHandle
+from trio_pd_testing.engine import EngineHandle
 
 GENERATION_KEY, ADMIN_KEY = "generation-key", "admin-key"
 

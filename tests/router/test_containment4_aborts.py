@@ -29,7 +29,7 @@ from trio_pd.pd.aborts import (
     AbortJob,
     AbortService,
 )
-from trio_pd.testing.engine import EngineHandle
+from trio_pd_testing.engine import EngineHandle
 
 ROLES = ("prefill", "decode")
 BATCH = 1024  # --max-batch-size's default: the largest batch a client may send

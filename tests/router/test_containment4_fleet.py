@@ -29,7 +29,7 @@ from trio_pd.control.engine_info import LoadReportRejected, parse_v1_loads
 from trio_pd.fleet import manual
 from trio_pd.fleet.manual import ManualPolicy
 from trio_pd.fleet.prefix_tree import MAX_PATH_NODES, NODE_BYTES, PrefixTree
-from trio_pd.testing.engine import EngineHandle
+from trio_pd_testing.engine import EngineHandle
 
 # -- N9: load reports that cannot be true ------------------------------------------------------
 

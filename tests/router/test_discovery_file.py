@@ -13,6 +13,7 @@ import attrs
 import httpx2
 import trio
 
+from tests.cluster import Cluster
 from tests.conftest import (
     ENGINE_DEFAULTS,
     ROUTER_DEFAULTS,
@@ -25,8 +26,7 @@ from tests.router.fleet_tools import FAST_HEALTH, LOOSE
 from tests.router.helpers import generate_body
 from trio_pd.config import RouterConfig
 from trio_pd.edge.router import Router
-from trio_pd.testing.cluster import Cluster
-from trio_pd.testing.engine import EngineConfig, EngineHandle, serve_engine
+from trio_pd_testing.engine import EngineConfig, EngineHandle, serve_engine
 
 
 def record(worker_id: str, engine: EngineHandle, role: str) -> dict[str, Any]:

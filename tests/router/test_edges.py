@@ -11,12 +11,12 @@ import attrs
 import pytest
 import trio
 
+from tests.cluster import Cluster, start_cluster
 from tests.conftest import cluster_of
 from tests.router.helpers import CANCELLED, generate_body
 from tests.router.hostile import SSE_HEAD, Posted, answer_ok, chunk, start_hostile
 from trio_pd.cli.main import build_parser, router_config
 from trio_pd.config import EdgeConfig, RouterConfig
-from trio_pd.testing.cluster import Cluster, start_cluster
 
 PING = b": ping\n\n"
 HEALTH = b"GET /health HTTP/1.1\r\nhost: router\r\n\r\n"

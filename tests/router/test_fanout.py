@@ -19,7 +19,7 @@ from tests.router.fleet_tools import FAST_HEALTH, LOOSE, free_port
 from tests.router.helpers import generate_body, settle
 from trio_pd.control.engine_info import EngineInfoError, parse_legacy_load
 from trio_pd.spec import WorkerSpec
-from trio_pd.testing.engine.app import EngineApp
+from trio_pd_testing.engine.app import EngineApp
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ import trio
 from tests.conftest import Cluster, start_cluster
 from tests.router.helpers import CANCELLED, generate_body, read_sse, settle
 from trio_pd.config import RetryConfig
-from trio_pd.testing.engine.responses import error_body
+from trio_pd_testing.engine.responses import error_body
 
 LOOSE = 15.0  # a hang guard; what it rules out (a 60 s slow decode, a 60 s wait) is far above
 SLOW_DECODE = "decode:slow:60000"  # decode got its KV, then waits 60 s before its first token

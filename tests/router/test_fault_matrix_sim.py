@@ -1,5 +1,5 @@
 """Issue 25's fault matrix on the simulator, in `make test`: the engines are processes of their
-own (`python -m trio_pd.testing.engine`), frozen and killed with real signals, in front of a real
+own (`python -m trio_pd_testing.engine`), frozen and killed with real signals, in front of a real
 router over real sockets; what they did is read from their own JSON-lines event logs.
 
 The real pair's rows are tests/sglang/test_fault_matrix.py. The rows here are the ones a signal
@@ -104,7 +104,7 @@ async def engine_process(tmp: Path, role: str, *args: str) -> AsyncIterator[Engi
     events = tmp / f"{role}-events.jsonl"
     events.touch()
     command = [
-        sys.executable, "-m", "trio_pd.testing.engine", "--role", role,
+        sys.executable, "-m", "trio_pd_testing.engine", "--role", role,
         "--host", "127.0.0.1", "--port", str(port), "--events", str(events),
         "--waiting-timeout", "120", "--log-level", "warning", *args,
     ]  # fmt: skip

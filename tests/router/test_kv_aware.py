@@ -17,11 +17,11 @@ from tests.conftest import cluster_of, start_engine
 from tests.router.fleet_tools import FAST_HEALTH, LOOSE, who_started
 from tests.router.helpers import settle
 from trio_pd.config import PolicyConfig
-from trio_pd.testing.engine.bootstrap import FAKE_BOOTSTRAP_HOST
+from trio_pd_testing.engine.bootstrap import FAKE_BOOTSTRAP_HOST
 
 
 def word_id(word: str) -> int:
-    """The simulator's token id of a word (`testing/engine/workload.word_id`)."""
+    """The simulator's token id of a word (`testing/trio_pd_testing/engine/workload.word_id`)."""
     return 100 + zlib.crc32(word.encode()) % 32000
 
 

@@ -19,7 +19,7 @@ measured and printed beside it, never asserted (timing belongs in `bench/`). Thr
   JSON (refused 400), all at once.
 
 The router runs in the test process, as everywhere in the suite, but here the two engines are
-separate processes (`python -m trio_pd.testing.engine`): an in-process simulator parsing
+separate processes (`python -m trio_pd_testing.engine`): an in-process simulator parsing
 the same 16 MB bodies on the same loop would be measured too. Their JSON-lines event logs say
 which request reached them.
 """

@@ -16,7 +16,7 @@ import trio
 from tests.conftest import cluster_of, start_engine
 from tests.router.fleet_tools import FAST_HEALTH, LOOSE
 from tests.router.helpers import generate_body, settle
-from trio_pd.testing.engine import EngineHandle
+from trio_pd_testing.engine import EngineHandle
 
 
 def entry(worker_id: str, engine: EngineHandle, role: str, **extra: Any) -> dict[str, Any]:

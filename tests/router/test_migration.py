@@ -21,7 +21,7 @@ import trio
 from tests.conftest import start_cluster
 from tests.router.helpers import read_sse, settle
 from trio_pd.config import RetryConfig, TimeoutConfig
-from trio_pd.testing.engine.workload import output_id
+from trio_pd_testing.engine.workload import output_id
 
 MAX = 8
 PROMPT = "the quick brown fox jumps over the lazy dog"

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import trio
 
+from tests.cluster import Cluster, start_cluster
 from tests.router.fleet_tools import LOOSE
 from tests.router.helpers import generate_body, settle
-from trio_pd.testing.cluster import Cluster, start_cluster
 
 
 def audits(cluster: Cluster, role: str, result: str) -> float:

@@ -19,6 +19,7 @@ import orjson
 import pytest
 import trio
 
+from tests.cluster import wait_until_ready
 from tests.conftest import ROUTER_DEFAULTS, Cluster, start_engine, start_router
 from tests.router.fleet_tools import LOOSE
 from tests.router.helpers import CANCELLED
@@ -26,8 +27,7 @@ from trio_pd.config import RouterConfig
 from trio_pd.pd import samples
 from trio_pd.pd.aborts import AbortJob
 from trio_pd.spec import WorkerSpec
-from trio_pd.testing.cluster import wait_until_ready
-from trio_pd.testing.engine import EngineHandle
+from trio_pd_testing.engine import EngineHandle
 
 CHAT = {"messages": [{"role": "user", "content": "say many things"}], "max_tokens": 1000}
 SLOW = {"inter_token_ms": 20.0}  # 1000 tokens: 20 s of stream, cut long before its end

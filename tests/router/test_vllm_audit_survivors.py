@@ -12,8 +12,8 @@ import trio
 
 from tests.router import test_vllm_outcomes
 from tests.router.test_vllm_outcomes import chat, start_vllm_cluster, starts
-from trio_pd.testing.engine.vllm import VllmEngineHandle
-from trio_pd.testing.engine.vllm_app import VllmApp
+from trio_pd_testing.engine.vllm import VllmEngineHandle
+from trio_pd_testing.engine.vllm_app import VllmApp
 
 blocks = test_vllm_outcomes.blocks  # the fixture: no engine may hold a block once a test ended
 

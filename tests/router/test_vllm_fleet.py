@@ -17,7 +17,7 @@ from trio_pd.config import RouterConfig
 from trio_pd.membership import etcd, kubernetes, shared_file
 from trio_pd.membership.worker_json import spec_from_json
 from trio_pd.spec import WorkerSpec
-from trio_pd.testing.engine.vllm import VllmEngineConfig, VllmEngineHandle, serve_vllm_engine
+from trio_pd_testing.engine.vllm import VllmEngineConfig, VllmEngineHandle, serve_vllm_engine
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from tests.router.test_vllm_outcomes import (
     starts,
 )
 from trio_pd.pd.vllm_handoff import shape_problem
-from trio_pd.testing.engine.vllm import VllmEngineHandle
+from trio_pd_testing.engine.vllm import VllmEngineHandle
 
 # The spoiled handoff's blocks are left to the lease (nobody reads them): a short one.
 SHORT_LEASE = {"kv_lease_duration": 1.0}

@@ -1,6 +1,6 @@
 """vLLM pairs through a real router: the outcome table of docs/vllm.md §4, row by row.
 
-Each test runs simulator engines in vLLM mode (`trio_pd/testing/engine/vllm.py`) behind an
+Each test runs simulator engines in vLLM mode (`testing/trio_pd_testing/engine/vllm.py`) behind an
 in-process router, and checks what the engines saw (the prefill's and decode's bodies, the
 handoff read or freed, connections closed) besides what the client got. The `blocks` fixture
 holds every test to the containment guarantee: once the test is over, no prefill holds a KV
@@ -24,7 +24,7 @@ from tests.router.helpers import read_sse, settle
 from trio_pd.config import RetryConfig, RouterConfig
 from trio_pd.edge.router import Router
 from trio_pd.spec import WorkerSpec
-from trio_pd.testing.engine.vllm import VllmEngineConfig, VllmEngineHandle, serve_vllm_engine
+from trio_pd_testing.engine.vllm import VllmEngineConfig, VllmEngineHandle, serve_vllm_engine
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
 FAST_RETRIES = RetryConfig(max_retries=3, initial_backoff_ms=1, max_backoff_ms=5)

@@ -48,7 +48,7 @@ from tests.sglang import faults, pairs
 from tests.sglang.conftest import ROUTER_FLAGS, RouterProcess
 from tests.sglang.faults import SHAPES, Ledger, Result
 from tests.sglang.probe import Probe
-from trio_pd.testing.sglang.launcher import SERVED_MODEL_NAME, free_port
+from trio_pd_testing.sglang.launcher import SERVED_MODEL_NAME, free_port
 
 KINDS = ("prefill 400", "client reset", "client reset mid-stream")
 EPISODE_CAP_SECS = 8.0  # past SGLang's 4 s disconnect poll: what a peer router leaves to it

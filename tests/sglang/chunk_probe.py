@@ -36,7 +36,7 @@ from tests.sglang import pairs
 from tests.sglang.faults import prompt
 from tests.sglang.probe import held_of
 from tests.sglang.scenarios import bootstrap, fresh_rid
-from trio_pd.testing.sglang import SGLangPair
+from trio_pd_testing.sglang import SGLangPair
 
 CHUNK = 128
 WORDS = 280  # ~850 tokens of the tiny tokenizer: 7 chunks, under the prefill's 1024 context

@@ -19,8 +19,8 @@ import pytest
 from tests.real_tier import StartedRouters, alive, session_log_dir
 from tests.sglang import pairs
 from tests.sglang.scenarios import Target
-from trio_pd.testing.real_pair import ServeProcess
-from trio_pd.testing.sglang import SGLangPair
+from trio_pd_testing.real_pair import ServeProcess
+from trio_pd_testing.sglang import SGLangPair
 
 # kv_aware on the real engine starts a pair of its own (a prefill with --kv-events-config): it
 # runs alone, in `make test-sglang`'s second step (TRIO_PD_SGLANG_KV), never beside these pairs.

@@ -29,8 +29,8 @@ import httpx2
 import orjson
 import trio
 
-from trio_pd.testing.sglang import SGLangPair
-from trio_pd.testing.sglang.launcher import Engine
+from trio_pd_testing.sglang import SGLangPair
+from trio_pd_testing.sglang.launcher import Engine
 
 ROUTES = ("/generate", "/v1/chat/completions", "/v1/completions")
 SHAPES = tuple((route, stream) for route in ROUTES for stream in (False, True))

@@ -33,7 +33,7 @@ import trio
 
 from tests.sglang import pairs
 from tests.sglang.scenarios import Target, bootstrap, fresh_rid
-from trio_pd.testing.sglang import SGLangPair
+from trio_pd_testing.sglang import SGLangPair
 
 PROMPT = "the quick brown fox jumps over the lazy dog and then some more words"
 MESSAGES = [{"role": "user", "content": PROMPT}]

@@ -9,7 +9,7 @@ import trio
 
 from tests.sglang.fault_scenarios import Signals
 from tests.sglang.scenarios import Target
-from trio_pd.testing.sglang import SGLangPair
+from trio_pd_testing.sglang import SGLangPair
 
 # The main pair's prefill accepts 1024 tokens, its decode 4096 (the model's): a prompt between
 # the two gets a real prefill 400 while its decode waits for KV.

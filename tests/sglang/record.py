@@ -21,7 +21,7 @@ from pathlib import Path
 import trio
 
 from tests.sglang import fault_scenarios, pairs, scenarios
-from trio_pd.testing.sglang import SGLANG_VERSION, launcher
+from trio_pd_testing.sglang import SGLANG_VERSION, launcher
 
 OUT = Path(__file__).resolve().parents[1] / "data" / f"sglang_{SGLANG_VERSION}_observables.json"
 
@@ -50,7 +50,7 @@ def provenance() -> dict:
     return {
         "sglang_version": SGLANG_VERSION,
         "recorded": datetime.date.today().isoformat(),
-        "model": "tiny random-weight Llama (trio_pd/testing/sglang/make_model.py), "
+        "model": "tiny random-weight Llama (testing/trio_pd_testing/sglang/make_model.py), "
         "--load-format dummy",
         "engine_env": launcher.ENGINE_ENV,
         "common_args": list(launcher.COMMON_ARGS),

@@ -8,8 +8,8 @@ import pytest
 import trio
 
 from tests.sglang import scenarios
-from trio_pd.testing.sglang import SGLangPair
-from trio_pd.testing.sglang.launcher import (
+from trio_pd_testing.sglang import SGLangPair
+from trio_pd_testing.sglang.launcher import (
     EngineStartError,
     distinct_free_ports,
     engine_command,

@@ -38,8 +38,8 @@ from tests.sglang.conftest import ROUTER_FLAGS, RouterProcess
 from tests.sglang.faults import SHAPES, Ledger, Result
 from tests.sglang.probe import Probe
 from tests.tcp import unread_from
-from trio_pd.testing.sglang import SGLangPair
-from trio_pd.testing.sglang.launcher import http_status
+from trio_pd_testing.sglang import SGLangPair
+from trio_pd_testing.sglang.launcher import http_status
 
 # A row restarts an engine (27-70 s on this machine) and waits for its references.
 pytestmark = pytest.mark.timeout(600)

@@ -36,8 +36,8 @@ from tests.sglang.conftest import ROUTER_FLAGS
 from tests.sglang.scenarios import shape
 from trio_pd.control.engine_info import parse_kv_events
 from trio_pd.fleet.kv_tokens import CHAT, PromptTokenizer
-from trio_pd.testing.sglang import SGLangPair
-from trio_pd.testing.sglang.launcher import (
+from trio_pd_testing.sglang import SGLangPair
+from trio_pd_testing.sglang.launcher import (
     MODEL_DIR,
     distinct_free_ports,
     engine_command,

@@ -30,8 +30,8 @@ import trio
 from tests.sglang import faults
 from tests.sglang.conftest import RouterProcess
 from tests.sglang.scenarios import busy_count
-from trio_pd.testing.sglang import SGLangPair
-from trio_pd.testing.sglang.launcher import (
+from trio_pd_testing.sglang import SGLangPair
+from trio_pd_testing.sglang.launcher import (
     Engine,
     engine_command,
     free_port,

@@ -18,9 +18,9 @@ import httpx2
 import pytest
 
 from tests.real_tier import StartedRouters, alive, session_log_dir
-from trio_pd.testing.real_pair import ServeProcess, post
-from trio_pd.testing.vllm import KV_LEASE_SECS, SERVED_MODEL_NAME, VllmPair, engine_metrics
-from trio_pd.testing.vllm.launcher import REPO_ROOT
+from trio_pd_testing.real_pair import ServeProcess, post
+from trio_pd_testing.vllm import KV_LEASE_SECS, SERVED_MODEL_NAME, VllmPair, engine_metrics
+from trio_pd_testing.vllm.launcher import REPO_ROOT
 
 LOG_DIR = REPO_ROOT / ".cache" / "vllm-logs"
 

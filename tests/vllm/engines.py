@@ -20,8 +20,8 @@ import httpx2
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from trio_pd.testing.sglang.launcher import Engine
-from trio_pd.testing.vllm import KV_LEASE_SECS, SERVED_MODEL_NAME, engine_metrics
+from trio_pd_testing.sglang.launcher import Engine
+from trio_pd_testing.vllm import KV_LEASE_SECS, SERVED_MODEL_NAME, engine_metrics
 
 # Blocks a finished request left are freed by the decode's read (ms) or at worst by the lease.
 FREED_WITHIN_SECS = KV_LEASE_SECS + 30.0

@@ -12,7 +12,7 @@ import trio
 
 from tests.vllm import engines as E
 from tests.vllm.conftest import ROUTER_FLAGS
-from trio_pd.testing.vllm.dead_decode import PassingThenDead
+from trio_pd_testing.vllm.dead_decode import PassingThenDead
 
 FINISHED = "vllm:request_success_total"
 EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"

@@ -1,12 +1,11 @@
-"""`trio-pd serve | launch | engine | demo`: the commands, and the RouterConfig a line asks for.
+"""`trio-pd serve | launch`: the commands, and the RouterConfig a line asks for.
 
 `serve` takes every flag of SGLang's router (sglang-router 0.3.2) with its name, arity and
 default; `launch` every flag of `smg launch` (SMG 1.13.0, `cli/launch.py`) with 1.13's meaning.
 The flags are declared once, in the flag table (`config/flags/`), from which `cli/parser.py`
-makes the parser and `config/build.py` the config. Only the CLI imports `trio_pd.testing` (the
-simulator and the demo), and only for the command that runs it: `trio-pd engine ...` is handed
-whole to the simulator's own parser before the router's is built, so `serve` and `launch` load
-no simulator module (tests/test_cli.py checks it).
+makes the parser and `config/build.py` the config. The simulator and the demo are another
+distribution's command (`trio-pd-testing engine | demo`, `testing/`): the router imports none of
+it and its wheel ships none (tests/test_cli.py checks both).
 """
 
 from __future__ import annotations
@@ -62,9 +61,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_launch_arguments(launch)
     launch.set_defaults(serve_parser=launch)
-    # Listed for --help only: main() hands `engine ...` to the simulator's parser (see above).
-    commands.add_parser("engine", help="run a simulated PD engine (trio-pd engine --help)")
-    commands.add_parser("demo", help="start a local PD cluster and show it working")
     return parser
 
 
@@ -94,17 +90,9 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
 
 def main(argv: Sequence[str] | None = None) -> None:
     tokens = list(sys.argv[1:] if argv is None else argv)
-    if tokens[:1] == ["engine"]:
-        from trio_pd.testing.engine.cli import main as run_engine
-
-        run_engine(tokens[1:], prog="trio-pd engine")
-        return
+    if tokens[:1] in (["engine"], ["demo"]):  # the commands that moved: say where to
+        raise SystemExit(f"trio-pd: `{tokens[0]}` is `trio-pd-testing {tokens[0]}` now (testing/)")
     args = build_parser().parse_args(tokens)
-    if args.command in ("serve", "launch"):
-        from trio_pd.serve.run import run
+    from trio_pd.serve.run import run
 
-        raise SystemExit(run(router_config(args)))
-    else:
-        from trio_pd.testing.demo import main as run_demo
-
-        run_demo()
+    raise SystemExit(run(router_config(args)))

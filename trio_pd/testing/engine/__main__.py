@@ -1,6 +1,0 @@
-"""`python -m trio_pd.testing.engine ...` runs one simulated engine."""
-
-from trio_pd.testing.engine.cli import main
-
-if __name__ == "__main__":
-    main()
