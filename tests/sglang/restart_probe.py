@@ -35,8 +35,8 @@ import trio
 
 from tests.sglang import pairs
 from tests.sglang.scenarios import GEN, bootstrap, busy_count, fresh_rid
-from trio_pd.testing.real_pair import http_status
-from trio_pd.testing.sglang import SGLangPair
+from trio_pd_testing.real_pair import http_status
+from trio_pd_testing.sglang import SGLangPair
 
 LOST = "Lost connection with prefill instance"
 TRY_SECS = 30.0
