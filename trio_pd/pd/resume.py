@@ -206,6 +206,11 @@ class Migration:
         seam = seam_of(answer.get("text"), len(sent), self.transcript.text)
         if seam is None:
             log.warning("migration: no seam in reach, every id sent kept (the text may differ)")
+        elif seam.keep < len(sent):
+            log.info(
+                "migration: the break cut a character: resumed from %d of the %d ids sent",
+                seam.keep, len(sent),
+            )  # fmt: skip
         return seam
 
     async def prompt_ids(self, payload: dict[str, Any], tokenize: Any) -> list[int]:
