@@ -285,6 +285,11 @@ def test_no_seam_when_the_answer_disagrees_or_none_is_in_reach() -> None:
     sent = [10, 11]
     texts = detokenized(seam_lists(PROMPT, sent), VOCAB)
     assert seam_of(texts, len(sent), "x") is None  # the client's text is not the engine's
+    whole = [10, 11, 12]
+    texts = detokenized(seam_lists(PROMPT, whole), VOCAB)
+    assert seam_of(texts, len(whole), "a b \u0628c") is not None
+    assert seam_of(texts, len(whole), "a b \u0628c!") is None  # more text than its ids have
+    texts = detokenized(seam_lists(PROMPT, sent), VOCAB)
     assert seam_of(texts[:-1], len(sent), "a") is None  # not an answer to the lists
     assert seam_of("a", len(sent), "a") is None
     # a run of cut characters longer than the ends looked at: no seam, every id kept

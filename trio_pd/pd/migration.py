@@ -256,7 +256,7 @@ def seam_lists(prompt_ids: list[int], sent_ids: list[int]) -> list[list[int]]:
 def seam_of(texts: Any, sent: int, client_text: str) -> Seam | None:
     """The last end after which the text is whole, from `/detokenize`'s answer to `seam_lists`
     (`texts`); None when the answer is not one, no end in reach is whole, or the text the
-    client got is not the engine's text there (then nothing is changed).
+    client got does not fit the engine's there (then nothing is changed).
 
     An end is whole when the ids before it decode without a cut character at the end (an end
     with no id before it is the prompt's). The text up to a whole end is the answer's text
@@ -279,9 +279,10 @@ def seam_of(texts: Any, sent: int, client_text: str) -> Seam | None:
         if not answer.endswith(after):
             return None
         text = answer[: len(answer) - len(after)]
-        if client_text.startswith(text) or text.startswith(client_text):
-            return Seam(end, text)
-        return None
+        # The client may lack text the engine held back; past the seam it may have a
+        # printable prefix of the tail's text, never more than every id's.
+        beyond = end < sent and client_text.startswith(text)
+        return Seam(end, text) if beyond or text.startswith(client_text) else None
     return None
 
 
