@@ -16,8 +16,9 @@ The text must equal the uninterrupted run's too, even where the break cut a char
 several UTF-8 bytes (the router resumes from the seam: docs/protocol.md §14). The victims'
 prompts are ones whose greedy answer on the tier's random weights is dense in such characters
 (`VICTIM_SEEDS`: every second id of their 900 ends inside one, screened on the tier
-2026-12-05), so about half the breaks cut one; the router's log says which
-(`the break cut a character`), and the test prints how many.
+2026-12-05, and checked again by each run with the engine's /detokenize), so about half the
+breaks cut one; the router's log says which (`the break cut a character`), and the test
+prints how many.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ VICTIM_SEEDS = {
     "term": {"/generate": 3904, "/v1/completions": 3907},
 }
 CUT_LINE = "the break cut a character"
+SCREENED = 60  # ends of each reference answer checked to cut a character
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +189,19 @@ async def victims_and_kill(
     return got, want
 
 
+async def dense_in_cut_characters(engine_url: str, want: dict) -> None:
+    """The victims' answers are what `VICTIM_SEEDS` says (the provoked thing): by the engine's
+    own /detokenize, many of the first ends of each reference answer cut a character."""
+    async with httpx2.AsyncClient(timeout=30) as client:
+        for route in ROUTES:
+            ids = answer(route, want[route])["ids"][:SCREENED]
+            lists = [ids[:end] for end in range(1, len(ids) + 1)]
+            texts = (await client.post(engine_url + "/detokenize", json={"tokens": lists})).json()
+            cut = sum(text.endswith("\ufffd") for text in texts["text"])
+            print(f"\n{route}: {cut} of the first {len(ids)} ends cut a character")
+            assert cut >= len(ids) // 3, route
+
+
 def check(got: dict, want: dict, router: RouterProcess) -> None:
     """Token for token and byte for byte: the ids and the text equal an uninterrupted run's,
     the counts and usage too, wherever the break fell (a break that cut a character resumes
@@ -219,6 +234,7 @@ async def test_a_killed_decodes_streams_finish_on_the_other(
         os.killpg(extra_decode.pid, signal.SIGKILL)
 
     got, want = await victims_and_kill(router, extra_decode, kill, VICTIM_SEEDS["kill"])
+    await dense_in_cut_characters(main_pair.prefill_url, want)
     check(got, want, router)
     assert migrations(router) == {("transport", "resumed"): 2.0}
     async with httpx2.AsyncClient(timeout=10) as client:  # what remains holds nothing
@@ -244,6 +260,7 @@ async def test_a_sigtermed_decode_group_costs_no_stream(
             os.killpg(extra.pid, signal.SIGTERM)
 
         got, want = await victims_and_kill(router, extra, term, VICTIM_SEEDS["term"])
+        await dense_in_cut_characters(main_pair.prefill_url, want)
         check(got, want, router)
         counted = migrations(router)
         assert sum(counted.values()) == 2.0
