@@ -1,6 +1,7 @@
 """What migration (issue 29) needs of the simulator: a decode that dies after N tokens as a
 SIGKILLed engine does, `input_ids` that continue an answer byte for byte, completions'
-`return_token_ids`, and `/tokenize`."""
+`return_token_ids`, `/tokenize` and `/detokenize`, and (`multibyte_tokens`) tokens that cut a
+character, held back as SGLang's detokenizer holds it."""
 
 from __future__ import annotations
 
@@ -75,6 +76,54 @@ async def test_tokenize(nursery) -> None:
         assert got["tokens"] == list(text_ids("a b"))
         bad = await client.post(engine.url + "/tokenize", json={})
         assert bad.status_code == 400
+
+
+async def test_detokenize(nursery) -> None:
+    engine = await start_engine(nursery, "prefill", multibyte_tokens=True)
+    ids = [output_id(k) for k in (1, 2, 3)]
+    async with httpx2.AsyncClient(timeout=10) as client:
+        got = (await client.post(engine.url + "/detokenize", json={"tokens": ids})).json()
+        assert got == {"text": "tok1 tok2 \u0628 tok3"}
+        cut = {"tokens": [ids[:2], ids[1:2], []]}
+        got = (await client.post(engine.url + "/v1/detokenize", json=cut)).json()
+        assert got == {"text": ["tok1 tok2 \ufffd", " tok2 \ufffd", ""]}  # cut: "\ufffd"
+        bad = await client.post(engine.url + "/detokenize", json={"tokens": ["x"]})
+        assert bad.status_code == 400
+    plain = await start_engine(nursery, "prefill")
+    async with httpx2.AsyncClient(timeout=10) as client:
+        got = (await client.post(plain.url + "/detokenize", json={"tokens": ids})).json()
+        assert got == {"text": "tok1 tok2 tok3"}
+
+
+async def test_a_cut_character_is_held_back_and_lost_behind_a_resumed_prompt(nursery) -> None:
+    """`multibyte_tokens`: tok2 ends with ب's first byte. Streamed, SGLang's detokenizer sends
+    the printable prefix "tok1 tok2 " and the character with tok3; a request resumed with
+    prompt + [tok1, tok2] has the first byte in its prompt and never sends the character (the
+    defect a router's migration must avoid, docs/protocol.md §14); resumed with prompt +
+    [tok1], the text follows on whole."""
+    prefill = await start_engine(nursery, "prefill", multibyte_tokens=True)
+    decode = await start_engine(nursery, "decode", multibyte_tokens=True)
+    prompt = list(text_ids("a b c"))
+
+    async def texts(ids: list[int], count: int) -> list[str]:
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": count}, "stream": True}
+        _, stream = await pd_post(
+            client, prefill, decode, "/generate", pd_body(prefill, new_room(), **body)
+        )
+        return [e["text"] for e in sse_events(stream.text) if e != "[DONE]"]
+
+    async with httpx2.AsyncClient(timeout=10) as client:
+        assert await texts(prompt, 3) == ["tok1", "tok1 tok2 ", "tok1 tok2 \u0628 tok3"]
+        behind_the_cut = await texts([*prompt, output_id(1), output_id(2)], 1)
+        assert behind_the_cut == [" tok3"]  # ب never sent
+        before_the_cut = await texts([*prompt, output_id(1)], 2)
+        assert before_the_cut == [" tok2 ", " tok2 \u0628 tok3"]
+        # and a whole answer is the whole text
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 6}}
+        _, whole = await pd_post(
+            client, prefill, decode, "/generate", pd_body(prefill, new_room(), **body)
+        )
+        assert whole.json()["text"] == "tok1 tok2 \u0628 tok3 tok4\u20ac tok6"
 
 
 async def test_die_after_n_tokens_drops_everything(nursery) -> None:

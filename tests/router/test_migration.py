@@ -10,6 +10,7 @@ byte for byte with an uninterrupted run of the same request.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any
 
@@ -21,6 +22,7 @@ import trio
 from tests.conftest import start_cluster
 from tests.router.helpers import read_sse, settle
 from trio_pd.config import RetryConfig, TimeoutConfig
+from trio_pd_testing.engine.detokenize import decode as detokenize
 from trio_pd_testing.engine.workload import output_id
 
 MAX = 8
@@ -138,6 +140,123 @@ async def test_a_stream_outlives_its_decode(nursery: trio.Nursery, path: str, af
     await settle(lambda: gone.running == 0 and alive.running == 0)
 
 
+MB_MAX = 12  # two cycles of the simulator's multibyte vocabulary (`detokenize.output_bytes`)
+MULTIBYTE = {"multibyte_tokens": True}
+
+
+def clean_cut(after: int) -> int:
+    """The last of the first `after` tokens after which the text is whole: the vocabulary's
+    `tok<6m+2>` ends with ب's first byte, `tok<6m+4>` and `tok<6m+5>` hold part of €."""
+    return max(k for k in range(1, after + 1) if k % 6 in (0, 1, 3))
+
+
+def text_and_ids(path: str, events: list[Any]) -> tuple[list[str], list[int]]:
+    """The text the client held after each event, and the ids it got (each chunk's own)."""
+    texts, ids, text = [], [], ""
+    for e in events:
+        if e == "[DONE]" or "error" in e:
+            continue
+        if path == "/generate":
+            text, ids = e["text"], e["output_ids"]
+        else:
+            for c in e.get("choices") or []:
+                text += c.get("text") or ""
+                ids += c.get("token_ids") or []
+        texts.append(text)
+    return texts, ids
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+@pytest.mark.parametrize("after", [2, 3, 4, 5, 8])
+async def test_a_break_inside_a_multibyte_character_loses_no_text(
+    nursery: trio.Nursery, path: str, after: int
+) -> None:
+    """SGLang holds a character's text back until all its bytes arrived (sending only a
+    printable prefix), and decodes a resumed request behind its prompt: resumed from every id
+    sent, a character cut at the break would never be sent. The router resumes from the last
+    id after which the text is whole (the engine's own /detokenize says where), the engine
+    generates the cut tail again (greedy: the same ids), and the client gets neither those ids
+    twice nor the printable prefix twice: text and ids equal an uninterrupted run's."""
+    cluster = await start_cluster(
+        nursery, n_decode=2, migration_limit=2, prefill=MULTIBYTE, decode=MULTIBYTE
+    )
+    extra = {"return_token_ids": True} if path == "/v1/completions" else {}
+    payload = body(path, **extra)
+    if path == "/generate":
+        payload["sampling_params"]["max_new_tokens"] = MB_MAX
+    else:
+        payload["max_tokens"] = MB_MAX
+    status, reference, _ = await stream(cluster, path, payload, "ref")
+    want_texts, want_ids = text_and_ids(path, reference)
+    assert status == 200 and want_ids == [output_id(k) for k in range(1, MB_MAX + 1)]
+    assert "\u0628" in want_texts[-1] and "\u20ac" in want_texts[-1]  # the characters are there
+    # The engine's fault, not the request's (the resumed request generates the answer's
+    # `after`-th token again): round robin gives the next request to the other decode.
+    [gone] = [d for d in cluster.decodes if not d.events.find("request_start", rid="ref")]
+    [alive] = [d for d in cluster.decodes if d is not gone]
+    gone.set_faults([f"decode:die@{after}tok"])
+    status, events, _ = await stream(cluster, path, payload, "mb")
+    assert status == 200 and dead(cluster) == [gone]
+    assert alive.events.find("request_start", rid="mb")  # resumed on the other decode
+    texts, ids = text_and_ids(path, events)
+    got = answer(path, events)
+    assert got["done"] == 1 and not got["errors"], events
+    assert texts[-1] == want_texts[-1] and ids == want_ids
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts))  # nothing taken back
+    if path == "/generate":
+        assert got["ids_grow"] == list(range(1, MB_MAX + 1))  # no id twice, none missing
+        assert got["completion_tokens"] == MB_MAX
+    else:
+        assert got["usage"] == answer(path, reference)["usage"]
+    # The resumed request: the prompt plus the ids up to the last whole character.
+    [start] = alive.events.find("request_start", rid="mb")
+    sent_ids = start["body"]["input_ids" if path == "/generate" else "prompt"]
+    kept = clean_cut(after)
+    assert sent_ids[-kept:] == want_ids[:kept] and output_id(kept + 1) not in sent_ids
+    assert (await migrations(cluster)) == {("transport", "resumed"): 1.0}
+    await settle(lambda: gone.running == 0 and alive.running == 0)
+
+
+async def test_a_sampled_request_keeps_every_id_sent(nursery: trio.Nursery) -> None:
+    """Sampling (temperature > 0) would not generate a cut tail again the same: the resume
+    keeps every id sent, no seam is asked for, and the character cut at the break loses its
+    text (docs/protocol.md §14; the simulator's tokens are the same whatever the sampling)."""
+    cluster = await start_cluster(
+        nursery, n_decode=2, migration_limit=2, prefill=MULTIBYTE, decode=MULTIBYTE
+    )
+    payload = body("/generate", sampling_params={"max_new_tokens": MB_MAX, "temperature": 0.7})
+    cluster.decodes[0].set_faults(["decode:die@2tok"])  # round robin's first pick
+    status, events, _ = await stream(cluster, "/generate", payload, "sampled")
+    assert status == 200 and dead(cluster) == [cluster.decodes[0]]
+    texts, ids = text_and_ids("/generate", events)
+    assert ids == [output_id(k) for k in range(1, MB_MAX + 1)]
+    [start] = cluster.decodes[1].events.find("request_start", rid="sampled")
+    assert start["body"]["input_ids"][-2:] == [output_id(1), output_id(2)]  # every id sent
+    assert not cluster.prefills[0].events.find("detokenize")
+    assert texts[-1] == detokenize(ids, True).replace(" \u0628", " ", 1)  # ب lost at the seam
+
+
+async def test_a_second_resume_follows_a_resume_from_a_seam(nursery: trio.Nursery) -> None:
+    """Three decodes: the first dies inside ب (after tok2: resumed from tok1), the next at
+    tok7 (a whole end: resumed from every id); the third finishes the answer whole."""
+    cluster = await start_cluster(
+        nursery, n_decode=3, migration_limit=2, prefill=MULTIBYTE, decode=MULTIBYTE
+    )
+    first, *others = cluster.decodes
+    first.set_faults(["decode:die@2tok"])
+    for decode in others:
+        decode.set_faults(["decode:die@7tok"])
+    payload = body("/generate", sampling_params={"max_new_tokens": MB_MAX, "temperature": 0})
+    status, events, _ = await stream(cluster, "/generate", payload, "twice")
+    assert status == 200 and len(dead(cluster)) == 2 and first in dead(cluster)
+    texts, ids = text_and_ids("/generate", events)
+    want = [output_id(k) for k in range(1, MB_MAX + 1)]
+    assert ids == want and texts[-1] == detokenize(want, True)
+    assert answer("/generate", events)["ids_grow"] == list(range(1, MB_MAX + 1))
+    assert (await migrations(cluster)) == {("transport", "resumed"): 2.0}
+    assert len(cluster.prefills[0].events.find("detokenize")) == 2
+
+
 async def test_migration_limit_zero_ends_the_stream_as_before(nursery: trio.Nursery) -> None:
     """--migration-limit 0: the cut stream ends with the error event (today's behaviour)."""
     cluster = await start_cluster(nursery, n_decode=2, migration_limit=0)
@@ -207,18 +326,23 @@ async def test_a_silent_decode_is_resumed(nursery: trio.Nursery) -> None:
     await settle(lambda: all(d.running == 0 for d in cluster.decodes))
 
 
+@pytest.mark.parametrize("multibyte", [False, True])
 @pytest.mark.parametrize("path", ["/generate", "/v1/chat/completions", "/v1/completions"])
 async def test_a_plain_request_is_answered_whole_by_a_retry(
-    nursery: trio.Nursery, path: str
+    nursery: trio.Nursery, path: str, multibyte: bool
 ) -> None:
     """Without a stream nothing reached the client: the retry loop runs the request again on a
-    fresh pair (the dead decode's tokens are generated again)."""
-    cluster = await start_cluster(nursery, n_decode=2, retry=RETRY, migration_limit=2)
+    fresh pair (the dead decode's tokens are generated again; a character cut at the death,
+    `multibyte`, is whole in the answer)."""
+    engines = {"multibyte_tokens": multibyte}
+    cluster = await start_cluster(
+        nursery, n_decode=2, retry=RETRY, migration_limit=2, prefill=engines, decode=engines
+    )
     status, [want], _ = await stream(cluster, path, body(path, stream=False), "pref")
     # The engine's fault, not the request's (a retry sends the same body): round robin gives
     # the next request to the decode the reference did not use, and that one dies.
     [other] = [d for d in cluster.decodes if not d.events.find("request_start", rid="pref")]
-    other.set_faults(["decode:die@3tok"])
+    other.set_faults(["decode:die@2tok" if multibyte else "decode:die@3tok"])
     status, [got], _ = await stream(cluster, path, body(path, stream=False), "p")
     assert dead(cluster) == [other] and status == 200
     if path == "/generate":

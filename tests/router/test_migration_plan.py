@@ -241,3 +241,133 @@ def test_an_abort_event_ends_the_chunk_after_the_events_before_it() -> None:
     assert broken is not None and out == more[0]
     assert migration.break_reason == "inband"
     assert t.sent == 3 and t.text == "a b c"  # what the client got, not the abort's 4
+
+
+# ------------------------------------------------------------------------- the seam
+
+CUT = "\ufffd"  # how /detokenize renders a cut character
+
+
+def detokenized(lists: list[list[int]], vocab: dict[int, bytes]) -> list[str]:
+    """/detokenize of a byte-level tokenizer (cut or invalid UTF-8 as "\ufffd")."""
+    return [b"".join(vocab[i] for i in ids).decode("utf-8", "replace") for ids in lists]
+
+
+# ids 1-5: the prompt; 10 "a", 11 " b \xd8" (ب's first byte), 12 "\xa8c" (ب whole), 13 " d"
+VOCAB = {1: b"p", 2: b" q", 3: b" r", 4: b" s", 5: b" t", 10: b"a", 11: b" b \xd8",
+         12: b"\xa8c", 13: b" d", 14: b" \xe2", 15: b"\x82", 16: b"\xac"}  # fmt: skip
+PROMPT = [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize(
+    ("sent", "client_text", "keep", "text"),
+    [
+        ([10, 11, 12], "a b \u0628c", 3, "a b \u0628c"),  # whole: every id kept
+        ([10, 11], "a b ", 1, "a"),  # cut after ب's first byte; "a b " went out
+        ([10, 11, 12, 14, 15], "a b \u0628c ", 3, "a b \u0628c"),  # € cut after 2 bytes
+        ([10, 11], "a", 1, "a"),  # the engine sent nothing of the cut part
+        ([11], "", 0, ""),  # nothing whole but the prompt: every id comes again
+    ],
+)
+def test_the_seam_is_the_last_end_after_which_the_text_is_whole(
+    sent: list[int], client_text: str, keep: int, text: str
+) -> None:
+    from trio_pd.pd.migration import Seam, seam_lists, seam_of
+
+    lists = seam_lists(PROMPT, sent)
+    assert lists[0] == [*PROMPT[-5:], *sent] and lists[1] == PROMPT[-5:]
+    assert seam_of(detokenized(lists, VOCAB), len(sent), client_text) == Seam(keep, text)
+
+
+def test_no_seam_when_the_answer_disagrees_or_none_is_in_reach() -> None:
+    from trio_pd.pd.migration import SEAM_TOKENS, seam_lists, seam_of
+
+    sent = [10, 11]
+    texts = detokenized(seam_lists(PROMPT, sent), VOCAB)
+    assert seam_of(texts, len(sent), "x") is None  # the client's text is not the engine's
+    whole = [10, 11, 12]
+    texts = detokenized(seam_lists(PROMPT, whole), VOCAB)
+    assert seam_of(texts, len(whole), "a b \u0628c") is not None
+    assert seam_of(texts, len(whole), "a b \u0628c!") is None  # more text than its ids have
+    texts = detokenized(seam_lists(PROMPT, sent), VOCAB)
+    assert seam_of(texts[:-1], len(sent), "a") is None  # not an answer to the lists
+    assert seam_of("a", len(sent), "a") is None
+    # a run of cut characters longer than the ends looked at: no seam, every id kept
+    vocab = {**VOCAB, 20: b"\xd8", 21: b"\xa8\xd8"}
+    long = [10, *([20] + [21] * SEAM_TOKENS)]
+    texts = detokenized(seam_lists(PROMPT, long), vocab)
+    assert seam_of(texts, len(long), "a") is None
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "want"),
+    [
+        (GENERATE, {"sampling_params": {"temperature": 0}}, True),
+        (GENERATE, {"sampling_params": {"temperature": 0.0, "top_k": 5}}, True),
+        (GENERATE, {"sampling_params": {"top_k": 1}}, True),
+        (GENERATE, {"sampling_params": {"temperature": 0.7}}, False),
+        (GENERATE, {}, False),  # SGLang's default temperature is 1
+        (COMPLETIONS, {"temperature": 0}, True),
+        (COMPLETIONS, {"temperature": 1e-7}, True),
+        (COMPLETIONS, {"temperature": True}, False),
+        (COMPLETIONS, {}, False),
+    ],
+)
+def test_greedy_is_read_as_sglang_reads_it(path: str, body: dict, want: bool) -> None:
+    from trio_pd.pd.migration import greedy
+
+    assert greedy(path, body) is want
+
+
+def test_generate_resumed_from_a_seam_drops_what_the_client_has() -> None:
+    """Whole-answer events: the client got [10, 11] and "a b " (ب held back); the resume keeps
+    [10] ("a"), the engine sends 11 again (text "a b " again: dropped), then 12 with ب."""
+    t = Transcript(GENERATE)
+    t.relay(gen_event([10], 1, "a"))
+    t.relay(gen_event([10, 11], 2, "a b "))
+    t.resume(1, "a")
+    assert t.relay(gen_event([11], 1, " b ")) is None  # nothing the client has not got
+    out = t.relay(gen_event([11, 12], 2, " b \u0628c"))
+    assert out["output_ids"] == [10, 11, 12] and out["text"] == "a b \u0628c"
+    assert out["meta_info"]["completion_tokens"] == 3
+    last = gen_event([11, 12, 13], 3, " b \u0628c d", {"type": "length", "length": 3})
+    out = t.relay(last)
+    assert out["output_ids"] == [10, 11, 12, 13] and out["text"] == "a b \u0628c d"
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+    assert t.ids == [10, 11, 12, 13]
+
+
+def test_incremental_events_resumed_from_a_seam_give_only_what_is_new() -> None:
+    t = Transcript(GENERATE)
+    t.relay(gen_event([10], 1, "a"))
+    t.relay(gen_event([11], 2, " b "))
+    t.resume(1, "a")
+    assert t.relay(gen_event([11], 1, " b ")) is None
+    out = t.relay(gen_event([12], 2, "\u0628c"))
+    assert out["output_ids"] == [12] and out["text"] == "\u0628c"
+    assert out["meta_info"]["completion_tokens"] == 3
+
+
+def test_text_the_engine_held_back_goes_out_with_the_next_event() -> None:
+    """The client got [10, 11] and only "a" (nothing printable of the cut part): the seam's
+    text is "a" too; had the engine held back whole text, the next new event carries it."""
+    t = Transcript(GENERATE)
+    t.relay(gen_event([10], 1, "a"))
+    t.relay(gen_event([10, 11], 2, "a"))
+    t.resume(2, "a b")  # (a seam whose text the client lacks part of)
+    out = t.relay(gen_event([12], 1, "c"))
+    assert out["output_ids"] == [10, 11, 12] and out["text"] == "a bc"
+
+
+def test_completions_resumed_from_a_seam_drop_the_ids_and_text_sent() -> None:
+    t = Transcript(COMPLETIONS, strip_ids=False)
+    t.relay(comp_chunk("a", [10], prompt=[1]))
+    t.relay(comp_chunk(" b ", [11]))
+    t.resume(1, "a")
+    assert t.relay(comp_chunk(" b ", [11], prompt=[1, 10])) is None
+    out = t.relay(comp_chunk("\u0628c", [12]))
+    assert out["choices"][0]["token_ids"] == [12] and out["choices"][0]["text"] == "\u0628c"
+    usage = {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    out = t.relay({"id": "rid", "created": 105, "choices": [], "usage": usage})
+    assert out["usage"] == {"prompt_tokens": 1, "completion_tokens": 4, "total_tokens": 5}
+    assert t.ids == [10, 11, 12] and t.text == "a b \u0628c"

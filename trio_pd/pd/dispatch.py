@@ -213,11 +213,12 @@ def failure_message(outcome: AttemptOutcome) -> str:
 def tokenizer(
     ctx: DispatchContext, request: PDRequest, worker: Worker
 ) -> Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]:
-    """The prompt's ids as `worker`'s engine makes them: its own `/tokenize`."""
+    """The prompt's ids as `worker`'s engine makes them: its own `/tokenize` (or, for a
+    resume's seam, its `/detokenize`: `path`)."""
 
-    async def tokenize(payload: dict[str, Any]) -> dict[str, Any]:
+    async def tokenize(payload: dict[str, Any], path: str = TOKENIZE_PATH) -> dict[str, Any]:
         headers = leg_headers_for(ctx, request, worker)
-        post = ctx.pool.post(worker.url, TOKENIZE_PATH, headers, tokenize_body(payload))
+        post = ctx.pool.post(worker.url, path, headers, tokenize_body(payload))
         async with post as response:
             body = await read_answer(response)
             return parse_tokenize(response.status, body)

@@ -18,6 +18,20 @@ Everything here is pure (the client's parsed body, the ids; no I/O):
   refused (docs/protocol.md §13 says why).
 - `resume_body(path, body, prompt_ids, sent_ids)`: the body of the resumed attempt (the
   router then splices its bootstrap fields and the same rid in, as for any attempt).
+- `seam_lists` / `seam_of`: where the resumed prompt ends when the break fell inside a
+  character of several UTF-8 bytes (below).
+
+The seam. SGLang's detokenizer sends a character's text only once all its bytes arrived (until
+then only a printable prefix, up to the last space: `detokenizer_manager.py`, the "\ufffd"
+branch), and it decodes a request behind the last ids of its prompt. A resumed prompt that ends
+inside a character would put the character's first bytes in that window: its text would never
+be sent. So a greedy request resumes from the last id after which the text is whole (the
+"seam"), the ids after it are generated again (greedy: the same ones; the stitcher drops the
+ids and the text the client already has), and the resumed text continues the seam's exactly.
+Where that is depends on the tokenizer, so the engine's own `/detokenize` says, in one call at
+the resume (`seam_lists`: the answer's whole text, and for each of the last `SEAM_TOKENS` ends
+the ids just before it and the ids after it; `seam_of` reads the answer). A sampled request
+keeps every id sent (its tail would not come again), at the cost of that character's text.
 
 What is exact: under greedy decoding the resumed tokens are the ones the broken decode would
 have sent (checked on the real pair, docs/protocol.md §13). Sampling with temperature > 0
@@ -27,6 +41,8 @@ continues from the same context with another random state: a valid answer, not t
 from __future__ import annotations
 
 from typing import Any
+
+import attrs
 
 from trio_pd.pd.payload import CHAT, COMPLETIONS, GENERATE
 
@@ -183,6 +199,91 @@ def resume_body(
     if out.get("min_tokens"):
         out["min_tokens"] = max(0, out["min_tokens"] - sent)
     return out
+
+
+# SGLang decodes a request's first output behind its prompt's last 5 ids
+# (`schedule_batch.py` INIT_INCREMENTAL_DETOKENIZATION_OFFSET).
+DETOKENIZE_CONTEXT = 5
+SEAM_TOKENS = 8  # the last ends of the sent ids a seam is looked for among
+# Ids decoded before an end to see whether it cuts a character: UTF-8 resynchronizes within 4
+# bytes and a token has at least one (a skipped special token none: the margin).
+SEAM_WINDOW = 8
+REPLACEMENT = "\ufffd"  # how a fast tokenizer decodes cut or invalid UTF-8
+SAMPLING_EPS = 1e-6  # SGLang: temperature below it is greedy (`sampling_params.py`)
+
+
+def greedy(path: str, body: dict[str, Any]) -> bool:
+    """Whether the engine decodes greedily (temperature 0 or top_k 1, as SGLang reads them):
+    the ids after a seam then come again, the same ones."""
+    params = sampling_of(path, body)
+    temperature, top_k = params.get("temperature"), params.get("top_k")
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
+        temperature = None
+    if temperature is not None and 0 <= temperature < SAMPLING_EPS:
+        return True
+    return top_k == 1 and not isinstance(top_k, bool)
+
+
+def skip_special_tokens(path: str, body: dict[str, Any]) -> Any:
+    """The request's `skip_special_tokens` (None: the engine's default), for /detokenize."""
+    return sampling_of(path, body).get("skip_special_tokens")
+
+
+@attrs.frozen
+class Seam:
+    """Where a resumed prompt ends: the first `keep` ids sent, whose text is `text`."""
+
+    keep: int
+    text: str
+
+
+def seam_ends(sent: int) -> list[int]:
+    """The ends looked at, last first: every id sent, then one fewer, ... (0: none kept)."""
+    return list(range(sent, max(0, sent - SEAM_TOKENS) - 1, -1))
+
+
+def seam_lists(prompt_ids: list[int], sent_ids: list[int]) -> list[list[int]]:
+    """The id lists `/detokenize` decodes for `seam_of`: the prompt's context and the answer,
+    the context alone, then per end (`seam_ends`) the ids just before it and the ids after it."""
+    context = prompt_ids[-DETOKENIZE_CONTEXT:]
+    lists = [[*context, *sent_ids], list(context)]
+    for end in seam_ends(len(sent_ids)):
+        lists.append(sent_ids[max(0, end - SEAM_WINDOW) : end])
+        lists.append(sent_ids[end:])
+    return lists
+
+
+def seam_of(texts: Any, sent: int, client_text: str) -> Seam | None:
+    """The last end after which the text is whole, from `/detokenize`'s answer to `seam_lists`
+    (`texts`); None when the answer is not one, no end in reach is whole, or the text the
+    client got does not fit the engine's there (then nothing is changed).
+
+    An end is whole when the ids before it decode without a cut character at the end (an end
+    with no id before it is the prompt's). The text up to a whole end is the answer's text
+    less that of the ids after it (UTF-8 decodes piecewise at a whole end); the engine sent
+    the client that text, short of what it held back, plus perhaps a printable prefix of the
+    next character's (the seam must agree with it)."""
+    ends = seam_ends(sent)
+    if not isinstance(texts, list) or len(texts) != 2 + 2 * len(ends):
+        return None
+    if not all(isinstance(t, str) for t in texts):
+        return None
+    whole, context = texts[0], texts[1]
+    if not whole.startswith(context):
+        return None
+    answer = whole[len(context) :]
+    for i, end in enumerate(ends):
+        before, after = texts[2 + 2 * i], texts[3 + 2 * i]
+        if end and (not before or before.endswith(REPLACEMENT)):
+            continue
+        if not answer.endswith(after):
+            return None
+        text = answer[: len(answer) - len(after)]
+        # The client may lack text the engine held back; past the seam it may have a
+        # printable prefix of the tail's text, never more than every id's.
+        beyond = end < sent and client_text.startswith(text)
+        return Seam(end, text) if beyond or text.startswith(client_text) else None
+    return None
 
 
 def remaining_tokens(path: str, body: dict[str, Any], sent: int) -> int:

@@ -12,13 +12,15 @@ and does the little I/O a resume needs:
   is recorded; an engine's abort event mid-stream becomes a broken stream, never relayed);
 - `Migration.decide`: at a break, resume or not (`outcome` label of trio_pd_migrations_total);
 - `Migration.resumed_request`: the resumed attempt's request on its new pair; the prompt's ids
-  of a text prompt come from that prefill engine's own `/tokenize`;
+  of a text prompt come from that prefill engine's own `/tokenize`, and a greedy request's
+  seam (`migration.py`: where the text of the ids sent is whole) from its `/detokenize`;
 - `ContinuedResponder`: the client's responder as a resumed attempt sees it (already started:
   the resumed attempt sends no headers, only its events).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,9 +31,14 @@ from trio_pd.observe.metrics import RouterMetrics
 from trio_pd.pd.frames import answer_failure, event_data, parse_json
 from trio_pd.pd.injection import splice
 from trio_pd.pd.migration import (
+    Seam,
+    greedy,
     refusal,
     remaining_tokens,
     resume_body,
+    seam_lists,
+    seam_of,
+    skip_special_tokens,
     within_context,
 )
 from trio_pd.pd.outcome import LegFailure
@@ -42,7 +49,10 @@ from trio_pd.respond import Reply, Responder
 from trio_pd.upstream.pool import UpstreamError
 
 TOKENIZE_PATH = "/tokenize"
+DETOKENIZE_PATH = "/detokenize"
 MAX_TOKENIZE_ANSWER = 64 << 20
+
+log = logging.getLogger(__name__)
 
 
 class ResumeFailed(Exception):
@@ -154,23 +164,54 @@ class Migration:
     async def resumed_inspected(self, inspected: Inspected, tokenize: Any) -> Inspected:
         """The resumed attempt's body (`migration.resume_body`) as the request's new bytes.
 
-        `tokenize(payload)` asks the new pair's prefill for a text prompt's ids (its
-        `/tokenize` answer); ids the client gave or the engine reported are used as they are.
+        `tokenize(payload, path)` asks the new pair's prefill (its `/tokenize` answer for a
+        text prompt's ids; ids the client gave or the engine reported are used as they are, and
+        its `/detokenize` answer for a greedy request's seam). The resumed prompt keeps the
+        ids sent up to the seam; the stitcher then drops what the client already has.
         """
         assert self.transcript is not None
         payload = self.parsed(inspected)
         self.transcript.settle()
         sent = list(self.transcript.ids)
         prompt_ids = await self.prompt_ids(payload, tokenize)
-        body = resume_body(self.path, payload, prompt_ids, sent)
-        remaining = remaining_tokens(self.path, payload, len(sent))
-        if not within_context(len(prompt_ids), len(sent), remaining, self.context):
+        seam = Seam(len(sent), self.transcript.text)
+        if sent and greedy(self.path, payload):
+            seam = await self.seam(prompt_ids, sent, payload, tokenize) or seam
+        kept = sent[: seam.keep]
+        body = resume_body(self.path, payload, prompt_ids, kept)
+        remaining = remaining_tokens(self.path, payload, len(kept))
+        if not within_context(len(prompt_ids), len(kept), remaining, self.context):
             raise ResumeFailed("the resumed request would exceed the engine's context")
         if self.path == COMPLETIONS:
             body["return_token_ids"] = True
         self.resumes += 1
-        self.transcript.resume()
+        self.transcript.resume(seam.keep, seam.text)
         return attrs.evolve(inspected, body=orjson.dumps(body), empty=False)
+
+    async def seam(
+        self, prompt_ids: list[int], sent: list[int], payload: dict[str, Any], tokenize: Any
+    ) -> Seam | None:
+        """Where the text of the ids sent is whole (`migration.seam_of`), by the engine's own
+        `/detokenize`; None (every id kept, as for a sampled request) when it cannot say."""
+        assert self.transcript is not None
+        ask: dict[str, Any] = {"tokens": seam_lists(prompt_ids, sent)}
+        skip = skip_special_tokens(self.path, payload)
+        if isinstance(skip, bool):
+            ask["skip_special_tokens"] = skip
+        try:
+            answer = await tokenize(ask, DETOKENIZE_PATH)
+        except (ResumeFailed, UpstreamError) as exc:
+            log.warning("migration: no seam, every id sent kept: /detokenize failed: %s", exc)
+            return None
+        seam = seam_of(answer.get("text"), len(sent), self.transcript.text)
+        if seam is None:
+            log.warning("migration: no seam in reach, every id sent kept (the text may differ)")
+        elif seam.keep < len(sent):
+            log.info(
+                "migration: the break cut a character: resumed from %d of the %d ids sent",
+                seam.keep, len(sent),
+            )  # fmt: skip
+        return seam
 
     async def prompt_ids(self, payload: dict[str, Any], tokenize: Any) -> list[int]:
         assert self.transcript is not None
@@ -198,11 +239,12 @@ def tokenize_body(payload: dict[str, Any]) -> bytes:
 
 
 def parse_tokenize(status: int, body: bytes) -> dict[str, Any]:
+    """The engine's /tokenize or /detokenize answer, a JSON object."""
     if not 200 <= status < 300:
-        raise ResumeFailed(f"the engine's /tokenize answered {status}: {body[:200]!r}")
+        raise ResumeFailed(f"the engine answered {status}: {body[:200]!r}")
     answer = parse_json(body)
     if not isinstance(answer, dict):
-        raise ResumeFailed(f"the engine's /tokenize answered {body[:200]!r}")
+        raise ResumeFailed(f"the engine answered {body[:200]!r}")
     return answer
 
 
@@ -267,6 +309,8 @@ def _through(
             message = f"the engine ended the stream: {failure.message}"
             return b"".join(out), UpstreamError("transport", message)
         new = transcript.relay(obj)
+        if new is None:
+            continue  # a resumed event with nothing the client has not got
         out.append(event if new is obj else b"data: " + orjson.dumps(new) + b"\n\n")
     return b"".join(out), None
 

@@ -25,6 +25,14 @@ Per route, as SGLang 0.5.23 streams it (checked on the real pair, docs/protocol.
 
 Only whole events reach the client during a migratable stream, so "what the client got" is a
 list of events, never half of one.
+
+A resume from a seam (`migration.py`: the break fell inside a character of several bytes, and
+a greedy request resumes from the last id after which the text is whole) starts the resumed
+attempt's view there: the answer is the seam's ids and text, then the resumed attempt's. Its
+first ids come again and its first text may be a printable prefix the client already has (or
+the client may lack text the engine held back): each resumed event gives the client only what
+lies past what it got, and an event with nothing past it (no new id, no new text, no finish)
+is dropped. The client's ids therefore never repeat and never go missing.
 """
 
 from __future__ import annotations
@@ -53,7 +61,8 @@ class Transcript:
     created: int | None = None  # completions: the first chunk's `created`
     answer_id: str | None = None  # the answer's id (the engine rid of the first attempt)
     finished: bool = False  # a finish reason went out
-    # The resumed attempt's view: tokens and text sent before it began, and its own so far.
+    # The resumed attempt's view: the answer's tokens and text before it began (up to the
+    # seam: perhaps fewer than the client got), and its own so far.
     base_ids: list[int] = attrs.Factory(list)
     base_text: str = ""
     local_ids: list[int] = attrs.Factory(list)
@@ -85,11 +94,12 @@ class Transcript:
             with contextlib.suppress(orjson.JSONDecodeError):
                 self.relay(orjson.loads(data))
 
-    def resume(self) -> None:
-        """The next events come from a resumed attempt, after what the client already got."""
+    def resume(self, keep: int | None = None, text: str | None = None) -> None:
+        """The next events come from a resumed attempt, which continues the client's first
+        `keep` ids, whose text is `text` (a seam; by default all the client got)."""
         self.settle()
-        self.base_ids = list(self.ids)
-        self.base_text = self.text
+        self.base_ids = self.ids[:keep] if keep is not None else list(self.ids)
+        self.base_text = self.text if text is None else text
         self.local_ids = []
         self.local_text = ""
         self.attempts += 1
@@ -99,7 +109,8 @@ class Transcript:
         return self.attempts > 1
 
     def relay(self, event: Any) -> Any:
-        """The event as the client must get it (rewritten when resumed), recorded as sent."""
+        """The event as the client must get it (rewritten when resumed), recorded as sent;
+        None when a resumed event holds nothing the client has not got (dropped)."""
         self.deferred = None  # this event is newer: a deferred one is moot
         if not isinstance(event, dict):
             return event
@@ -111,7 +122,7 @@ class Transcript:
 
     # -- /generate ----------------------------------------------------------------------------
 
-    def _generate(self, event: dict[str, Any]) -> dict[str, Any]:
+    def _generate(self, event: dict[str, Any]) -> dict[str, Any] | None:
         meta = event.get("meta_info")
         ids = event.get("output_ids")
         if not isinstance(meta, dict) or not isinstance(ids, list):
@@ -131,37 +142,56 @@ class Transcript:
             self.local_ids = [*self.local_ids, *ids]
             grown = self.local_text + text
         self.local_text = grown
-        self.ids = [*self.base_ids, *self.local_ids]
-        self.text = self.base_text + self.local_text
+        new_ids, new_text = self.advance()
         if self.prompt_tokens is None:
             self.prompt_tokens = meta.get("prompt_tokens")
         if self.answer_id is None and isinstance(meta.get("id"), str):
             self.answer_id = meta["id"]
-        if meta.get("finish_reason") is not None:
+        finish = meta.get("finish_reason")
+        if finish is not None:
             self.finished = True
         if not self.resumed:
             return event
+        if not new_ids and not new_text and finish is None:
+            return None  # ids generated again, text the client has
         out = dict(event)
         if self.cumulative is not False:  # whole-answer events (SGLang's default)
             out["output_ids"] = list(self.ids)
             out["text"] = self.text
+        else:
+            out["output_ids"] = new_ids
+            out["text"] = new_text
         new_meta = dict(meta)
         if self.answer_id is not None and "id" in meta:
             new_meta["id"] = self.answer_id
         base = len(self.base_ids)
         if isinstance(count, int):
-            new_meta["completion_tokens"] = base + count
+            new_meta["completion_tokens"] = max(base + count, len(self.ids))
         if self.prompt_tokens is not None:
             new_meta["prompt_tokens"] = self.prompt_tokens
-        finish = meta.get("finish_reason")
         if isinstance(finish, dict) and isinstance(finish.get("length"), int):
             new_meta["finish_reason"] = {**finish, "length": base + finish["length"]}
         out["meta_info"] = new_meta
         return out
 
+    def advance(self) -> tuple[list[int], str]:
+        """The answer is the base and the attempt's own; the client gets what lies past what
+        it got (recorded): the new ids and the new text."""
+        new_ids = self.local_ids[len(self.ids) - len(self.base_ids) :]
+        owed = len(self.text) - len(self.base_text)  # < 0: text the engine had held back
+        if owed >= 0:
+            new_text = self.local_text[owed:]
+        else:
+            new_text = self.base_text[len(self.text) :] + self.local_text
+        if new_ids:
+            self.ids.extend(new_ids)
+        if new_text:
+            self.text += new_text
+        return new_ids, new_text
+
     # -- /v1/completions ----------------------------------------------------------------------
 
-    def _completions(self, event: dict[str, Any]) -> dict[str, Any]:
+    def _completions(self, event: dict[str, Any]) -> dict[str, Any] | None:
         choices = event.get("choices")
         out = event
         changed = False
@@ -169,8 +199,7 @@ class Transcript:
             choice = choices[0]
             token_ids = choice.get("token_ids")
             if isinstance(token_ids, list):
-                self.local_ids = [*self.local_ids, *token_ids]
-                self.ids = [*self.base_ids, *self.local_ids]
+                self.local_ids.extend(token_ids)
             prompt_ids = choice.get("prompt_token_ids")
             if isinstance(prompt_ids, list) and self.prompt_ids is None:
                 self.prompt_ids = list(prompt_ids)
@@ -178,9 +207,20 @@ class Transcript:
             text = choice.get("text")
             if isinstance(text, str):
                 self.local_text += text
-                self.text = self.base_text + self.local_text
-            if choice.get("finish_reason") is not None:
+            new_ids, new_text = self.advance()
+            finish = choice.get("finish_reason")
+            if finish is not None:
                 self.finished = True
+            nothing = not new_ids and not new_text and finish is None
+            if self.resumed and nothing and not isinstance(event.get("usage"), dict):
+                return None  # ids generated again, text the client has
+            if self.resumed and (new_ids != token_ids or new_text != text):
+                # a seam: the client gets only what lies past what it got
+                choice = {**choice, "text": new_text}
+                if isinstance(token_ids, list):
+                    choice["token_ids"] = new_ids
+                out = {**event, "choices": [choice, *choices[1:]]}
+                changed = True
             # The router's ids go; a resumed attempt's prompt ids (the prompt plus the tokens
             # already sent) too: the client got the original prompt's.
             cut = ROUTER_IDS_KEYS if self.strip_ids else ("prompt_token_ids",)

@@ -149,6 +149,12 @@ def _add_tokenizer_and_health(parser: argparse.ArgumentParser, defaults: EngineC
     )
     add("--tokenizer-worker-num", type=int, default=1)
     add(
+        "--multibyte-tokens",
+        action="store_true",
+        help="simulator: some generated tokens cut a multi-byte UTF-8 character "
+        "(detokenized as SGLang does: the text held back until the character is whole)",
+    )
+    add(
         "--legacy-load-endpoint",
         action="store_true",
         help="also serve GET /get_load (gone in SGLang 0.5.23)",
@@ -213,6 +219,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         dynamic_batch_tokenizer_batch_timeout=args.dynamic_batch_tokenizer_batch_timeout,
         tokenize_delay_ms=args.tokenize_delay_ms,
         tokenizer_worker_num=args.tokenizer_worker_num,
+        multibyte_tokens=args.multibyte_tokens,
         legacy_load_endpoint=args.legacy_load_endpoint,
         health_generate_secs=args.health_generate_secs,
         heartbeat_interval=args.heartbeat_interval,

@@ -97,6 +97,9 @@ class EngineConfig:
     tokenize_delay_ms: float = 0.0
     # > 1: the tokenizer manager forwards aborts of rids it has not registered
     tokenizer_worker_num: int = attrs.field(default=1, validator=_at_least_one)
+    # Generated tokens that cut characters of several UTF-8 bytes, detokenized the way SGLang's
+    # detokenizer does (its text held back until the character is whole): `detokenize.py`.
+    multibyte_tokens: bool = False
     # Be an engine before 0.5.23: the old GET /get_load, no /v1/loads (a router's fallback).
     legacy_load_endpoint: bool = False
     # GET /health and /health_generate run a 1-token generation; SGLang answers after >= 1 s.

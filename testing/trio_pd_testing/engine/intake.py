@@ -127,6 +127,7 @@ def _build(
     plan = plan_for(engine.role, (*engine.faults, *faults))
     output = Output(workload, resp, engine.config.model, engine.role)
     output.tag = body.get("sim_tag") is True
+    output.multibyte = engine.config.multibyte_tokens
     output.defer_headers = plan.terminal is not None and plan.terminal.kind == "status"
     try:
         sglang_rids = normalize_rids(body.get("rid"), workload)

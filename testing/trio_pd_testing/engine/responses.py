@@ -18,6 +18,10 @@ or fail; it renders what SGLang 0.5.23 sends for each route:
   stream's headers go out with its first chunk (SGLang kick-starts the generator first), so on
   a PD decode a chat or completions stream answers nothing until the KV has arrived.
 
+With the engine's `multibyte_tokens` the text is what SGLang's detokenizer sends for the ids
+(`detokenize.py`: a character cut between tokens is held back until whole); else each token's
+text is its own `tok<k>`.
+
 Logprobs are deterministic fakes. /generate prefill answers carry
 `meta_info.input_token_logprobs` for every input token, decode answers an empty list there (a PD
 router merges prefill's in front).
@@ -33,6 +37,7 @@ import trio
 
 from trio_pd_testing.engine.asgi import Responder
 from trio_pd_testing.engine.asgi import error_body as error_body  # (router tests import it here)
+from trio_pd_testing.engine.detokenize import Detokenizer
 from trio_pd_testing.engine.failures import abort_failure_body, stream_error
 from trio_pd_testing.engine.workload import Workload, output_id, output_text
 
@@ -113,6 +118,11 @@ class Output:
         # that are otherwise alike (a router's `n > 1` samples) show which request wrote them.
         self.tag = False
         self.sent = 0  # tokens rendered so far, all items together (a stream's: sent)
+        # `multibyte_tokens`: each item's detokenizer and the text its stream sent so far
+        self.multibyte = False
+        self.detokenizers: dict[int, Detokenizer] = {}
+        self.streamed: dict[int, str] = {}
+        self.streamed_piece: dict[int, str] = {}
         self._sent_waiters: list[tuple[int, trio.Event]] = []
 
     @property
@@ -128,14 +138,38 @@ class Output:
         self.items = items
 
     def _text(self, item: Item, count: int) -> str:
-        """The text of `item`'s first `count` tokens (tagged: its rid first)."""
-        text = output_text(count, self.w.start_of(item.index) + 1)
+        """The text of `item`'s first `count` tokens (tagged: its rid first); multibyte: what
+        its stream sent so far, or a whole answer's text."""
+        if self.multibyte:
+            if self.w.stream:
+                text = self.streamed.get(item.index, "")
+            else:
+                text = self._detokenizer(item).step(self._ids(item, 1, count), True)
+        else:
+            text = output_text(count, self.w.start_of(item.index) + 1)
         return f"{item.rid} {text}" if self.tag and count else text
 
     def _piece(self, item: Item, k: int) -> str:
         """The text of `item`'s k-th token in a stream (tagged: the first one after its rid)."""
-        text = piece(self.w.start_of(item.index) + k)
+        if self.multibyte:
+            text = self.streamed_piece.pop(item.index, "")
+        else:
+            text = piece(self.w.start_of(item.index) + k)
         return f"{item.rid} {text}" if self.tag and k == 1 else text
+
+    def _detokenizer(self, item: Item) -> Detokenizer:
+        found = self.detokenizers.get(item.index)
+        if found is None:
+            prompt = self.w.prompts[self.w.prompt_of(item.index)]
+            found = self.detokenizers[item.index] = Detokenizer.of(prompt, self.multibyte)
+        return found
+
+    def _detokenize_step(self, item: Item, k: int, last: bool) -> None:
+        """multibyte: the detokenizer's step for the k-th token (its text for `_piece`, the
+        stream's text so far for `_text`)."""
+        out = self._detokenizer(item).step(self._ids(item, k, k), last)
+        self.streamed[item.index] = self.streamed.get(item.index, "") + out
+        self.streamed_piece[item.index] = out
 
     def _ids(self, item: Item, first: int, last: int) -> list[int]:
         """The ids of `item`'s tokens first..last (1-based, of this request's answer)."""
@@ -165,6 +199,8 @@ class Output:
         if not self.w.stream or self.stopped:
             return
         self.last_id = item.rid
+        if self.multibyte:
+            self._detokenize_step(item, k, finish is not None)
         if self.w.api == "generate":
             await self._send(self._generate_event(item, k, finish))
         elif self.w.api == "chat":

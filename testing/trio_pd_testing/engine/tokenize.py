@@ -1,10 +1,15 @@
-"""POST /tokenize and /v1/tokenize (`entrypoints/openai/serving_tokenize.py`, SGLang 0.5.23).
+"""POST /tokenize, /v1/tokenize, /detokenize and /v1/detokenize (SGLang 0.5.23's
+`entrypoints/openai/serving_tokenize.py`).
 
 A prompt (a string, or a list of them) is tokenized as the engine tokenizes a text prompt, chat
 `messages` as a chat request renders them (`workload.py`: one id per whitespace word); the
 answer is `{"tokens", "count", "max_model_len"}`. Exactly one of `prompt` and `messages`, else
 a 400 error object (the engine's `validate_tokenize_input`). A router migrating a request asks
 this for the prompt's ids, the engine's own (`pd/migration.py`).
+
+/detokenize takes `tokens` (a list of ids, or a list of such lists) and answers `{"text"}` (a
+string, or one per list), decoded with the simulator's vocabulary (`detokenize.py`); a router
+migrating a request asks it where the text of the ids already sent ends.
 """
 
 from __future__ import annotations
@@ -14,11 +19,13 @@ from typing import Any
 import orjson
 
 from trio_pd_testing.engine.asgi import Responder
+from trio_pd_testing.engine.detokenize import decode
 from trio_pd_testing.engine.failures import read_post_body
 from trio_pd_testing.engine.state import EngineState
 from trio_pd_testing.engine.workload import BadRequest, _content_text, text_ids
 
-PATHS = ("/tokenize", "/v1/tokenize")
+PATHS = ("/tokenize", "/v1/tokenize", "/detokenize", "/v1/detokenize")
+DETOKENIZE_PATHS = ("/detokenize", "/v1/detokenize")
 
 
 async def handle_tokenize(engine: EngineState, scope: dict[str, Any], receive: Any, send: Any):
@@ -27,11 +34,20 @@ async def handle_tokenize(engine: EngineState, scope: dict[str, Any], receive: A
     if raw is None:
         return
     try:
-        answer = tokenize(orjson.loads(raw or b"null"), engine.config.context_length)
+        body = orjson.loads(raw or b"null")
+        if scope["path"] in DETOKENIZE_PATHS:
+            answer = detokenize(body, engine.config.multibyte_tokens)
+        else:
+            answer = tokenize(body, engine.config.context_length)
     except (orjson.JSONDecodeError, BadRequest) as exc:
         await resp.json(400, _error(str(exc)))
         return
-    engine.events.emit("tokenize", count=answer["count"], dp_rank=None)
+    if "text" in answer:
+        texts = answer["text"]
+        engine.events.emit("detokenize", lists=len(texts) if isinstance(texts, list) else 1,
+                           dp_rank=None)  # fmt: skip
+    else:
+        engine.events.emit("tokenize", count=answer["count"], dp_rank=None)
     await resp.json(200, answer)
 
 
@@ -53,6 +69,23 @@ def tokenize(body: Any, context_length: int) -> dict[str, Any]:
         lists = [list(text_ids(p)) for p in prompt]
         return {"tokens": lists, "count": [len(x) for x in lists], "max_model_len": context_length}
     raise BadRequest(f"Invalid prompt type: {type(prompt)}. Expected str or List[str].")
+
+
+def detokenize(body: Any, multibyte: bool) -> dict[str, Any]:
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    if not isinstance(tokens, list):
+        raise BadRequest("tokens must be a list of integers or a list of such lists")
+    if tokens and all(_is_id(t) for t in tokens):
+        return {"text": decode(tokens, multibyte)}
+    if tokens and all(isinstance(x, list) and all(_is_id(t) for t in x) for x in tokens):
+        return {"text": [decode(x, multibyte) for x in tokens]}
+    if not tokens:
+        return {"text": ""}
+    raise BadRequest("Invalid input: 'tokens' must be a list of integers.")
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _error(message: str) -> dict[str, Any]:
