@@ -7,6 +7,7 @@ from pathlib import Path
 
 import trio
 
+from tests import processes
 from tests.sglang.fault_scenarios import Signals
 from tests.sglang.scenarios import Target
 from trio_pd_testing.sglang import SGLangPair
@@ -61,7 +62,11 @@ def signals(pair: SGLangPair) -> Signals:
         os.killpg((pair.prefill if role == "prefill" else pair.decode).pid, signum)
 
     async def restart(role: str) -> None:
-        await trio.to_thread.run_sync(pair.restart, role)
+        # The engine started again is the session pair's, not the test's: without this the
+        # test's reaper (tests/processes.py) killed it as the test ended, and every later test
+        # of the session found the decode dead (make test-sglang, 2026-12-05, twice).
+        with processes.outliving_the_test(f"{role} restarted by a fault scenario"):
+            await trio.to_thread.run_sync(pair.restart, role)
 
     return Signals(send, restart)
 
