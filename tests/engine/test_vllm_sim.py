@@ -143,12 +143,16 @@ async def test_a_decode_refusing_or_leaving_notifies_the_prefill(
 async def test_heartbeats_extend_only_the_new_lease(
     nursery: trio.Nursery, client: httpx2.AsyncClient, fixed: bool
 ) -> None:
-    p = await engine(nursery, kv_lease_duration=0.6, fixed_lease=fixed)
+    # A lease 20 heartbeats long, held through 30 heartbeats (counted, not timed): a busy
+    # machine once stretched one gap past the 6-heartbeat lease this test had.
+    p = await engine(nursery, kv_lease_duration=2.0, fixed_lease=fixed)
     d = await engine(nursery, heartbeat_interval=0.1)
     params = (await prefill(client, p))["kv_transfer_params"]
     body = {"prompt": PROMPT, "kv_transfer_params": params, "sim_fault": "decode:hang"}
-    with trio.move_on_after(1.5):  # > the lease
-        await client.post(d.url + "/v1/completions", json=body)
+    await leave_when(  # the decode hangs, heartbeating, past the lease
+        lambda: client.post(d.url + "/v1/completions", json=body),
+        lambda: settle(lambda: len(p.events.find("heartbeat_received")) >= 30, 60),
+    )
     assert p.pool.freed["expired"] == (1 if fixed else 0)
     await p.wait_blocks_free(timeout=3)
 
