@@ -8,7 +8,7 @@ prompt's ids (the first chunk's `prompt_token_ids`) plus the N ids already sent 
 `token_ids`, asked by the router with `return_token_ids`). The simulator continues such a prompt
 with the uninterrupted run's tokens (`vllm_request.continued`), so the client's answer is
 compared with an uninterrupted run of the same request. Chat streams are refused (docs/vllm.md
-§11 says why) and counted.
+§10 says why) and counted.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Everything here is pure (the client's parsed body, the ids; no I/O):
   are relative to the new prompt), batches and media, prompt truncation, and a chat stream
   (SGLang 0.5.23's chunks carry no token ids: `return_token_ids` is refused with `stream` on
   chat, `serving_chat.py`; `sglext.output_ids` comes only with the last chunk; on vLLM 0.32
-  see docs/vllm.md §11). A pair whose engine does not resume (`Engine.RESUMES`) is refused.
+  see docs/vllm.md §10). A pair whose engine does not resume (`Engine.RESUMES`) is refused.
 - `resume_body(path, body, prompt_ids, sent_ids)`: the body of the resumed attempt (the
   router then splices its bootstrap fields and the same rid in, as for any attempt).
 
@@ -50,7 +50,7 @@ REFUSALS: dict[str, str] = {
     "stop_strings": "stop strings: one spanning the break would go unmatched",
     "chat_stream": "a chat stream: SGLang 0.5.23's chat chunks carry no token ids; on vLLM "
     "0.32 a token-exact resume is a completions request, which runs no chat template, "
-    "reasoning or tool parser (docs/vllm.md §11)",
+    "reasoning or tool parser (docs/vllm.md §10)",
     "truncation": "truncate_prompt_tokens: the engine would cut the resumed prompt (the "
     "prompt plus the tokens sent) elsewhere",
     "continuous_usage": "stream_options.continuous_usage_stats: per-chunk counts would restart",

@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 NAME = "vllm"
 # A completions stream broken mid-way resumes on a fresh pair (`pd/resume.py`, docs/vllm.md
-# §11): vLLM 0.32's completions chunks carry their `token_ids` and the first one the prompt's
+# §10): vLLM 0.32's completions chunks carry their `token_ids` and the first one the prompt's
 # (`return_token_ids`), and /v1/completions takes a token-id prompt; the resumed attempt runs
 # this module's whole schedule (prefill, then decode with its handoff). Chat streams are
 # refused (`migration.REFUSALS["chat_stream"]`).

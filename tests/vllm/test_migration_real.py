@@ -1,0 +1,165 @@
+"""Migration (issue 29) on real vLLM 0.32: a decode SIGKILLed mid-stream, the completions
+stream finished token for token on a fresh pair.
+
+A second decode joins the session's pair (three servers: the main prefill and decode, and this
+one); a real `trio-pd serve --vllm-pd-disaggregation` routes round robin over [main decode,
+extra decode], so requests alternate: the uninterrupted reference run goes to the main decode,
+the victim (the same greedy request, `ignore_eos`, the client asking `return_token_ids` so its
+ids are compared too) to the extra one. Once the client has `KILL_AFTER_EVENTS` chunks (what
+happened, never a clock) the extra decode's whole process group is SIGKILLed; the router
+resumes on the main prefill and decode with a token-id prompt (the prompt's ids plus the ids
+sent) and the budget reduced. The client's answer must equal the reference's ids, usage and
+text (where the break fell between characters), with one [DONE]; afterwards the engines that
+remain hold no KV block and run nothing, no block left to the lease.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import httpx2
+import orjson
+import pytest
+import trio
+
+from tests.vllm import engines as E
+from tests.vllm.conftest import warm_up_read
+from trio_pd.testing.real_pair import Engine, distinct_free_ports
+from trio_pd.testing.vllm import launcher
+
+pytestmark = pytest.mark.timeout(600)
+
+TOKENS = 160  # the resumed prefill's prompt (prompt + sent) stays under its --max-model-len 512
+KILL_AFTER_EVENTS = 40
+PROMPT = "the tiny model says that migration keeps every token"
+EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
+
+
+@pytest.fixture(scope="module")
+def extra_decode(pair_session, log_dir) -> Iterator[Engine]:
+    """A second decode (the tier's third server), its leftovers unlinked after its kill."""
+    model = launcher.ensure_model()
+    before = launcher.dist_init_files()
+    port, side = distinct_free_ports(2)
+    command = launcher.engine_command("decode", port, max_model_len=2048, model_dir=model)
+    engine = launcher.spawn_engine(
+        "decode", port, side, log_dir / "migration-extra-decode.log", command
+    )
+    leftovers: set = set()
+    try:
+        launcher.wait_ready([engine], 400)
+        leftovers = launcher.shared_files(engine.pids())
+        # Its first read opens its NIXL connection to the prefill (a failed handshake is a 500)
+        secs = warm_up_read(
+            pair_session.prefill_url, engine.url, [pair_session.prefill_url, engine.url]
+        )
+        print(f"\nextra decode {engine.url}: its first KV read took {secs:.1f} s")
+        yield engine
+    finally:
+        leftovers |= launcher.shared_files(engine.pids())
+        engine.kill()
+        for path in leftovers | (launcher.dist_init_files() - before):
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
+def body() -> dict[str, Any]:
+    return E.completion(
+        PROMPT, TOKENS, temperature=0, ignore_eos=True, stream=True, return_token_ids=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+
+
+async def stream(client: httpx2.AsyncClient, url: str, seen: list[int] | None = None) -> list:
+    """Every event of a stream; `seen[0]` counts them as they arrive (the kill's trigger)."""
+    events: list[Any] = []
+    async with client.stream("POST", url + "/v1/completions", json=body()) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if line.startswith("data:"):
+                data = line[5:].strip()
+                events.append(data if data == "[DONE]" else orjson.loads(data))
+                if seen is not None:
+                    seen[0] = len(events)
+    return events
+
+
+def answer(events: list[Any]) -> dict[str, Any]:
+    data = [e for e in events if e != "[DONE]"]
+    choices = [c for e in data for c in e.get("choices") or []]
+    return {
+        "done": events.count("[DONE]"),
+        "errors": [e for e in data if "error" in e],
+        "text": "".join(c.get("text") or "" for c in choices),
+        "ids": [i for c in choices for i in c.get("token_ids") or []],
+        "prompt_ids": [c["prompt_token_ids"] for c in choices if c.get("prompt_token_ids")],
+        "finish": [c["finish_reason"] for c in choices if c.get("finish_reason")],
+        "usage": [e["usage"] for e in data if e.get("usage")],
+        "ids_by_chunk": [c.get("token_ids") for c in choices],
+        "rid": {e["id"] for e in data if "id" in e},
+    }
+
+
+async def test_a_killed_vllm_decodes_stream_finishes_on_a_fresh_pair(
+    pair, extra_decode: Engine, start_router, engines
+) -> None:
+    router = start_router(
+        pair, "--policy", "round_robin", "--disable-retries",
+        decodes=[pair.decode_url, extra_decode.url],
+    )  # fmt: skip
+    p0 = await E.metrics(engines, pair.prefill_url)
+    async with httpx2.AsyncClient(timeout=httpx2.Timeout(120.0)) as client:
+        # Round robin alternates over the healthy decodes: both must be, before the first pick.
+        with trio.fail_after(120):
+            while True:
+                listed = (await client.get(router.url + "/workers")).json()["workers"]
+                if len(listed) == 3 and all(w["is_healthy"] for w in listed):
+                    break
+                await trio.sleep(0.2)
+        main0 = await E.metrics(engines, pair.decode_url)
+        want = await stream(client, router.url)  # to the main decode, uninterrupted
+        main1 = await E.metrics(engines, pair.decode_url)
+        assert E.delta(main1, main0, "vllm:request_success_total") == 1  # it was the main's
+        seen = [0]
+        got: list[Any] = []
+
+        async def victim() -> None:
+            got.extend(await stream(client, router.url, seen))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(victim)
+            while seen[0] < KILL_AFTER_EVENTS:
+                await trio.sleep(0.005)
+            # The provoked thing: the extra decode is the one generating the victim.
+            extra = await E.metrics(engines, extra_decode.url)
+            assert extra.get("vllm:num_requests_running", 0) == 1, extra
+            at = seen[0]
+            extra_decode.kill()
+        print(f"\nSIGKILL after {at} events")
+    g, w = answer(got), answer(want)
+    assert g["done"] == 1 and not g["errors"], g["errors"]
+    assert w["done"] == 1 and len(w["ids"]) == TOKENS
+    assert g["ids"] == w["ids"]  # token for token: none twice, none missing
+    assert g["prompt_ids"] == w["prompt_ids"] and len(g["prompt_ids"]) == 1
+    assert g["finish"] == w["finish"] == ["length"]
+    assert g["usage"][0]["completion_tokens"] == w["usage"][0]["completion_tokens"] == TOKENS
+    assert g["usage"][0]["prompt_tokens"] == w["usage"][0]["prompt_tokens"]
+    assert len(g["rid"]) == 1
+    print(f"usage got {g['usage']} want {w['usage']}")
+    same = g["text"] == w["text"]
+    print(f"text equal: {same}; ascii: {w['text'].isascii()}; text {w['text'][:80]!r}")
+    if w["text"].isascii():
+        assert same
+    async with httpx2.AsyncClient(timeout=10) as client:
+        resumed = await E.router_sum(
+            client, router.metrics_url, "trio_pd_migrations_total", outcome="resumed"
+        )
+        counted = await E.router_sum(client, router.metrics_url, "trio_pd_migrations_total")
+    assert resumed == counted == 1.0
+    # What remains holds nothing: no KV block, no running request, none left to the lease.
+    prefill, _ = await E.wait_kv_free(engines, pair.prefill_url)
+    await E.wait_kv_free(engines, pair.decode_url)
+    print(f"prefill leases expired: {E.delta(prefill, p0, EXPIRED):.0f}")
+    assert E.delta(prefill, p0, EXPIRED) == 0
