@@ -21,7 +21,14 @@ import trio
 
 from trio_pd import jsonbody
 from trio_pd.errors import RouterError
-from trio_pd.pd.budget import WORKER_COPIES, Account, OverBudget, over_budget, parse_cost
+from trio_pd.pd.budget import (
+    WORKER_COPIES,
+    Account,
+    OverBudget,
+    json_marks,
+    over_budget,
+    parse_cost,
+)
 from trio_pd.pd.payload import CHAT, COMPLETIONS, OFFLOAD_BYTES, Refused
 
 # What the router asks of a vLLM prefill (vllm-router 0.1.17's `prepare_prefill_request` and
@@ -160,7 +167,8 @@ class VllmBodyMaker:
         """The maker of `raw`, a body other than the client's (kept while it is the last)."""
         kept = self.variant
         if kept is None or (kept.raw is not raw and kept.raw != raw):
-            kept = self.variant = VllmBodyMaker(self.path, raw, parsers=self.parsers)
+            marks = json_marks(raw)  # its parse priced as the client's was (`generation.py`)
+            kept = self.variant = VllmBodyMaker(self.path, raw, marks, self.parsers)
         return kept
 
     async def bodies(self, account: Account | None) -> VllmBodies:
