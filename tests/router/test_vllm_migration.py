@@ -15,12 +15,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
 import trio
 
 from tests.router.helpers import read_sse, settle
 from tests.router.test_vllm_outcomes import blocks as blocks
 from tests.router.test_vllm_outcomes import start_vllm_cluster
+from trio_pd.config import TimeoutConfig
 from trio_pd.testing.engine.vllm import VllmEngineHandle
 from trio_pd.testing.engine.vllm_request import output_token_id
 
@@ -145,3 +147,24 @@ async def test_a_vllm_chat_stream_is_refused_and_counted(
     assert events[-1] == "[DONE]" and "error" in events[-2]  # the clean error event
     assert answer(events[:-2])["text"] == "tok0 tok1 tok2"
     assert (await migrations(cluster)) == {("transport", "refused_chat_stream"): 1.0}
+
+
+async def test_a_silent_vllm_decode_is_resumed(
+    nursery: trio.Nursery, blocks: list[VllmEngineHandle]
+) -> None:
+    """A decode that goes silent mid-stream (`hold@2tok`: it stops after its 2nd token until
+    released) is failed by the stream's idle timeout and resumed on the other decode."""
+    timeouts = attrs.evolve(TimeoutConfig(), stream_idle_secs=0.5)
+    cluster = await start_vllm_cluster(
+        nursery, blocks, n_decode=2, migration_limit=2, timeouts=timeouts
+    )
+    want = answer(await stream(cluster, COMPLETIONS, body(COMPLETIONS), "ref"))
+    events = await stream(cluster, COMPLETIONS, body(COMPLETIONS, fault="decode:hold@2tok"), "h")
+    [held] = [d for d in cluster.decodes if d.events.find("fault", kind="hold")]
+    got = answer(events)
+    assert got["done"] == 1 and not got["errors"], events
+    assert got["text"] == want["text"] and got["usage"] == want["usage"]
+    assert (await migrations(cluster)) == {("timeout", "resumed"): 1.0}
+    held.state.release_held()
+    for engine in [*cluster.prefills, *cluster.decodes]:
+        await settle(lambda e=engine: e.state.running.value == e.config.max_num_seqs)

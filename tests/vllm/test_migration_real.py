@@ -16,7 +16,8 @@ remain hold no KV block and run nothing, no block left to the lease.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx2
@@ -72,8 +73,11 @@ def body() -> dict[str, Any]:
     )  # fmt: skip
 
 
-async def stream(client: httpx2.AsyncClient, url: str, seen: list[int] | None = None) -> list:
-    """Every event of a stream; `seen[0]` counts them as they arrive (the kill's trigger)."""
+async def stream(
+    client: httpx2.AsyncClient, url: str, on_event: Callable[[list], None] | None = None
+) -> list:
+    """Every event of a stream; `on_event(events)` after each one as it arrives (the kill's
+    trigger: it runs before the next event is read)."""
     events: list[Any] = []
     async with client.stream("POST", url + "/v1/completions", json=body()) as response:
         assert response.status_code == 200, await response.aread()
@@ -81,9 +85,27 @@ async def stream(client: httpx2.AsyncClient, url: str, seen: list[int] | None = 
             if line.startswith("data:"):
                 data = line[5:].strip()
                 events.append(data if data == "[DONE]" else orjson.loads(data))
-                if seen is not None:
-                    seen[0] = len(events)
+                if on_event is not None:
+                    on_event(events)
     return events
+
+
+def between_characters(events: list[Any]) -> bool:
+    """The last chunk's own text ends with a whole ASCII character: its token's bytes were all
+    rendered (vLLM's DecodeStream holds back a token that leaves a character incomplete: its
+    chunk's text is then empty), no byte is pending, the next token starts a character."""
+    choices = events[-1].get("choices") if isinstance(events[-1], dict) else None
+    text = (choices[0].get("text") or "") if choices else ""
+    return bool(text) and text[-1].isascii() and text[-1].isprintable()
+
+
+def chunk_texts(events: list[Any]) -> list[tuple[list[int], str]]:
+    return [
+        (c.get("token_ids") or [], c.get("text") or "")
+        for e in events
+        if e != "[DONE]"
+        for c in e.get("choices") or []
+    ]
 
 
 def answer(events: list[Any]) -> dict[str, Any]:
@@ -122,25 +144,30 @@ async def test_a_killed_vllm_decodes_stream_finishes_on_a_fresh_pair(
         want = await stream(client, router.url)  # to the main decode, uninterrupted
         main1 = await E.metrics(engines, pair.decode_url)
         assert E.delta(main1, main0, "vllm:request_success_total") == 1  # it was the main's
-        seen = [0]
-        got: list[Any] = []
+        running = ""  # the extra decode's metrics just before the kill
+        killed_at: list[int] = []
 
-        async def victim() -> None:
-            got.extend(await stream(client, router.url, seen))
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(victim)
-            while seen[0] < KILL_AFTER_EVENTS:
-                await trio.sleep(0.005)
-            # The provoked thing: the extra decode is the one generating the victim.
-            extra = await E.metrics(engines, extra_decode.url)
-            assert extra.get("vllm:num_requests_running", 0) == 1, extra
-            at = seen[0]
+        def kill_once(events: list[Any]) -> None:
+            """The first event from `KILL_AFTER_EVENTS` on that ends between characters."""
+            if killed_at or len(events) < KILL_AFTER_EVENTS or not between_characters(events):
+                return
+            nonlocal running  # the provoked thing: the extra decode is generating the victim
+            running = httpx2.get(extra_decode.url + "/metrics").text
+            killed_at.append(len(events))
             extra_decode.kill()
-        print(f"\nSIGKILL after {at} events")
+
+        got = await stream(client, router.url, kill_once)
+    assert killed_at, "the victim ended before the kill"
+    generating = E.engine_metrics.summed(running).get("vllm:num_requests_running", 0)
+    assert generating == 1, "the victim was not on the extra decode"
+    found = re.search(r"decode broke \(transport\) after (\d+) tokens", router.log())
+    assert found, "the router resumed no stream"
+    seam = int(found.group(1))  # the tokens the client got from the killed decode
+    print(f"\nSIGKILL after {killed_at[0]} events; the router resumed after {seam} tokens")
     g, w = answer(got), answer(want)
     assert g["done"] == 1 and not g["errors"], g["errors"]
     assert w["done"] == 1 and len(w["ids"]) == TOKENS
+    assert all(len(ids) == 1 for ids, _ in chunk_texts(want))  # a chunk per token
     assert g["ids"] == w["ids"]  # token for token: none twice, none missing
     assert g["prompt_ids"] == w["prompt_ids"] and len(g["prompt_ids"]) == 1
     assert g["finish"] == w["finish"] == ["length"]
@@ -149,8 +176,11 @@ async def test_a_killed_vllm_decodes_stream_finishes_on_a_fresh_pair(
     assert len(g["rid"]) == 1
     print(f"usage got {g['usage']} want {w['usage']}")
     same = g["text"] == w["text"]
-    print(f"text equal: {same}; ascii: {w['text'].isascii()}; text {w['text'][:80]!r}")
-    if w["text"].isascii():
+    clean = between_characters(want[:seam])  # one token per chunk (checked: ids per chunk)
+    print(f"text equal: {same}; the seam between characters: {clean}")
+    print(f"around the seam, want: {chunk_texts(want)[seam - 3 : seam + 3]}")
+    print(f"around the seam, got:  {chunk_texts(got)[seam - 3 : seam + 3]}")
+    if clean:
         assert same
     async with httpx2.AsyncClient(timeout=10) as client:
         resumed = await E.router_sum(

@@ -370,6 +370,8 @@ class VllmApp:
         tokens = [f"tok{start + i}" for i in range(job.max_tokens)]
         die_at = job.faults.get("die")  # `die@Ntok`: once the answer sent N tokens
         dies = die_at is not None and start < int(die_at)
+        hold_at = job.faults.get("hold")  # `hold@Ntok`: silent there until released
+        holds = hold_at is not None and start < int(hold_at)
         if not job.stream:
             await trio.sleep(config.inter_token_ms * len(tokens) / 1e3)
             if dies:
@@ -415,6 +417,9 @@ class VllmApp:
             if dies and start + i + 1 >= int(die_at or 0):
                 await self.die(job, resp)
                 return
+            if holds and start + i + 1 == int(hold_at or 0):
+                self.state.events.emit("fault", rid=job.request_id, kind="hold")
+                await self.state.released.wait()
         options = job.body.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage"):
             usage = self.usage(job, len(tokens), cached_tokens)
