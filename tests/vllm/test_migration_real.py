@@ -5,12 +5,15 @@ A second decode joins the session's pair (three servers: the main prefill and de
 one); a real `trio-pd serve --vllm-pd-disaggregation` routes round robin over [main decode,
 extra decode], so requests alternate: the uninterrupted reference run goes to the main decode,
 the victim (the same greedy request, `ignore_eos`, the client asking `return_token_ids` so its
-ids are compared too) to the extra one. Once the client has `KILL_AFTER_EVENTS` chunks (what
-happened, never a clock) the extra decode's whole process group is SIGKILLed; the router
-resumes on the main prefill and decode with a token-id prompt (the prompt's ids plus the ids
-sent) and the budget reduced. The client's answer must equal the reference's ids, usage and
-text (where the break fell between characters), with one [DONE]; afterwards the engines that
-remain hold no KV block and run nothing, no block left to the lease.
+ids are compared too) to the extra one. At the client's first chunk from the
+`KILL_AFTER_EVENTS`-th on whose text ends with an ASCII character (what happened, never a
+clock) the extra decode's whole process group is SIGKILLed; the router resumes on the main
+prefill and decode with a token-id prompt (the prompt's ids plus the ids sent) and the budget
+reduced. The seam is where the router's relay stood at the kill (the decode runs ahead of the
+client), read from the router's log. The client's answer must equal the reference's ids and
+usage, with one [DONE], and its text where the seam fell between characters (inside one, vLLM
+0.32 re-renders the resumed prompt's text: docs/vllm.md §10, printed, not asserted); afterwards
+the engines that remain hold no KV block and run nothing, no block left to the lease.
 """
 
 from __future__ import annotations
