@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from trio_pd.pd.engines import ENGINES
 from trio_pd.pd.migration import (
     REFUSALS,
     refusal,
@@ -13,6 +14,7 @@ from trio_pd.pd.migration import (
     within_context,
 )
 from trio_pd.pd.payload import CHAT, COMPLETIONS, GENERATE
+from trio_pd.pd.resume import Migration
 from trio_pd.pd.stitch import Transcript
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
@@ -62,6 +64,8 @@ GREEDY = {"max_new_tokens": 8, "temperature": 0}
         (COMPLETIONS, {"prompt": "a", "stream_options": {"continuous_usage_stats": True}}, True,
          "continuous_usage"),
         (COMPLETIONS, {"prompt": "a", "stream_options": {"include_usage": True}}, True, None),
+        (COMPLETIONS, {"prompt": "a", "truncate_prompt_tokens": 4}, True, "truncation"),
+        (COMPLETIONS, {"prompt": "a", "return_token_ids": True}, True, None),
     ],
 )  # fmt: skip
 def test_refusal_rules(path: str, body: dict, stream: bool, reason: str | None) -> None:
@@ -70,8 +74,11 @@ def test_refusal_rules(path: str, body: dict, stream: bool, reason: str | None) 
         assert reason in REFUSALS
 
 
-def test_vllm_pairs_are_refused() -> None:
-    assert refusal(COMPLETIONS, {"prompt": "a"}, True, engine="vllm") == "vllm"
+def test_an_engine_that_does_not_resume_is_refused_by_name_of_no_engine() -> None:
+    """`Migration.decide` on a pair whose engine has `RESUMES` False: `refused_engine`."""
+    migration = Migration(COMPLETIONS, None, 2, None)  # type: ignore[arg-type]
+    assert migration.decide(False) == "refused_engine" and "engine" in REFUSALS
+    assert all(engine.RESUMES for engine in ENGINES.values())  # vLLM resumes too (issue 29)
 
 
 def test_generate_resumes_on_input_ids_with_the_budget_reduced() -> None:

@@ -52,14 +52,20 @@ def warm_up(pair: VllmPair) -> float:
     finding 4 by itself), so no test's snapshot may hold it. A read whose handshake failed is
     tried again (up to `WARM_UP_ATTEMPTS` PD requests): its prefill's blocks then wait out the
     lease, which the wait for idle below covers."""
+    return warm_up_read(pair.prefill_url, pair.decode_url, [e.url for e in pair.engines])
+
+
+def warm_up_read(prefill_url: str, decode_url: str, idle_urls: Sequence[str]) -> float:
+    """`warm_up` of one decode's first read from the prefill (a decode joining the pair's
+    prefill needs its own), then until the engines at `idle_urls` are idle."""
     body = {"model": SERVED_MODEL_NAME, "prompt": "warm up", "max_tokens": 1}
     prefill = {**body, "kv_transfer_params": {"do_remote_decode": True}}
     for attempt in range(1, WARM_UP_ATTEMPTS + 1):
-        status, raw, _ = post(pair.prefill_url + "/v1/completions", prefill, 120.0)
+        status, raw, _ = post(prefill_url + "/v1/completions", prefill, 120.0)
         assert status == 200, raw
         params = json.loads(raw)["kv_transfer_params"]
         status, raw, secs = post(
-            pair.decode_url + "/v1/completions", {**body, "kv_transfer_params": params}, 120.0
+            decode_url + "/v1/completions", {**body, "kv_transfer_params": params}, 120.0
         )
         if status == 200:
             break
@@ -68,12 +74,12 @@ def warm_up(pair: VllmPair) -> float:
         print(f"warm-up read {attempt} failed: {status} {raw[:200]!r}", file=sys.stderr)
     assert status == 200, raw
     deadline = time.monotonic() + KV_LEASE_SECS + 30.0
-    for engine in pair.engines:
+    for url in idle_urls:
         while True:
-            with urllib.request.urlopen(engine.url + "/metrics", timeout=10) as response:
+            with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
                 if engine_metrics.idle(engine_metrics.summed(response.read().decode())):
                     break
-            assert time.monotonic() < deadline, f"{engine.role} not idle after the warm-up"
+            assert time.monotonic() < deadline, f"{url} not idle after the warm-up"
             time.sleep(0.05)
     return secs
 

@@ -12,10 +12,10 @@ Everything here is pure (the client's parsed body, the ids; no I/O):
   None. Refused is whatever resuming would change: structured output (the grammar's state is
   lost), penalties and stop strings (the engine counts and matches them over the output only,
   and the tokens already sent would be prompt to it), logprobs (positions and input logprobs
-  are relative to the new prompt), batches and media, and a chat stream on SGLang 0.5.23 (its
-  chunks carry no token ids: `return_token_ids` is refused with `stream` on chat,
-  `serving_chat.py`; `sglext.output_ids` comes only with the last chunk). vLLM pairs are
-  refused (docs/protocol.md §13 says why).
+  are relative to the new prompt), batches and media, prompt truncation, and a chat stream
+  (SGLang 0.5.23's chunks carry no token ids: `return_token_ids` is refused with `stream` on
+  chat, `serving_chat.py`; `sglext.output_ids` comes only with the last chunk; on vLLM 0.32
+  see docs/vllm.md §10). A pair whose engine does not resume (`Engine.RESUMES`) is refused.
 - `resume_body(path, body, prompt_ids, sent_ids)`: the body of the resumed attempt (the
   router then splices its bootstrap fields and the same rid in, as for any attempt).
 - `seam_lists` / `seam_of`: where the resumed prompt ends when the break fell inside a
@@ -47,14 +47,15 @@ import attrs
 from trio_pd.pd.payload import CHAT, COMPLETIONS, GENERATE
 
 # SGLang 0.5.23's defaults when a body does not say (`sampling/sampling_params.py`
-# `max_new_tokens: 128`; `entrypoints/openai/protocol.py` CompletionRequest `max_tokens: 16`).
+# `max_new_tokens: 128`; `entrypoints/openai/protocol.py` CompletionRequest `max_tokens: 16`);
+# vLLM 0.32's CompletionRequest says 16 too (`entrypoints/openai/completion/protocol.py`).
 GENERATE_DEFAULT_MAX_NEW_TOKENS = 128
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 # Why a request is not resumed: the `outcome` label of trio_pd_migrations_total is
 # `refused_<key>`; the value is what the docs and the log say.
 REFUSALS: dict[str, str] = {
-    "vllm": "vLLM pairs are not migrated (docs/protocol.md §13)",
+    "engine": "the pair's engine does not resume streams (`Engine.RESUMES`)",
     "batch": "a batch of prompts",
     "multimodal": "images, audio or video in the prompt",
     "structured_output": "structured output (json_schema, regex, ebnf, structural_tag, "
@@ -63,7 +64,11 @@ REFUSALS: dict[str, str] = {
     "penalty": "frequency, presence or repetition penalties: the engine counts them over its "
     "own output only",
     "stop_strings": "stop strings: one spanning the break would go unmatched",
-    "chat_stream": "a chat stream: SGLang 0.5.23's chat chunks carry no token ids",
+    "chat_stream": "a chat stream: SGLang 0.5.23's chat chunks carry no token ids; on vLLM "
+    "0.32 a token-exact resume is a completions request, which runs no chat template, "
+    "reasoning or tool parser (docs/vllm.md §10)",
+    "truncation": "truncate_prompt_tokens: the engine would cut the resumed prompt (the "
+    "prompt plus the tokens sent) elsewhere",
     "continuous_usage": "stream_options.continuous_usage_stats: per-chunk counts would restart",
     "echo": "echo or suffix on completions",
     "engine_state": "hidden states, routed experts, sessions, beam search or a custom logit "
@@ -91,10 +96,8 @@ def sampling_of(path: str, body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
-def refusal(path: str, body: dict[str, Any], stream: bool, engine: str = "sglang") -> str | None:
+def refusal(path: str, body: dict[str, Any], stream: bool) -> str | None:
     """Why this request may not resume after its decode broke (a `REFUSALS` key), or None."""
-    if engine != "sglang":
-        return "vllm"
     if path == GENERATE:
         if isinstance(body.get("text"), list) or _nested(body.get("input_ids")):
             return "batch"
@@ -126,6 +129,8 @@ def refusal(path: str, body: dict[str, Any], stream: bool, engine: str = "sglang
         return "stop_strings"
     if any(body.get(key) for key in STATE_KEYS) or (params.get("beam_width") or 1) > 1:
         return "engine_state"
+    if body.get("truncate_prompt_tokens") is not None:
+        return "truncation"
     if stream and path == CHAT:
         return "chat_stream"
     options = body.get("stream_options")

@@ -67,7 +67,7 @@ class Migration:
     inspected: Inspected  # the client's request, as it came
     limit: int
     early_refusal: str | None  # refused by what is known without parsing the body
-    resumable: bool = True  # the current pair's engine resumes streams (SGLang)
+    resumable: bool = True  # the current pair's engine resumes streams (`Engine.RESUMES`)
     strip_ids: bool = False  # completions: token ids asked by the router, not the client
     transcript: Transcript | None = None
     resumes: int = 0
@@ -149,7 +149,7 @@ class Migration:
         """At a break after prefill succeeded: None to resume, else the outcome label saying
         why not (`refused_<rule>`, `limit`); `resumable`: the broken pair's engine resumes."""
         if not resumable:
-            return "refused_vllm"
+            return "refused_engine"
         if self.early_refusal is not None or self.transcript is None:
             return f"refused_{self.early_refusal or 'unwatched'}"
         why = refusal(self.path, self.parsed(self.inspected), True)

@@ -21,7 +21,14 @@ import trio
 
 from trio_pd import jsonbody
 from trio_pd.errors import RouterError
-from trio_pd.pd.budget import WORKER_COPIES, Account, OverBudget, over_budget, parse_cost
+from trio_pd.pd.budget import (
+    WORKER_COPIES,
+    Account,
+    OverBudget,
+    json_marks,
+    over_budget,
+    parse_cost,
+)
 from trio_pd.pd.payload import CHAT, COMPLETIONS, OFFLOAD_BYTES, Refused
 
 # What the router asks of a vLLM prefill (vllm-router 0.1.17's `prepare_prefill_request` and
@@ -151,7 +158,18 @@ class VllmBodyMaker:
     marks: int = 0  # its JSON structure count (`budget.json_marks`), to price its parse
     parsers: Any = None  # trio_parallel.WorkerContext of the lifespan; None: inline
     made: VllmBodies | None = None
+    # The request's other body, when migration sends one (the first attempt's asks for token
+    # ids; a resumed attempt's prompt is token ids): its bodies are made once for its attempts.
+    variant: VllmBodyMaker | None = None
     _lock: trio.Lock = attrs.field(factory=trio.Lock, init=False)
+
+    def variant_for(self, raw: bytes) -> VllmBodyMaker:
+        """The maker of `raw`, a body other than the client's (kept while it is the last)."""
+        kept = self.variant
+        if kept is None or (kept.raw is not raw and kept.raw != raw):
+            marks = json_marks(raw)  # its parse priced as the client's was (`generation.py`)
+            kept = self.variant = VllmBodyMaker(self.path, raw, marks, self.parsers)
+        return kept
 
     async def bodies(self, account: Account | None) -> VllmBodies:
         """The bodies (RouterError: 413/429 from the budget, 400 when they cannot be made)."""

@@ -27,7 +27,11 @@ Where it deliberately differs: the NIXL side channel and the transfer are plain 
 engine's own port (`/sim/nixl/{read,notify,heartbeat}`; `remote_host`/`remote_port` name it);
 tokens are words; `sim_fault` (`[prefill:|decode:]KIND[:ARG]`, comma-separated: `status:N`,
 `close`, `hang`, `no_params`, `bad_handoff:metadata|no_blocks|port`, `kv_fail`,
-`stream_error:N`) injects faults; `GET /sim/kv_blocks`
+`stream_error:N`, `die@Ntok`: the whole engine dies as a SIGKILLed server once its answer
+streamed N tokens; `hold@Ntok`: the stream goes silent after its N-th token until
+`state.release_held()`) injects faults; a completions stream with `return_token_ids` carries each
+chunk's `token_ids` and the first one's `prompt_token_ids`, and a token-id prompt ending with
+the answer's first tokens (a migrated request) goes on after them; `GET /sim/kv_blocks`
 shows the pool, so a test sees a leak; the event log (`events.py`) records what happened.
 
 Here: serving one engine and its command line; the app and its legs are `vllm_app.py`, a

@@ -23,9 +23,12 @@ from trio_pd_testing.engine.vllm_request import (
     GENERATION_ERROR,
     Job,
     Refused,
+    continued,
     error_json,
     max_tokens_of,
+    output_token_id,
     parse_faults,
+    prompt_ids_of,
     prompt_of,
     validate,
 )
@@ -350,16 +353,36 @@ class VllmApp:
         else:
             await resp.json(500, GENERATION_ERROR)
 
+    async def die(self, job: Job, resp: Responder) -> None:
+        """`die@Ntok`: the whole engine dies as a SIGKILLed vLLM server does: every connection
+        closes at once (this stream's too, mid-answer) and later ones close on accept."""
+        resp.closed = True
+        self.connections.dead = True
+        self.state.events.emit("engine_died", rid=job.request_id, kv_role=job.role)
+        await self.connections.drop_all()
+
     async def generate_tokens(self, job: Job, resp: Responder, cached_tokens: int) -> None:
         config = self.state.config
-        tokens = [f"tok{i}" for i in range(job.max_tokens)]
+        # A token-id prompt ending with the answer's first M ids (a migrated request) goes on
+        # with tok<M>: its tokens are the uninterrupted run's (`vllm_request.continued`).
+        prompt_ids = prompt_ids_of(job.path, job.body)
+        start = continued(prompt_ids) if isinstance(job.body.get("prompt"), list) else 0
+        tokens = [f"tok{start + i}" for i in range(job.max_tokens)]
+        die_at = job.faults.get("die")  # `die@Ntok`: once the answer sent N tokens
+        dies = die_at is not None and start < int(die_at)
+        hold_at = job.faults.get("hold")  # `hold@Ntok`: silent there until released
+        holds = hold_at is not None and start < int(hold_at)
         if not job.stream:
             await trio.sleep(config.inter_token_ms * len(tokens) / 1e3)
+            if dies:
+                await self.die(job, resp)
+                return
             answer = self.answer(job, tokens, "length", cached_tokens, with_prompt_logprobs=True)
             answer["kv_transfer_params"] = None
             await resp.json(200, answer)
             return
         chat = job.path == CHAT
+        ids = bool(job.body.get("return_token_ids"))  # each chunk's ids, the first the prompt's
         created, stream_id = int(time.time()), self.answer_id(job, "chatcmpl" if chat else "cmpl")
         fail_after = job.faults.get("stream_error")  # an error chunk after N tokens
         for i, token in enumerate(tokens):
@@ -372,11 +395,18 @@ class VllmApp:
             last = i == len(tokens) - 1
             choice: dict[str, Any] = {"index": 0, "logprobs": None,
                                       "finish_reason": "length" if last else None}  # fmt: skip
+            # A continuation's first token keeps the space that separates it from the ones
+            # before it, as vLLM's incremental detokenizer renders it.
+            piece = token if i == 0 and start == 0 else " " + token
             if chat:
-                choice["delta"] = {"role": "assistant", "content": token} if i == 0 else {
-                    "content": " " + token}  # fmt: skip
+                choice["delta"] = {"role": "assistant", "content": piece} if i == 0 else {
+                    "content": piece}  # fmt: skip
             else:
-                choice["text"] = token if i == 0 else " " + token
+                choice["text"] = piece
+            if ids:  # vLLM 0.32: `prompt_token_ids` in the first chunk, `token_ids` in each
+                if i == 0:
+                    choice["prompt_token_ids"] = prompt_ids
+                choice["token_ids"] = [output_token_id(start + i)]
             chunk: dict[str, Any] = {"id": stream_id, "created": created,
                                      "object": "chat.completion.chunk" if chat
                                      else "text_completion",
@@ -384,6 +414,12 @@ class VllmApp:
             # No `kv_transfer_params` in any chunk: vLLM 0.32's stream chunk models have none
             # (checked against the real engine, tests/data/vllm_0.32.0_observables.json).
             await resp.event(chunk)
+            if dies and start + i + 1 >= int(die_at or 0):
+                await self.die(job, resp)
+                return
+            if holds and start + i + 1 == int(hold_at or 0):
+                self.state.events.emit("fault", rid=job.request_id, kind="hold")
+                await self.state.released.wait()
         options = job.body.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage"):
             usage = self.usage(job, len(tokens), cached_tokens)

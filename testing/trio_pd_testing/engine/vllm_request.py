@@ -6,11 +6,14 @@ its `ErrorResponse` shape; `sim_fault` specs are the simulator's own (`vllm.py`)
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import attrs
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+# The simulator's token ids: a prompt word's (crc of the word), the answer's `tok<i>` (0-based).
+OUTPUT_ID_BASE = 60_000
 
 
 class Refused(Exception):
@@ -116,8 +119,36 @@ def prompt_of(path: str, body: dict[str, Any]) -> str:
     return str(prompt)
 
 
+def output_token_id(i: int) -> int:
+    """The id of the answer's token `tok<i>` (0-based)."""
+    return OUTPUT_ID_BASE + i
+
+
+def prompt_ids_of(path: str, body: dict[str, Any]) -> list[int]:
+    """The prompt's token ids: a token-id prompt's own, else one per word of its text."""
+    prompt = body.get("prompt") if path == COMPLETIONS else None
+    if isinstance(prompt, list) and all(isinstance(p, int) for p in prompt):
+        return list(prompt)
+    return [100 + zlib.crc32(w.encode()) % 32000 for w in prompt_of(path, body).split()]
+
+
+def continued(ids: list[int]) -> int:
+    """How many of the prompt's last ids are the answer's first tokens in order (`tok0 ...
+    tok<M-1>`): a resumed request (a router's migration sends the prompt's ids plus the ids
+    already streamed as a token-id prompt) goes on with `tok<M>`, so its tokens are the
+    uninterrupted run's, as greedy decoding on a real engine. 0 for any other prompt."""
+    if not ids:
+        return 0
+    count = ids[-1] - OUTPUT_ID_BASE + 1
+    if count < 1 or count > len(ids):
+        return 0
+    tail = ids[len(ids) - count :]
+    return count if all(t == output_token_id(i) for i, t in enumerate(tail)) else 0
+
+
 def parse_faults(specs: list[str], role: str) -> dict[str, str | None]:
-    """`[prefill:|decode:]KIND[:ARG]` specs that apply to `role`."""
+    """`[prefill:|decode:]KIND[:ARG]` specs that apply to `role`; `KIND@Ntok` (`die@3tok`)
+    is KIND with N as its argument: it fires once the answer has sent N tokens."""
     found: dict[str, str | None] = {}
     for spec in specs:
         parts = spec.strip().split(":")
@@ -126,5 +157,9 @@ def parse_faults(specs: list[str], role: str) -> dict[str, str | None]:
                 continue
             parts = parts[1:]
         if parts and parts[0]:
-            found[parts[0]] = parts[1] if len(parts) > 1 else None
+            kind, _, after = parts[0].partition("@")
+            if after.endswith("tok"):
+                found[kind] = after.removesuffix("tok")
+            else:
+                found[parts[0]] = parts[1] if len(parts) > 1 else None
     return found

@@ -57,6 +57,11 @@ class VllmState:
     client: httpx2.AsyncClient | None = None
     seen_prompts: set[str] = attrs.Factory(set)  # the prefix cache, by whole prompt
     counter: int = 0
+    # `hold@Ntok`: a stream paused after its N-th token until `release_held()` (no clock).
+    released: trio.Event = attrs.Factory(trio.Event)
+
+    def release_held(self) -> None:
+        self.released.set()
 
     def __attrs_post_init__(self) -> None:
         self.running = trio.Semaphore(self.config.max_num_seqs)

@@ -54,8 +54,12 @@ from trio_pd.upstream.pool import UpstreamResponse
 log = logging.getLogger(__name__)
 
 NAME = "vllm"
-# Not migrated (docs/protocol.md §14): a broken stream ends with the error event.
-RESUMES = False
+# A completions stream broken mid-way resumes on a fresh pair (`pd/resume.py`, docs/vllm.md
+# §10): vLLM 0.32's completions chunks carry their `token_ids` and the first one the prompt's
+# (`return_token_ids`), and /v1/completions takes a token-id prompt; the resumed attempt runs
+# this module's whole schedule (prefill, then decode with its handoff). Chat streams are
+# refused (`migration.REFUSALS["chat_stream"]`).
+RESUMES = True
 
 
 @attrs.define(eq=False)
@@ -360,6 +364,9 @@ async def vllm_bodies(request: PDRequest) -> VllmBodies:
             "handoff): send the prompts as separate requests"
         )
     maker = request.vllm
+    raw = request.inspected.body
     if maker is None:
-        maker = VllmBodyMaker(request.path, request.inspected.body)
+        maker = VllmBodyMaker(request.path, raw)
+    elif maker.raw is not raw:  # a migrated stream's body (`pd/resume.py`): made once too
+        maker = maker.variant_for(raw)
     return await maker.bodies(request.account)
