@@ -23,8 +23,8 @@ from tests.router.helpers import read_sse, settle
 from tests.router.test_vllm_outcomes import blocks as blocks
 from tests.router.test_vllm_outcomes import start_vllm_cluster
 from trio_pd.config import TimeoutConfig
-from trio_pd.testing.engine.vllm import VllmEngineHandle
-from trio_pd.testing.engine.vllm_request import output_token_id
+from trio_pd_testing.engine.vllm import VllmEngineHandle
+from trio_pd_testing.engine.vllm_request import output_token_id
 
 MAX = 8
 PROMPT = "the quick brown fox jumps over the lazy dog"

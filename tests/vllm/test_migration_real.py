@@ -33,8 +33,8 @@ import trio
 
 from tests.vllm import engines as E
 from tests.vllm.conftest import warm_up_read
-from trio_pd.testing.real_pair import Engine, distinct_free_ports
-from trio_pd.testing.vllm import launcher
+from trio_pd_testing.real_pair import Engine, distinct_free_ports
+from trio_pd_testing.vllm import launcher
 
 pytestmark = pytest.mark.timeout(600)
 
