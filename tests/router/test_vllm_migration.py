@@ -98,7 +98,11 @@ def starts(engine: VllmEngineHandle, rid: str) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("asked_ids", [False, True])
 @pytest.mark.parametrize("after", [1, 3, MAX - 1])
 async def test_a_completions_stream_outlives_its_vllm_decode(
-    nursery: trio.Nursery, blocks: list[VllmEngineHandle], after: int, asked_ids: bool
+    nursery: trio.Nursery,
+    blocks: list[VllmEngineHandle],
+    after: int,
+    asked_ids: bool,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     cluster = await start_vllm_cluster(nursery, blocks, n_decode=2, migration_limit=2)
     extra = {"return_token_ids": True} if asked_ids else {}
@@ -132,6 +136,8 @@ async def test_a_completions_stream_outlives_its_vllm_decode(
     assert resumed["body"]["prompt"] == resumed_prefill["body"]["prompt"]
     assert resumed["body"]["return_token_ids"] is True
     assert (await migrations(cluster)) == {("transport", "resumed"): 1.0}
+    # vLLM's /detokenize takes no batch: the greedy resume asked none for a seam (SGLang's)
+    assert not [r for r in caplog.records if "seam" in r.getMessage()], caplog.text
     # nothing is held: no request runs on any engine, and (the `blocks` fixture) no prefill
     # holds a block for a decode
     for engine in [*cluster.prefills, *cluster.decodes]:

@@ -128,6 +128,7 @@ async def dispatch(
             engine = engine_for(prefill.spec.engine)
             if migration is not None:
                 migration.resumable = engine.RESUMES
+                migration.seam_by_detokenize = engine.SEAM_BY_DETOKENIZE
                 if resuming:
                     resumed = await migration.resumed_inspected(
                         inspected, tokenizer(ctx, request, prefill)

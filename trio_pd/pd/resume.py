@@ -68,6 +68,8 @@ class Migration:
     limit: int
     early_refusal: str | None  # refused by what is known without parsing the body
     resumable: bool = True  # the current pair's engine resumes streams (`Engine.RESUMES`)
+    # Its /detokenize finds a greedy resume's seam (`Engine.SEAM_BY_DETOKENIZE`)
+    seam_by_detokenize: bool = True
     strip_ids: bool = False  # completions: token ids asked by the router, not the client
     transcript: Transcript | None = None
     resumes: int = 0
@@ -175,7 +177,7 @@ class Migration:
         sent = list(self.transcript.ids)
         prompt_ids = await self.prompt_ids(payload, tokenize)
         seam = Seam(len(sent), self.transcript.text)
-        if sent and greedy(self.path, payload):
+        if sent and self.seam_by_detokenize and greedy(self.path, payload):
             seam = await self.seam(prompt_ids, sent, payload, tokenize) or seam
         kept = sent[: seam.keep]
         body = resume_body(self.path, payload, prompt_ids, kept)

@@ -21,6 +21,8 @@ class Engine(Protocol):
 
     NAME: str
     RESUMES: bool  # its streams may resume on a fresh pair after decode broke
+    # Its `/detokenize` decodes a batch of id lists (a greedy resume's seam, `migration.py`)
+    SEAM_BY_DETOKENIZE: bool
 
     async def new_attempt(
         self,

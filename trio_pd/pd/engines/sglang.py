@@ -43,6 +43,9 @@ NAME = "sglang"
 # A stream broken mid-way resumes on a fresh pair (`pd/resume.py`): `/generate` events carry
 # their ids, completions give them with `return_token_ids`, `/tokenize` a prompt's.
 RESUMES = True
+# Its `/detokenize` takes `{"tokens": [[ids], ...]}` and answers each list's text: a greedy
+# resume finds its seam there (a break inside a multi-byte character, `migration.py`).
+SEAM_BY_DETOKENIZE = True
 CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d{1,12})')
 # How long the first abort of a leg waits where the latch hazard applies (see `abort_hook`).
 LATCH_DELAY_SECS = 1.0

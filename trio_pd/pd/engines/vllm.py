@@ -60,6 +60,10 @@ NAME = "vllm"
 # this module's whole schedule (prefill, then decode with its handoff). Chat streams are
 # refused (`migration.REFUSALS["chat_stream"]`).
 RESUMES = True
+# vLLM 0.32's `/detokenize` takes one flat id list (`{"tokens": [ids]}`), not the batch the
+# seam asks for: a resume keeps every id sent, so a break inside a multi-byte character can
+# lose that character's text (docs/vllm.md §10). Not asked, rather than answered with a 400.
+SEAM_BY_DETOKENIZE = False
 
 
 @attrs.define(eq=False)
