@@ -141,3 +141,29 @@ def stopped(engine: Engine) -> Iterator[None]:
         yield
     finally:
         os.killpg(engine.pid, signal.SIGCONT)
+
+
+EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
+LATE = "vllm:nixl_num_notifications_after_expiry_total"
+LATE_READ_SECS = 120.0  # a hang guard: late notifications came up to 2 minutes late
+
+
+async def expired_leases_were_read(
+    client: httpx2.AsyncClient, prefill_url: str, before: dict[str, float], now: dict[str, float]
+) -> dict[str, float]:
+    """Every lease of the prefill's that expired since `before` was read by a decode, late; the
+    prefill's metrics once they say so. On this CPU the prefill's notification of a read once
+    came after its 30 s lease (2026-12-05, a few times a tier run: the read done, the decode
+    answering): the engine's slowness, not a lease the router left unread, which no read would
+    ever follow. A late read is counted at the prefill's next engine step: a one-token request
+    of its own (no handoff) makes one."""
+    expired = delta(now, before, EXPIRED)
+    with trio.move_on_after(LATE_READ_SECS):
+        while delta(now, before, LATE) < expired:
+            await client.post(
+                prefill_url + "/v1/completions", json=completion("nudge", max_tokens=1)
+            )
+            await trio.sleep(0.5)
+            now = await metrics(client, prefill_url)
+    assert delta(now, before, LATE) == expired, ("a lease left unread", expired, now)
+    return now
