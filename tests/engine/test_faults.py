@@ -36,6 +36,11 @@ def test_parse_fault_specs():
     for bad in ("decode:close@0tok", "prefill:close@2tok", "decode:close@xtok"):
         with pytest.raises(FaultError):
             parse_fault(bad)
+    held = parse_fault("prefill:500@held+kv")
+    assert (held.status, held.after_kv, held.after_release, held.delay_ms) == (500, True, True, 0)
+    for bad in ("prefill:500@held", "decode:500@held+kv", "500@held+kv"):
+        with pytest.raises(FaultError):
+            parse_fault(bad)
     plan = plan_for("decode", [parse_fault(s) for s in ("prefill:500", "slow:10", "decode:hang")])
     assert plan.terminal.kind == "hang" and plan.slow_ms == 10.0
 

@@ -265,15 +265,29 @@ async def test_nothing_leaks_after_many_failures(cluster: Cluster) -> None:
 
 
 @pytest.mark.parametrize(
-    ("fault", "status"), [("prefill:500@400+kv", 502), ("prefill:400@400+kv", 400)]
+    ("fault", "status"), [("prefill:500@held+kv", 502), ("prefill:400@held+kv", 400)]
 )
 async def test_decode_answer_is_held_until_prefill_is_known(
     cluster: Cluster, fault: str, status: int
 ) -> None:
-    """Decode answered first (the KV had arrived), prefill failed later: the client gets it."""
-    response = await cluster.client.post("/generate", json=generate_body(sim_fault=fault))
+    """Decode answered first (the KV had arrived), prefill failed later: the client gets it.
+    The prefill's failure is let go once the decode's answer ended (`@held`), not at a time."""
+    rid = f"held-{status}"
+    answers = []
+
+    async def ask() -> None:
+        body = generate_body(sim_fault=fault)
+        answers.append(
+            await cluster.client.post("/generate", json=body, headers={"x-request-id": rid})
+        )
+
+    async with trio.open_nursery() as asking:
+        asking.start_soon(ask)
+        await settle(lambda: cluster.decode.events.find("request_end", rid=rid), LOOSE)
+        assert not answers  # held: the prefill has not answered yet
+        cluster.prefill.state.release_held()
+    (response,) = answers
     assert response.status_code == status
-    rid = response.headers["x-request-id"]
     finished = cluster.decode.events.find("request_end", rid=rid)[0]
     failed = cluster.prefill.events.find("fault", rid=rid)[0]
     assert finished["status"] == 200
@@ -285,13 +299,21 @@ async def test_prefill_failing_after_the_stream_started_does_not_cut_it(
     nursery: trio.Nursery,
 ) -> None:
     """Decode's first token proves the KV arrived; a later prefill error only counts against
-    prefill's breaker, and the client's stream runs to its end."""
+    prefill's breaker, and the client's stream runs to its end. The prefill's error is let go
+    once the client read the first token (`@held`), not at a time."""
     cluster = await start_cluster(nursery, decode={"inter_token_ms": 20.0})
-    body = generate_body(stream=True, max_new_tokens=40, sim_fault="prefill:500@200+kv")
+    body = generate_body(stream=True, max_new_tokens=40, sim_fault="prefill:500@held+kv")
+    events: list[object] = []
     async with cluster.client.stream("POST", "/generate", json=body) as response:
         assert response.status_code == 200
-        events = await read_sse(response)
         rid = response.headers["x-request-id"]
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            events.append(line[5:].strip())
+            if len(events) == 1:
+                cluster.prefill.state.release_held()
+                await settle(lambda: cluster.prefill.events.find("fault", rid=rid), LOOSE)
     assert events[-1] == "[DONE]"
     assert len(events) == 41
     assert cluster.prefill.events.find("fault", rid=rid)

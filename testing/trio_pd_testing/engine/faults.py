@@ -1,4 +1,4 @@
-"""Fault specs: `[ROLE:]KIND[:ARG][@MS|@Ntok][+kv]`, from --fault or a request's `sim_fault`.
+"""Fault specs: `[ROLE:]KIND[:ARG][@MS|@Ntok|@held][+kv]`, from --fault or a request's `sim_fault`.
 
 KIND is an HTTP status (`500`, `429`, ...), `sse_error[:CODE]` (an error object inside a 200
 answer, code 500 unless given), `abort[:CODE]` (finish_reason abort, with `status_code` CODE when
@@ -12,7 +12,9 @@ fires it once the decode's answer has sent N tokens, so "mid-stream" is what hap
 guess about the clock (the answer's tokens: a resumed request, whose `input_ids` end with the
 answer's first M tokens (`workload.continued`), fires after N - M of its own, and not at all
 when M >= N). `+kv` (prefill only) fires the fault after the KV cache was sent, so
-decode can answer before prefill fails.
+decode can answer before prefill fails. `@held+kv` (prefill only) fires it after the KV was sent
+once the test calls `EngineState.release_held()`: "the prefill fails after the decode answered"
+as what happened, where `@MS+kv` bets on the clock (a busy machine lost that bet).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Fault:
     delay_ms: float = 0.0  # the `@MS` suffix
     after_tokens: int | None = None  # the `@Ntok` suffix: fires once N tokens went out
     after_kv: bool = False  # the `+kv` suffix
+    after_release: bool = False  # the `@held` suffix (with +kv): fires once release_held()
 
     @property
     def is_client_error(self) -> bool:
@@ -56,8 +59,13 @@ def parse_fault(spec: str) -> Fault:
     text = spec.strip()
     after_kv = text.endswith("+kv")
     text = text.removesuffix("+kv")
-    fault = _parse_plain(spec, text)
-    return attrs.evolve(fault, after_kv=after_kv) if after_kv else fault
+    after_release = text.endswith("@held")
+    if after_release and not (after_kv and text.startswith("prefill:")):
+        raise FaultError(f"@held needs the prefill role and +kv: {spec!r}")
+    fault = _parse_plain(spec, text.removesuffix("@held"))
+    return (
+        attrs.evolve(fault, after_kv=after_kv, after_release=after_release) if after_kv else fault
+    )
 
 
 def _parse_plain(spec: str, text: str) -> Fault:

@@ -90,6 +90,8 @@ async def run_prefill(call: Call) -> None:
                 state = states[(item.room, item.rank or 0)]
                 nursery.start_soon(_item, call, item, state, fake)
         if late_fault is not None and any(s.kv.is_set() for s in states.values()):
+            if late_fault.after_release:
+                await call.engine.released.wait()
             await trio.sleep(late_fault.delay)
             await fire(call, late_fault)
     finally:
