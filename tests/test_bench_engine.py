@@ -16,14 +16,10 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+from trio_pd_testing.ports import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import zipfile
@@ -18,14 +17,9 @@ import trio
 from tests.conftest import start_engine
 from tests.router.helpers import generate_body
 from trio_pd.cli.main import build_parser, main, router_config
+from trio_pd_testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_flags_follow_sglang_router() -> None:

@@ -10,7 +10,6 @@ import json
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import psutil
 
 from bench.harness.cpu import CpuMeter, tree_procs
 from bench.harness.output import BENCH, print_flush
+from trio_pd_testing.ports import free_port
 
 PEERS = BENCH / ".peers"
 # SMG 1.13 as `python -m smg`, never bench/.peers/bin/smg: sglang-router 0.3.2 (mini_lb's
@@ -46,10 +46,6 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 # ---- processes ------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def http_get(port: int, path: str, timeout: float = 2.0) -> int:

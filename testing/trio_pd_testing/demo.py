@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -24,15 +23,11 @@ import httpx2
 import orjson
 import trio
 
+from trio_pd_testing.ports import free_port
+
 HOST = "127.0.0.1"
 STARTUP_TIMEOUT = 20.0
 WIDTH = 34
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 def line(label: str, value: Any) -> None:

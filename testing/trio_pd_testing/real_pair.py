@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,27 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Self, TypeVar
 
+from trio_pd_testing.ports import distinct_free_ports as distinct_free_ports
+from trio_pd_testing.ports import free_port as free_port
+
 ROUTER_READY_SECS = 60.0
 
 
 class EngineStartError(RuntimeError):
     """An engine died or did not become ready; the message carries its log tail."""
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 now (the engine binds it a few seconds later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def distinct_free_ports(n: int) -> list[int]:
-    ports: list[int] = []
-    while len(ports) < n:
-        port = free_port()
-        if port not in ports:
-            ports.append(port)
-    return ports
 
 
 def http_status(url: str, timeout: float = 2.0, headers: dict[str, str] | None = None) -> int:

@@ -12,7 +12,6 @@ dir, so a restart is the same single-member cluster coming back (the outage test
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 import urllib.error
@@ -21,6 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from trio_pd_testing.ports import free_port
 
 START_TIMEOUT_SECS = 120.0  # a hang guard: the wait ends when etcd answers /health
 STOP_TIMEOUT_SECS = 10.0
@@ -43,12 +44,6 @@ def etcd_binary() -> Path:
     if not path.is_file() or not os.access(path, os.X_OK):
         pytest.fail(f"no executable etcd binary at {path}", pytrace=False)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EtcdServer:

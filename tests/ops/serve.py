@@ -7,7 +7,6 @@ import fcntl
 import os
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,7 @@ import httpx2
 import trio
 
 from trio_pd_testing.engine import EngineHandle
+from trio_pd_testing.ports import free_port
 
 # Hang guards, not bounds: readiness is waited for as an event (`/readiness` answering 200,
 # every process of --workers N reached), and these only end a wait that will never finish. A
@@ -27,12 +27,6 @@ from trio_pd_testing.engine import EngineHandle
 PROCESSES_SECS = 120.0
 
 READY_SECS = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ import trio
 
 from tests.conftest import ENGINE_DEFAULTS, Cluster, cluster_of
 from trio_pd.config import HealthConfig
+from trio_pd_testing import ports
 from trio_pd_testing.engine import EngineConfig, EngineHandle, serve_engine
 
 # Health checks fast enough for tests over real sockets; bounds on them stay loose (seconds).
@@ -73,9 +74,5 @@ def rooms_seen(engine: EngineHandle, rid: str) -> list[int]:
 
 
 async def free_port() -> int:
-    """A port nothing listens on right now (bound, then released)."""
-    sock = trio.socket.socket()
-    await sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    return port
+    """A port nothing listens on right now (trio_pd_testing.ports: outside the ephemeral range)."""
+    return ports.free_port()

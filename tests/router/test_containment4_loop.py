@@ -120,17 +120,21 @@ async def test_a_vllm_pair_parses_the_body_once_off_the_loop_within_the_budget(
         vllm = Pair("vllm", router, client, v_decode)
         calibration = await calibrated()
 
+        async def stall_window(pair: Pair, tag: str) -> Window:
+            statuses: list[int] = []
+
+            async def stall_work() -> None:
+                statuses.extend(await send_all(pair, body, tag))
+
+            window = await measured(stall_work)
+            assert statuses == [200] * BODIES, (pair.name, statuses)
+            assert pair.decode.started(f"{tag}-{pair.name}-0") == 1  # provoked: the pair ran it
+            return window
+
         windows: dict[str, Window] = {}
         peaks: dict[str, int] = {}
         for pair in (sglang, vllm):  # the control first
-            statuses: list[int] = []
-
-            async def stall_work(pair: Pair = pair, statuses: list[int] = statuses) -> None:
-                statuses.extend(await send_all(pair, body, "stall"))
-
-            windows[pair.name] = await measured(stall_work)
-            assert statuses == [200] * BODIES, (pair.name, statuses)
-            assert pair.decode.started(f"stall-{pair.name}-0") == 1  # provoked: the pair ran it
+            windows[pair.name] = await stall_window(pair, "stall")
 
             async def memory_work(pair: Pair = pair) -> None:
                 for i in range(2):  # one after the other: the peak of one request
@@ -146,7 +150,13 @@ async def test_a_vllm_pair_parses_the_body_once_off_the_loop_within_the_budget(
         for name in ("sglang", "vllm"):
             print(f"{name} ({BODIES} x {BODY / MB:.0f} MB at once): {windows[name]}; "
                   f"traced peak of one {peaks[name] / MB:.1f} MB")  # fmt: skip
-        assert within_control(windows["vllm"], windows["sglang"]), windows
+        if not within_control(windows["vllm"], windows["sglang"]):
+            # Once, on a machine running four vLLM servers beside it, one step took 204 ms of
+            # loop CPU (7.8 ms alone, 2026-12-05): a body parsed on the loop does so every time,
+            # so an over-budget window must be confirmed by a second pair of windows.
+            again = {pair.name: await stall_window(pair, "again") for pair in (sglang, vllm)}
+            print(f"measured again: {again}")
+            assert within_control(again["vllm"], again["sglang"]), (windows, again)
         # Beyond the control's: the prefill's rewritten body and the decode's spliced one, and
         # the worker round trip's passing copies; never the parsed values (737 MB on 486b667).
         assert peaks["vllm"] <= peaks["sglang"] + 6 * BODY, peaks
@@ -236,5 +246,19 @@ async def test_a_large_logprob_merge_stays_off_the_loop(
         assert sizes["logprobs-whole"] > 10 * MB  # provoked: a large answer was merged
         assert sizes["logprobs-stream"] > 10 * MB
         for mode in ("whole", "stream"):
-            assert within_control(windows[f"logprobs-{mode}"], windows[f"control-{mode}"]), windows
+            if within_control(windows[f"logprobs-{mode}"], windows[f"control-{mode}"]):
+                continue
+            # Confirmed by a second pair of windows, as in N7: a merge on the loop repeats.
+            again: dict[str, Window] = {}
+            for name, logprobs, pad in cases:
+                key = f"{name}-{mode}-again"
+                body = orjson.dumps({**long_prompt(logprobs, pad), "stream": mode == "stream"})
+
+                async def rework(key: str = key, body: bytes = body) -> None:
+                    answers[key] = await raw_post(url, "/generate", body, key)
+
+                again[name] = await measured(rework)
+                assert answers[key][0] == 200, answers[key][1][:300]
+            print(f"{mode} measured again: {again}")
+            assert within_control(again["logprobs"], again["control"]), (windows, again)
         await client.aclose()

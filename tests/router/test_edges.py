@@ -5,8 +5,6 @@ router and the clients share the run, so a wait of seconds takes none."""
 
 from __future__ import annotations
 
-import socket
-
 import attrs
 import pytest
 import trio
@@ -252,12 +250,6 @@ async def test_the_default_pool_timeout_keeps_a_connection_for_2_5s(
 
 
 # -- the probe listener ---------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def close_waits(port: int) -> int:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -56,15 +55,10 @@ from tests.tcp import unread_from
 from trio_pd.config import RouterConfig
 from trio_pd.pd import aborts as aborts_module
 from trio_pd.spec import WorkerSpec
+from trio_pd_testing.ports import free_port
 
 PREFILL_CONTEXT = 64  # words: a longer prompt gets the prefill's 400 at once
 OVER_CONTEXT = " ".join(["word"] * 200)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @attrs.frozen
