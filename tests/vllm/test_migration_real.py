@@ -140,6 +140,7 @@ async def test_a_killed_vllm_decodes_stream_finishes_on_a_fresh_pair(
         decodes=[pair.decode_url, extra_decode.url],
     )  # fmt: skip
     p0 = await E.metrics(engines, pair.prefill_url)
+    mark = E.lease_mark(pair)
     async with httpx2.AsyncClient(timeout=httpx2.Timeout(120.0)) as client:
         # Round robin alternates over the healthy decodes: both must be, before the first pick.
         with trio.fail_after(120):
@@ -215,9 +216,10 @@ async def test_a_killed_vllm_decodes_stream_finishes_on_a_fresh_pair(
         counted = await E.router_sum(client, router.metrics_url, "trio_pd_migrations_total")
     assert resumed == counted == 1.0
     # What remains holds nothing: no KV block, no running request, none left to the lease.
-    prefill, _ = await E.wait_kv_free(engines, pair.prefill_url)
+    await E.wait_kv_free(engines, pair.prefill_url)
     await E.wait_kv_free(engines, pair.decode_url)
     # No lease left unread by the router (one may expire when the engine's read notification
     # is slow; it is read then, late: `E.expired_leases_were_read`).
-    prefill = await E.expired_leases_were_read(engines, pair.prefill_url, p0, prefill)
+    await E.expired_leases_were_read(engines, pair, mark)
+    prefill = await E.metrics(engines, pair.prefill_url)
     print(f"prefill leases expired: {E.delta(prefill, p0, E.EXPIRED):.0f}, all read")

@@ -36,13 +36,13 @@ async def snapshot(engines, pair):
     return await E.metrics(engines, pair.prefill_url), await E.metrics(engines, pair.decode_url)
 
 
-async def freed_by_reads(engines, pair, before_prefill, reads: int) -> None:
+async def freed_by_reads(engines, pair, mark: int, reads: int) -> None:
     """The decode read `reads` handoffs and both engines hold no KV, the prefill's blocks freed
-    by those reads: none left to the lease (a lease that expired was read, late:
+    by those reads: none left to the lease since `mark` (a lease that expired was read, late:
     `E.expired_leases_were_read`)."""
-    prefill, _ = await E.wait_kv_free(engines, pair.prefill_url)
+    await E.wait_kv_free(engines, pair.prefill_url)
     await E.wait_kv_free(engines, pair.decode_url)
-    await E.expired_leases_were_read(engines, pair.prefill_url, before_prefill, prefill)
+    await E.expired_leases_were_read(engines, pair, mark)
 
 
 async def stream_events(client, path, body):
@@ -60,6 +60,7 @@ async def stream_events(client, path, body):
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 async def test_non_stream_prefill_then_decode_reads_the_kv(client, engines, pair, path):
     p0, d0 = await snapshot(engines, pair)
+    mark = E.lease_mark(pair)
     body = E.completion() if path == "/v1/completions" else E.chat()
     r = await client.post(path, json=body)
     assert r.status_code == 200, r.text
@@ -71,19 +72,20 @@ async def test_non_stream_prefill_then_decode_reads_the_kv(client, engines, pair
     assert E.delta(p1, p0, FINISHED) == 1 and E.delta(d1, d0, FINISHED) == 1
     assert E.delta(p1, p0, "vllm:generation_tokens_total") == 1
     assert E.delta(d1, d0, XFERS) >= 1
-    await freed_by_reads(engines, pair, p0, 1)
+    await freed_by_reads(engines, pair, mark, 1)
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 async def test_stream_is_the_decodes_without_kv_params(client, engines, pair, path):
     p0, d0 = await snapshot(engines, pair)
+    mark = E.lease_mark(pair)
     body = E.completion(stream=True) if path == "/v1/completions" else E.chat(stream=True)
     events = await stream_events(client, path, body)
     assert events[-1] == "[DONE]" and len(events) >= 3
     assert all("kv_transfer_params" not in e for e in events[:-1])
     p1, d1 = await snapshot(engines, pair)
     assert E.delta(p1, p0, FINISHED) == 1 and E.delta(d1, d0, XFERS) >= 1
-    await freed_by_reads(engines, pair, p0, 1)
+    await freed_by_reads(engines, pair, mark, 1)
 
 
 async def test_real_prefill_400_is_relayed_and_the_decode_never_called(client, engines, pair):
@@ -97,7 +99,8 @@ async def test_real_prefill_400_is_relayed_and_the_decode_never_called(client, e
 
 
 async def test_client_leaving_mid_stream_frees_the_decode(client, engines, pair):
-    p0, d0 = await snapshot(engines, pair)
+    _, d0 = await snapshot(engines, pair)
+    mark = E.lease_mark(pair)
     body = E.completion(max_tokens=1500, ignore_eos=True, stream=True)
     async with client.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
@@ -117,11 +120,12 @@ async def test_client_leaving_mid_stream_frees_the_decode(client, engines, pair)
     generated = E.delta(d1, d0, "vllm:generation_tokens_total")
     assert 1 <= generated < 1500, generated
     assert E.delta(d1, d0, FINISHED) == 0
-    await freed_by_reads(engines, pair, p0, 1)
+    await freed_by_reads(engines, pair, mark, 1)
 
 
 async def test_n2_is_two_pd_requests(client, engines, pair):
     p0, d0 = await snapshot(engines, pair)
+    mark = E.lease_mark(pair)
     r = await client.post("/v1/completions", json=E.completion(n=2))
     assert r.status_code == 200, r.text
     assert sorted(c["index"] for c in r.json()["choices"]) == [0, 1]
@@ -129,11 +133,11 @@ async def test_n2_is_two_pd_requests(client, engines, pair):
     # Two one-sample prefills (never n=2 to the prefill) and two decodes that read them.
     assert E.delta(p1, p0, FINISHED) == 2 and E.delta(d1, d0, FINISHED) == 2
     assert E.delta(d1, d0, XFERS) >= 2
-    await freed_by_reads(engines, pair, p0, 2)
+    await freed_by_reads(engines, pair, mark, 2)
 
 
 async def test_logprobs_and_echo(client, engines, pair):
-    p0, _ = await snapshot(engines, pair)
+    mark = E.lease_mark(pair)
     prompt = "the tiny model says"
     r = await client.post("/v1/completions", json=E.completion(prompt, logprobs=2, echo=True))
     assert r.status_code == 200, r.text
@@ -144,7 +148,7 @@ async def test_logprobs_and_echo(client, engines, pair):
     r = await client.post("/v1/chat/completions", json=E.chat(logprobs=True, top_logprobs=2))
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"][0]["logprobs"]["content"]) == 4
-    await freed_by_reads(engines, pair, p0, 2)
+    await freed_by_reads(engines, pair, mark, 2)
 
 
 async def test_model_list_is_the_prefills_with_its_max_model_len(client, pair):
@@ -159,7 +163,7 @@ async def test_model_list_is_the_prefills_with_its_max_model_len(client, pair):
 
 async def test_engines_hold_nothing_after_a_burst(client, engines, pair):
     """Eight concurrent PD requests: every handoff read, nothing left to the lease."""
-    p0, _ = await snapshot(engines, pair)
+    mark = E.lease_mark(pair)
 
     async def one(i: int) -> None:
         r = await client.post("/v1/completions", json=E.completion(f"burst {i} says"))
@@ -168,4 +172,4 @@ async def test_engines_hold_nothing_after_a_burst(client, engines, pair):
     async with trio.open_nursery() as nursery:
         for i in range(8):
             nursery.start_soon(one, i)
-    await freed_by_reads(engines, pair, p0, 8)
+    await freed_by_reads(engines, pair, mark, 8)
