@@ -40,6 +40,11 @@ CHAT = {
     "ignore_eos": True,
 }
 COMPLETION = {"prompt": "once upon", "max_tokens": 4, "ignore_eos": True}
+# The stream scenarios' length. SGLang's tokenizer manager hands a stream's handler every output
+# queued since it last ran as one event (`_wait_one_response`), so on a busy machine a 4-token
+# answer can come as its final event alone (vLLM's did, CI 2026-12-05): 16 tokens on the OpenAI
+# routes, and the first event compared is the first before the finish (`first_delta`).
+STREAM_TOKENS = 16
 # A hung leg is declared hung after this long (the engine's own timeout is 300 s).
 HANG_SECS = 4.0
 
@@ -391,13 +396,14 @@ def _no_text(body: dict) -> dict:
 async def generate_stream(t: Target, client: httpx2.AsyncClient) -> Observables:
     """Streaming: 200 text/event-stream, events with meta_info, then `data: [DONE]`; the last
     event carries the finish_reason object (what in-band detection and the n > 1 merge read)."""
+    # 4 tokens still: its finish event's `finish_reason.length` is a recorded value.
     p, (d, events) = await pd_stream(t, client, "/generate", GEN)
     data = [e for e in events if e != "[DONE]"]
     return {
         "status": [p.status, d.status],
         "decode_content_type": d.content_type.split(";")[0],
         "prefill_content_type": p.content_type.split(";")[0],
-        "first_event_shape": shape(events[0]),
+        "first_event_shape": shape(first_delta(events)),
         "last_event_shape": shape(data[-1]),
         "event_kinds": event_kinds(events),
         "finish_reason": data[-1]["meta_info"]["finish_reason"],
@@ -435,6 +441,11 @@ def event_kinds(events: list[Any]) -> list[str]:
     return out
 
 
+def first_delta(events: list[Any]) -> Any:
+    """The stream's first event before its finish (a `delta`); its first event when none is."""
+    return first_of(events, "delta") or events[0]
+
+
 def first_of(events: list[Any], kind: str) -> Any:
     return next((e for e in events if event_kind(e) == kind), None)
 
@@ -454,13 +465,13 @@ async def chat_stream(t: Target, client: httpx2.AsyncClient) -> Observables:
     """A chat stream with `stream_options.include_usage`: content chunks, a finish chunk, one
     usage chunk with no choices, `[DONE]` (what the n > 1 stream merge reads,
     entrypoints/openai/serving_chat.py)."""
-    body = {**CHAT, "stream_options": {"include_usage": True}}
+    body = {**CHAT, "max_tokens": STREAM_TOKENS, "stream_options": {"include_usage": True}}
     p, (d, events) = await pd_stream(t, client, "/v1/chat/completions", body)
     finish = first_of(events, "finish")
     return {
         "status": [p.status, d.status],
         "decode_content_type": d.content_type.split(";")[0],
-        "first_event_shape": shape(events[0]),
+        "first_event_shape": shape(first_delta(events)),
         "finish_event_shape": shape(finish),
         "usage_event_shape": shape(first_of(events, "usage")),
         "event_kinds": event_kinds(events),
@@ -471,11 +482,11 @@ async def chat_stream(t: Target, client: httpx2.AsyncClient) -> Observables:
 
 async def completions_stream(t: Target, client: httpx2.AsyncClient) -> Observables:
     """The same on /v1/completions (serving_completions.py)."""
-    body = {**COMPLETION, "stream_options": {"include_usage": True}}
+    body = {**COMPLETION, "max_tokens": STREAM_TOKENS, "stream_options": {"include_usage": True}}
     p, (d, events) = await pd_stream(t, client, "/v1/completions", body)
     return {
         "status": [p.status, d.status],
-        "first_event_shape": shape(events[0]),
+        "first_event_shape": shape(first_delta(events)),
         "finish_event_shape": shape(first_of(events, "finish")),
         "usage_event_shape": shape(first_of(events, "usage")),
         "event_kinds": event_kinds(events),
