@@ -222,18 +222,26 @@ async def test_a_large_logprob_merge_stays_off_the_loop(
         # size of the prefill's answer, read, inspected and sent to both legs), none of them
         # parsed on the event loop: what relaying tens of MB costs the loop on this machine now.
         cases = (("control", False, ANSWER), ("logprobs", True, 0))  # the control first
+
+        async def measure_one(key: str, logprobs: bool, pad: int, stream: bool) -> Window:
+            """One request measured; its answer kept in `answers[key]` (read after the window:
+            it is the client's work)."""
+            body = orjson.dumps({**long_prompt(logprobs, pad), "stream": stream})
+
+            async def work() -> None:
+                answers[key] = await raw_post(url, "/generate", body, key)
+
+            measured_window = await measured(work)
+            sizes[key] = len(body)
+            return measured_window
+
         for name, logprobs, pad in cases:
             for stream in (False, True):
                 key = f"{name}-{'stream' if stream else 'whole'}"
-                body = orjson.dumps({**long_prompt(logprobs, pad), "stream": stream})
-
-                async def work(key: str = key, body: bytes = body) -> None:
-                    answers[key] = await raw_post(url, "/generate", body, key)
-
-                windows[key] = await measured(work)
-                status, answer = answers[key]  # read after the window: it is the client's work
+                windows[key] = await measure_one(key, logprobs, pad, stream)
+                status, answer = answers[key]
                 assert status == 200, answer[:300]
-                sizes[key] = max(len(answer), len(body))
+                sizes[key] = max(len(answer), sizes[key])
                 if logprobs and not stream:
                     meta = orjson.loads(answer)["meta_info"]
                     assert len(meta["input_top_logprobs"]) == PROMPT_WORDS  # merged
@@ -252,12 +260,7 @@ async def test_a_large_logprob_merge_stays_off_the_loop(
             again: dict[str, Window] = {}
             for name, logprobs, pad in cases:
                 key = f"{name}-{mode}-again"
-                body = orjson.dumps({**long_prompt(logprobs, pad), "stream": mode == "stream"})
-
-                async def rework(key: str = key, body: bytes = body) -> None:
-                    answers[key] = await raw_post(url, "/generate", body, key)
-
-                again[name] = await measured(rework)
+                again[name] = await measure_one(key, logprobs, pad, mode == "stream")
                 assert answers[key][0] == 200, answers[key][1][:300]
             print(f"{mode} measured again: {again}")
             assert within_control(again["logprobs"], again["control"]), (windows, again)
