@@ -21,7 +21,7 @@ from pathlib import Path
 import trio
 
 from tests.sglang import fault_scenarios, pairs, scenarios
-from trio_pd_testing.sglang import SGLANG_VERSION, launcher
+from trio_pd_testing.sglang import SGLANG_VERSION, SGLangPair, launcher
 
 OUT = Path(__file__).resolve().parents[1] / "data" / f"sglang_{SGLANG_VERSION}_observables.json"
 
@@ -31,12 +31,20 @@ async def run_all(
     table: dict,
     faults: dict | None = None,
     signals: fault_scenarios.Signals | None = None,
+    pair: SGLangPair | None = None,
 ) -> dict:
     out = {}
     async with scenarios.client() as client:
         for name, scenario in table.items():
             t0 = time.monotonic()
-            out[name] = await scenario(target, client)
+
+            def run(scenario=scenario):
+                return scenario(target, client)
+
+            if pair is not None and name in scenarios.SHARED_ROOM:
+                out[name] = await pairs.past_shared_room_crashes(pair, run)
+            else:
+                out[name] = await run()
             print(f"{name}: {time.monotonic() - t0:.1f} s", file=sys.stderr)
         for name, fault_scenario in (faults or {}).items():
             assert signals is not None
@@ -79,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         with pairs.start_main() as pair:
             record["main"].update(
-                trio.run(run_all, pairs.target(pair), table, faults, pairs.signals(pair))
+                trio.run(run_all, pairs.target(pair), table, faults, pairs.signals(pair), pair)
             )
     elif args.main:
         record = {"provenance": provenance(), "shape_rules": scenarios.SHAPE_RULES}
@@ -89,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         record = {"provenance": provenance(), "shape_rules": scenarios.SHAPE_RULES}
         with pairs.start_main() as pair:
             record["main"] = trio.run(
-                run_all, pairs.target(pair), table, faults, pairs.signals(pair)
+                run_all, pairs.target(pair), table, faults, pairs.signals(pair), pair
             )
         with pairs.start_admin() as pair:
             record["admin"] = trio.run(run_all, pairs.target(pair), scenarios.ADMIN_SCENARIOS)

@@ -1243,6 +1243,12 @@ SCENARIOS: dict[str, Scenario] = {
     "room_zero": room_zero,
     "health_vs_ready": health_vs_ready,
 }
+
+# Scenarios whose `n: 2` samples share one bootstrap room: each can crash the prefill engine
+# (SGLang 0.5.23, a race between the samples: tests/sglang/pairs.py `past_shared_room_crashes`
+# runs them on the real tier, retried past that crash).
+SHARED_ROOM = frozenset({"pd_n2_single_rid", "generate_n2_single_rid"})
+
 # Scenarios for a pair started with --api-key and --admin-api-key.
 ADMIN_SCENARIOS: dict[str, Scenario] = {"admin_key_abort": admin_key_abort}
 

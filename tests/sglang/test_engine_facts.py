@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from tests.sglang import scenarios
+from tests.sglang import pairs, scenarios
 from trio_pd_testing.sglang import SGLangPair
 from trio_pd_testing.sglang.launcher import (
     EngineStartError,
@@ -31,11 +31,14 @@ async def test_chat_n2_with_a_rid_list_is_400_rids_length_mismatch(main_target, 
     assert got["rids_length_mismatch"] == [True, True]
 
 
-async def test_pd_n2_with_one_rid_prefill_answers_and_decode_hangs(main_target, client):
+async def test_pd_n2_with_one_rid_prefill_answers_and_decode_hangs(main_pair, main_target, client):
     """managers/io_struct.py `parallel_sample_num`: n samples, fresh rids, one room; the
     decode waits on the room for ever. An abort by the request's rid does not reach the
-    samples (their rids are regenerated); `abort_all` does."""
-    got = await scenarios.pd_n2_single_rid(main_target, client)
+    samples (their rids are regenerated); `abort_all` does. The samples can also crash the
+    prefill (pairs.py `SHARED_ROOM_CRASH`): the router never sends a shared room."""
+    got = await pairs.past_shared_room_crashes(
+        main_pair, lambda: scenarios.pd_n2_single_rid(main_target, client)
+    )
     assert got["prefill_status"] == 200 and got["prefill_choices"] == 2
     assert got["decode_hung"] and got["decode_busy_while_hung"]
     assert got["abort_by_rid_frees_it"] is False

@@ -20,8 +20,12 @@ async def client():
 
 
 @pytest.mark.parametrize("name", sorted(scenarios.SCENARIOS))
-async def test_live_matches_recording(name, main_target, client):
-    live = await scenarios.SCENARIOS[name](main_target, client)
+async def test_live_matches_recording(name, main_pair, main_target, client):
+    def run():
+        return scenarios.SCENARIOS[name](main_target, client)
+
+    shared_room = name in scenarios.SHARED_ROOM
+    live = await (pairs.past_shared_room_crashes(main_pair, run) if shared_room else run())
     recorded = RECORDED["main"][name]
     diffs = scenarios.differences(
         scenarios.comparable(recorded),
