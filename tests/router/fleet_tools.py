@@ -10,7 +10,6 @@ import trio
 
 from tests.conftest import ENGINE_DEFAULTS, Cluster, cluster_of
 from trio_pd.config import HealthConfig
-from trio_pd_testing import ports
 from trio_pd_testing.engine import EngineConfig, EngineHandle, serve_engine
 
 # Health checks fast enough for tests over real sockets; bounds on them stay loose (seconds).
@@ -71,8 +70,3 @@ def who_started(engines: Sequence[EngineHandle], rid: str) -> list[int]:
 def rooms_seen(engine: EngineHandle, rid: str) -> list[int]:
     """The first bootstrap room of every attempt `engine` saw for `rid`, in arrival order."""
     return [r["rooms"][0] for r in engine.events.find("request_start", rid=rid)]
-
-
-async def free_port() -> int:
-    """A port nothing listens on right now (trio_pd_testing.ports: outside the ephemeral range)."""
-    return ports.free_port()

@@ -28,10 +28,10 @@ import orjson
 import trio
 
 from tests.conftest import ROUTER_DEFAULTS, start_router, wait_until_ready
-from tests.router.fleet_tools import free_port
 from trio_pd.config import RouterConfig
 from trio_pd.edge.router import Router
 from trio_pd.spec import WorkerSpec
+from trio_pd_testing.ports import free_port
 
 CALIBRATION_BURN = 0.5  # CPU seconds the calibration's one step burns
 ENGINE_START_SECS = 30.0  # a hang guard: a simulator process answering /health
@@ -175,7 +175,7 @@ async def external_engine(
 ) -> AsyncIterator[ExternalEngine]:
     """The simulator as a process of its own (`trio_pd_testing.engine`, or its vLLM mode
     `trio_pd_testing.engine.vllm`), healthy; its JSON-lines events in `tmp`."""
-    port = await free_port()
+    port = free_port()
     events = tmp / f"{engine}-{role}-events.jsonl"
     module = "trio_pd_testing.engine" if engine == "sglang" else "trio_pd_testing.engine.vllm"
     command = [
@@ -187,7 +187,7 @@ async def external_engine(
         command += ["--disconnect-poll-secs", "0.5", "--waiting-timeout", "60"]
         command += ["--log-level", "warning"]
         if role == "prefill":
-            bootstrap = await free_port()
+            bootstrap = free_port()
             command += ["--bootstrap-port", str(bootstrap)]
     process = await trio.lowlevel.open_process(
         command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL

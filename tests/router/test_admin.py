@@ -9,8 +9,9 @@ import pytest
 import trio
 
 from tests.conftest import start_cluster
-from tests.router.fleet_tools import FAST_HEALTH, LOOSE, free_port, start_stoppable, who_started
+from tests.router.fleet_tools import FAST_HEALTH, LOOSE, start_stoppable, who_started
 from tests.router.helpers import generate_body, read_sse, settle
+from trio_pd_testing.ports import free_port
 
 KEY = "s3cret-key"
 
@@ -112,7 +113,7 @@ async def test_added_worker_takes_traffic_only_after_its_first_health_pass(
     nursery: trio.Nursery,
 ) -> None:
     cluster = await start_cluster(nursery, health=FAST_HEALTH)
-    port, bootstrap_port = await free_port(), await free_port()
+    port, bootstrap_port = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
     added = await cluster.admin.post(
         "/workers", json={"url": url, "worker_type": "prefill", "bootstrap_port": bootstrap_port}

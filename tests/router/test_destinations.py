@@ -23,9 +23,10 @@ import pytest
 import trio
 
 from tests.conftest import Cluster, start_cluster, start_engine
-from tests.router.fleet_tools import FAST_HEALTH, free_port
+from tests.router.fleet_tools import FAST_HEALTH
 from tests.router.helpers import generate_body, settle
 from trio_pd.upstream.destinations import DestinationRefused, Destinations
+from trio_pd_testing.ports import free_port
 
 
 class Names:
@@ -175,7 +176,7 @@ async def test_worker_urls_that_cannot_be_workers_are_refused_in_every_spelling(
     nursery: trio.Nursery, names: Names
 ) -> None:
     assert len(REFUSED) + len(ACCEPTED) >= 30
-    metrics_port, free = await free_port(), await free_port()
+    metrics_port, free = free_port(), free_port()
     cluster = await start_cluster(nursery, prometheus_port=metrics_port)
     client = cluster.admin  # changes need the admin listener without keys
     wrong = []

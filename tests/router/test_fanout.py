@@ -15,11 +15,12 @@ import pytest
 import trio
 
 from tests.conftest import start_cluster
-from tests.router.fleet_tools import FAST_HEALTH, LOOSE, free_port
+from tests.router.fleet_tools import FAST_HEALTH, LOOSE
 from tests.router.helpers import generate_body, settle
 from trio_pd.control.engine_info import EngineInfoError, parse_legacy_load
 from trio_pd.spec import WorkerSpec
 from trio_pd_testing.engine.app import EngineApp
+from trio_pd_testing.ports import free_port
 
 
 @pytest.fixture
@@ -80,7 +81,7 @@ async def test_info_skips_an_unreachable_prefill_and_is_503_without_one(
     cluster = await start_cluster(nursery)
     await info_learned(cluster)
     before = asked(cluster.prefill, "/v1/models")
-    dead = cluster.router.fleet.add(WorkerSpec(f"http://127.0.0.1:{await free_port()}", "prefill"))
+    dead = cluster.router.fleet.add(WorkerSpec(f"http://127.0.0.1:{free_port()}", "prefill"))
     dead.healthy = True  # as if it died since its last health pass
     for _ in range(4):
         response = await cluster.client.get("/v1/models")
@@ -119,7 +120,7 @@ async def test_health_generate_asks_one_pair(nursery: trio.Nursery, seen: Any) -
 
     # A decode that cannot be reached makes it 503 and says which one.
     for worker in cluster.router.fleet.workers("decode"):
-        worker.spec = WorkerSpec(f"http://127.0.0.1:{await free_port()}", "decode")
+        worker.spec = WorkerSpec(f"http://127.0.0.1:{free_port()}", "decode")
     response = await cluster.client.get("/health_generate")
     assert response.status_code == 503
     body = response.json()
@@ -148,7 +149,7 @@ async def test_flush_cache_reaches_every_worker_concurrently(
     for engine in engines[:3]:
         seen[(engine.state, "/flush_cache")] = 0.5
     seen[(engines[3].state, "/flush_cache")] = float("inf")  # hangs: the router's timeout ends it
-    dead = cluster.router.fleet.add(WorkerSpec(f"http://127.0.0.1:{await free_port()}", "decode"))
+    dead = cluster.router.fleet.add(WorkerSpec(f"http://127.0.0.1:{free_port()}", "decode"))
 
     response = await cluster.admin.post("/flush_cache")
     assert response.status_code == 200
@@ -193,7 +194,7 @@ async def test_get_loads_reports_engine_load_and_feeds_the_fleet(
             async for _ in response.aiter_raw():
                 pass
 
-    dead = cluster.router.fleet.add(WorkerSpec(f"http://127.0.0.1:{await free_port()}", "decode"))
+    dead = cluster.router.fleet.add(WorkerSpec(f"http://127.0.0.1:{free_port()}", "decode"))
     async with trio.open_nursery() as streams:
         streams.start_soon(long_stream)
         await busy.events.wait_for("first_token", timeout=LOOSE, rid=rid)

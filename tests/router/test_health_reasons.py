@@ -13,10 +13,11 @@ import pytest
 import trio
 
 from tests.conftest import start_engine
-from tests.router.fleet_tools import FAST_HEALTH, LOOSE, free_port
+from tests.router.fleet_tools import FAST_HEALTH, LOOSE
 from tests.router.helpers import settle
 from trio_pd.config import RouterConfig
 from trio_pd.spec import WorkerSpec
+from trio_pd_testing.ports import free_port
 
 
 async def router_with_bad_decode(nursery: trio.Nursery, decode_url: str):
@@ -37,7 +38,7 @@ async def test_a_worker_that_never_passes_says_why(
 ) -> None:
     caplog.set_level(logging.INFO, logger="trio_pd")
     if case == "refused":
-        url, kind, words = f"http://127.0.0.1:{await free_port()}", "connect", "ConnectError"
+        url, kind, words = f"http://127.0.0.1:{free_port()}", "connect", "ConnectError"
     else:  # the engine speaks plain HTTP; the router was told https
         plain = await start_engine(nursery, "decode")
         url, kind, words = plain.url.replace("http://", "https://"), "tls", "TLS"
@@ -74,7 +75,7 @@ async def test_the_same_reason_is_not_logged_at_every_check(
     nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="trio_pd")
-    router, _ = await router_with_bad_decode(nursery, f"http://127.0.0.1:{await free_port()}")
+    router, _ = await router_with_bad_decode(nursery, f"http://127.0.0.1:{free_port()}")
     worker = router.fleet.workers("decode")[0]
     failures = router.metrics.health_check_failures.labels(worker.id, "decode", "connect")
     await settle(lambda: failures._value.get() >= 4, LOOSE)  # 4 checks, ~1 s apart

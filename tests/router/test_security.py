@@ -11,11 +11,12 @@ import pytest
 import trio
 
 from tests.conftest import start_cluster
-from tests.router.fleet_tools import FAST_HEALTH, free_port
+from tests.router.fleet_tools import FAST_HEALTH
 from tests.router.helpers import generate_body, settle
 from trio_pd.cli.main import build_parser, router_config
 from trio_pd.config import ControlKey, parse_keys
 from trio_pd.edge.auth import Access
+from trio_pd_testing.ports import free_port
 
 ADMIN = ControlKey("k1", "ops", "admin", "admin:secret")  # a key may hold colons
 USER = ControlKey("k2", "dash", "user", "user-secret")
@@ -270,7 +271,7 @@ async def test_the_router_itself_is_refused_and_allow_lists_work(nursery: trio.N
     body = {"url": f"http://0.0.0.0:{router_port}", "worker_type": "decode"}
     response = await cluster.admin.post("/workers", json=body)
     assert "this router itself" in envelope(response, 400)["message"]
-    port = await free_port()
+    port = free_port()
     for url in (f"http://0.0.0.0:{port}", f"http://[::ffff:0.0.0.0]:{port}"):
         allowed = await cluster.admin.post("/workers", json={"url": url, "worker_type": "decode"})
         assert allowed.status_code == 202, allowed.text
@@ -286,7 +287,7 @@ async def test_a_worker_key_that_would_inject_headers_is_refused(nursery: trio.N
     control character) in it is a 400, and no worker is added."""
     cluster = await start_cluster(nursery, health=FAST_HEALTH)
     before = len((await cluster.client.get("/workers")).json()["workers"])
-    url = f"http://127.0.0.1:{await free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     for key in ("k\r\nx-injected: 1", "k\x00", "two words", "clé"):
         body = {"url": url, "worker_type": "decode", "api_key": key}
         response = await cluster.admin.post("/workers", json=body)

@@ -14,10 +14,10 @@ import httpx2
 import trio
 
 from tests.conftest import ROUTER_DEFAULTS, start_engine, start_router, wait_until_ready
-from tests.router.fleet_tools import free_port
 from trio_pd.config import RouterConfig
 from trio_pd.fleet import health
 from trio_pd.spec import WorkerSpec
+from trio_pd_testing.ports import free_port
 
 HOST_ADDRESS = "10.11.12.13"  # this namespace's own address, not a loopback one
 
@@ -35,7 +35,7 @@ async def probe() -> dict[str, object]:
     async with trio.open_nursery() as nursery:
         prefill = await start_engine(nursery, "prefill")
         decode = await start_engine(nursery, "decode")
-        metrics_port = await free_port()
+        metrics_port = free_port()
         config = RouterConfig(
             prefill=(WorkerSpec(prefill.url, "prefill", prefill.bootstrap_port),),
             decode=(WorkerSpec(decode.url, "decode"),),
