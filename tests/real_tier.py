@@ -1,6 +1,7 @@
 """What the real-engine tiers' fixtures share (`tests/sglang/conftest.py`,
 `tests/vllm/conftest.py`): a session's log directory, a pair checked alive, and the routers a
-test started, each logging to a file named after the test and all stopped at its end."""
+test started, each logging to a file named after the test and all stopped at its end; and a
+router waited on until its workers are healthy."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import time
 from pathlib import Path
 from typing import TypeVar
 
+import httpx2
 import pytest
+import trio
 
 from trio_pd_testing.real_pair import PairBase, ServeProcess
 
@@ -21,6 +24,16 @@ def session_log_dir(root: Path) -> Path:
     path = root / time.strftime("%Y%m%d-%H%M%S")
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+async def all_healthy(client: httpx2.AsyncClient, router_url: str, count: int) -> None:
+    """Until the router lists `count` workers, all healthy (its `GET /workers`), 120 s at most."""
+    with trio.fail_after(120):
+        while True:
+            listed = (await client.get(router_url + "/workers")).json()["workers"]
+            if len(listed) == count and all(w["is_healthy"] for w in listed):
+                return
+            await trio.sleep(0.2)
 
 
 def alive(pair: P) -> P:

@@ -35,6 +35,7 @@ import orjson
 import pytest
 import trio
 
+from tests.real_tier import all_healthy
 from tests.sglang import faults
 from tests.sglang.conftest import RouterProcess
 from tests.sglang.scenarios import busy_count
@@ -162,12 +163,7 @@ async def victims_and_kill(
     want: dict[str, list[Any]] = {}
     async with httpx2.AsyncClient(timeout=httpx2.Timeout(120.0)) as client:
         # Round robin alternates over the healthy decodes: both must be, before the first pick.
-        with trio.fail_after(120):
-            while True:
-                listed = (await client.get(router.url + "/workers")).json()["workers"]
-                if len(listed) == 3 and all(w["is_healthy"] for w in listed):
-                    break
-                await trio.sleep(0.2)
+        await all_healthy(client, router.url, 3)
         for route in ROUTES:  # references, uninterrupted (both decodes alive)
             want[route] = await stream(client, router.url, route, body(route, seeds[route]))
             await short(client, router)  # the next request is the first of a main, extra pair
@@ -283,7 +279,7 @@ async def test_a_killed_decodes_streams_finish_on_the_other(
 ) -> None:
     router = start_router(
         main_pair, "--decode", extra_decode.url, "--policy", "round_robin", "--disable-retries",
-        "--stream-idle-timeout-secs", "3",
+        "--stream-idle-timeout-secs", "3", "--access-log",
     )  # fmt: skip
 
     def kill() -> None:
@@ -309,7 +305,7 @@ async def test_a_sigtermed_decode_group_costs_no_stream(
     try:
         router = start_router(
             main_pair, "--decode", extra.url, "--policy", "round_robin", "--disable-retries",
-            "--stream-idle-timeout-secs", "3",
+            "--stream-idle-timeout-secs", "3", "--access-log",
         )  # fmt: skip
         sent_at: list[float] = []
 
