@@ -396,8 +396,10 @@ def _no_text(body: dict) -> dict:
 async def generate_stream(t: Target, client: httpx2.AsyncClient) -> Observables:
     """Streaming: 200 text/event-stream, events with meta_info, then `data: [DONE]`; the last
     event carries the finish_reason object (what in-band detection and the n > 1 merge read)."""
-    # 4 tokens still: its finish event's `finish_reason.length` is a recorded value.
-    p, (d, events) = await pd_stream(t, client, "/generate", GEN)
+    # STREAM_TOKENS, as the chat and completions streams (recorded again 2026-12-05: with 4 a
+    # busy machine can send the whole answer as one event, leaving no delta to compare).
+    body = {**GEN, "sampling_params": {**GEN["sampling_params"], "max_new_tokens": STREAM_TOKENS}}
+    p, (d, events) = await pd_stream(t, client, "/generate", body)
     data = [e for e in events if e != "[DONE]"]
     return {
         "status": [p.status, d.status],
