@@ -81,7 +81,9 @@ async def test_stream_is_the_decodes_without_kv_params(client, engines, pair, pa
     mark = E.lease_mark(pair)
     body = E.completion(stream=True) if path == "/v1/completions" else E.chat(stream=True)
     events = await stream_events(client, path, body)
-    assert events[-1] == "[DONE]" and len(events) >= 3
+    # At least one data event: a busy machine's API server can send a short answer as one
+    # chunk (seen on the recording test, 2026-12-05), so no more is asked.
+    assert events[-1] == "[DONE]" and len(events) >= 2
     assert all("kv_transfer_params" not in e for e in events[:-1])
     p1, d1 = await snapshot(engines, pair)
     assert E.delta(p1, p0, FINISHED) == 1 and E.delta(d1, d0, XFERS) >= 1
