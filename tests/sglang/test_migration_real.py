@@ -11,6 +11,8 @@ uninterrupted run of the same request. Then the extra decode is started again an
 process group gets `SIGTERM` (its scheduler stops at once, the connection ends mid-body when
 the group is gone: docs/protocol.md §14): the same, the break seen as silence
 (`--stream-idle-timeout-secs 3`) or as the cut. Afterwards the engines that remain hold nothing.
+The signal waits until the extra decode's own `/v1/loads` holds both victims; victims round
+robin sent elsewhere are placed again (`PLACEMENT_TRIES`).
 
 The text must equal the uninterrupted run's too, even where the break cut a character of
 several UTF-8 bytes (the router resumes from the seam: docs/protocol.md §14). The victims'
@@ -175,7 +177,7 @@ async def victims_and_kill(
             print(f"\nattempt {attempt}: a victim was not on the extra decode; placed again")
             await idle(client, (main_url, extra.url))
             await next_pick_is_main(client, router, main_url, extra)
-    raise AssertionError(f"the victims were not both on the extra decode in {PLACEMENT_TRIES}")
+    raise AssertionError(f"the victims were not both on the extra decode: {PLACEMENT_TRIES} tries")
 
 
 async def short(client: httpx2.AsyncClient, router: RouterProcess) -> None:

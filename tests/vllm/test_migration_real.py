@@ -148,13 +148,14 @@ async def victim_on_extra(
 ) -> tuple[dict[str, float], list[Any], bool]:
     """The victim, and the extra decode's group SIGKILLed once its stream passed
     `KILL_AFTER_EVENTS` events at a chunk ending between characters, if the router's own
-    `trio_pd_worker_in_flight` showed its decode leg on the extra decode first (vLLM's
-    `num_requests_running` gauge lags: on the tier it showed the victim ~700 tokens late,
-    past the resume's prompt budget). (the
-    main decode's counters before the victim, its events, whether it was placed on the extra
-    decode). A victim round robin sent to the main decode (its alternation slipped: seen once
-    on the SGLang tier, CI 2026-12-05) runs to its end unkilled and the next request goes to
-    the extra one."""
+    `trio_pd_worker_in_flight` showed its decode leg on the extra decode first. Returns the
+    main decode's counters before the victim, the victim's events, and whether it was on the
+    extra decode.
+
+    vLLM's `num_requests_running` gauge is no use for this: in one run on the tier it showed
+    the victim ~700 tokens late, past the resume's prompt budget. A victim round robin sent
+    to the main decode (its alternation slipped: seen once on the SGLang tier, CI 2026-12-05)
+    runs to its end unkilled, and the next request goes to the extra one."""
     main0 = await E.metrics(engines, main_url)
     placed: list[bool] = []
 
