@@ -11,7 +11,7 @@ import trio
 
 from tests import processes
 from tests.sglang.fault_scenarios import Signals
-from tests.sglang.scenarios import Observables, Target, abort, client, wait_idle
+from tests.sglang.scenarios import GEN, Observables, Target, abort, client, pd, wait_idle
 from trio_pd_testing.sglang import SGLangPair
 
 # The main pair's prefill accepts 1024 tokens, its decode 4096 (the model's): a prompt between
@@ -69,8 +69,44 @@ def signals(pair: SGLangPair) -> Signals:
         # of the session found the decode dead (make test-sglang, 2026-12-05, twice).
         with processes.outliving_the_test(f"{role} restarted by a fault scenario"):
             await trio.to_thread.run_sync(pair.restart, role)
+        await serving_again(pair)
 
     return Signals(send, restart)
+
+
+# An engine started again in place must serve a PD request before the session goes on. A
+# restarted decode's Mooncake TCP transport listens on a random port; when that port is one a
+# killed decode listened on before (the migration tests' extra decode, CI 2026-12-05), the
+# prefill reuses its connection to the dead process: "Broken pipe", "Session ... failed", and
+# every later transfer of the pair fails ("Failed to get kvcache from prefill instance, it might
+# be dead"). A decode started again gets new ports.
+SERVE_TRIES = 3
+SERVE_PROBE_SECS = 60.0  # a first PD request after a restart waits for the new KV handshake
+
+
+async def serving_again(pair: SGLangPair) -> None:
+    """Until one engine-direct PD request gets 200 from both legs; when it does not, the
+    decode is started again (above), at most `SERVE_TRIES` times, each printed."""
+    t = target(pair)
+    key = pair.admin_api_key or pair.api_key
+    for attempt in range(1, SERVE_TRIES + 1):
+        statuses: tuple[int, int] | None = None
+        async with client() as c:
+            with trio.move_on_after(SERVE_PROBE_SECS):
+                p, d = await pd(t, c, "/generate", GEN)
+                statuses = (p.status, d.status)
+            if statuses == (200, 200):
+                return
+            for url in (pair.prefill_url, pair.decode_url):  # what the probe left held
+                await abort(c, url, {"abort_all": True}, key)
+        print(
+            f"\nattempt {attempt}: the restarted pair served no PD request ({statuses}): "
+            "the decode started again",
+            file=sys.stderr,
+        )
+        with processes.outliving_the_test("decode restarted: the pair served nothing"):
+            await trio.to_thread.run_sync(pair.restart, "decode")
+    raise AssertionError(f"the pair served no PD request after {SERVE_TRIES} decode restarts")
 
 
 def main_flags() -> list[str]:

@@ -534,6 +534,7 @@ async def _recovered(pair, router, client, role: str, ledger: Ledger, label: str
     with processes.outliving_the_test(f"{role} restarted by {label}"):
         restart = await trio.to_thread.run_sync(pair.restart, role)
     print(f"\n{label}: {role} restarted in {restart:.1f} s", file=sys.stderr)
+    await pairs.serving_again(pair)  # engine-direct first (pairs.py says why)
     url = router.url
     # A hang guard: the router takes the engine back after its health checks pass, and the
     # first PD request to a restarted prefill waits for the decode's new KV handshake (once
