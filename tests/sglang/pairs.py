@@ -130,8 +130,8 @@ async def past_shared_room_crashes(
     """Run a scenario whose `n: 2` samples share one room (`scenarios.SHARED_ROOM`) until it
     runs without the prefill crash above, at most `SHARED_ROOM_TRIES` times.
 
-    The crash is a race between the two samples (CI, 2026-12-05: 1 run of the tier in about
-    10 crashed its prefill, and every later test of the session found the prefill dead). The
+    The crash is a race between the two samples (twice on 2026-12-05 after many runs without
+    it; in CI every later test of the session found the prefill dead). The
     scenario records what the engine does when the race is not lost; a lost race is retried
     only when the prefill's own log says it is this crash (anything else fails the test as
     before): the decode's hung samples are aborted (`abort_all`), the prefill started again
