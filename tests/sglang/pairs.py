@@ -79,7 +79,10 @@ def signals(pair: SGLangPair) -> Signals:
 # killed decode listened on before (the migration tests' extra decode, CI 2026-12-05), the
 # prefill reuses its connection to the dead process: "Broken pipe", "Session ... failed", and
 # every later transfer of the pair fails ("Failed to get kvcache from prefill instance, it might
-# be dead"). A decode started again gets new ports.
+# be dead"). A decode started again gets new ports. The same covers a prefill started again
+# before its decode forgot the old one (docs/operations.md): the probe waits for a handshake that
+# never comes, and a decode started again registers with the new prefill (clean-clone CI,
+# 2026-12-05, after the shared-room crash).
 SERVE_TRIES = 3
 SERVE_PROBE_SECS = 60.0  # a first PD request after a restart waits for the new KV handshake
 
