@@ -42,8 +42,8 @@ CHAT = {
 COMPLETION = {"prompt": "once upon", "max_tokens": 4, "ignore_eos": True}
 # The stream scenarios' length. SGLang's tokenizer manager hands a stream's handler every output
 # queued since it last ran as one event (`_wait_one_response`), so on a busy machine a 4-token
-# answer can come as its final event alone (vLLM's did, CI 2026-12-05): 16 tokens on the OpenAI
-# routes, and the first event compared is the first before the finish (`first_delta`).
+# answer can come as its final event alone (vLLM's did, CI 2026-12-05): 16 tokens on every
+# stream scenario, and the first event compared is the first before the finish (`first_delta`).
 STREAM_TOKENS = 16
 # A hung leg is declared hung after this long (the engine's own timeout is 300 s).
 HANG_SECS = 4.0
@@ -396,8 +396,6 @@ def _no_text(body: dict) -> dict:
 async def generate_stream(t: Target, client: httpx2.AsyncClient) -> Observables:
     """Streaming: 200 text/event-stream, events with meta_info, then `data: [DONE]`; the last
     event carries the finish_reason object (what in-band detection and the n > 1 merge read)."""
-    # STREAM_TOKENS, as the chat and completions streams (recorded again 2026-12-05: with 4 a
-    # busy machine can send the whole answer as one event, leaving no delta to compare).
     body = {**GEN, "sampling_params": {**GEN["sampling_params"], "max_new_tokens": STREAM_TOKENS}}
     p, (d, events) = await pd_stream(t, client, "/generate", body)
     data = [e for e in events if e != "[DONE]"]

@@ -40,7 +40,7 @@ import trio
 from tests.real_tier import all_healthy
 from tests.sglang import faults
 from tests.sglang.conftest import RouterProcess
-from tests.sglang.scenarios import busy_count
+from tests.sglang.scenarios import busy_count, wait_idle
 from trio_pd_testing.sglang import SGLangPair
 from trio_pd_testing.sglang.launcher import (
     Engine,
@@ -187,9 +187,8 @@ async def short(client: httpx2.AsyncClient, router: RouterProcess) -> None:
 
 
 async def idle(client: httpx2.AsyncClient, urls: tuple[str, ...]) -> None:
-    with trio.fail_after(60):
-        while any([await busy_count(client, url) for url in urls]):
-            await trio.sleep(0.05)
+    for url in urls:
+        await wait_idle(client, url, timeout=60)
 
 
 async def next_pick_is_main(

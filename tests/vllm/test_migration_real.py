@@ -170,24 +170,19 @@ async def victim_on_extra(
         killed_at.append(len(events))
         os.killpg(extra.pid, signal.SIGKILL)
 
-    async def watch_placement(done: trio.Event) -> None:
-        while not done.is_set():
+    async def watch_placement() -> None:
+        while not placed:
             legs = await E.router_sum(
                 engines, router.metrics_url, "trio_pd_worker_in_flight", url=extra.url
             )
             if legs >= 1:
                 placed.append(True)
-                return
             await trio.sleep(0.01)
 
-    events: list[Any] = []
     async with trio.open_nursery() as nursery:
-        done = trio.Event()
-        nursery.start_soon(watch_placement, done)
-        try:
-            events = await stream(client, router.url, kill_once)
-        finally:
-            done.set()
+        nursery.start_soon(watch_placement)
+        events = await stream(client, router.url, kill_once)
+        nursery.cancel_scope.cancel()  # the watch, if the victim never showed on the extra
     if not placed:  # on the main decode: its counter moves just after the stream's end
         await E.wait_for(
             engines, main_url,
