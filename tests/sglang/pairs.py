@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Awaitable, Callable
@@ -11,6 +12,7 @@ import httpx2
 import trio
 
 from tests import processes
+from tests.sglang import faults
 from tests.sglang.fault_scenarios import Signals
 from tests.sglang.scenarios import GEN, Observables, Target, abort, client, pd, wait_idle
 from trio_pd_testing.sglang import SGLangPair
@@ -144,6 +146,7 @@ async def past_shared_room_crashes(
     for attempt in range(1, SHARED_ROOM_TRIES + 1):
         log = pair.prefill.log_path
         start = log.stat().st_size
+        forgotten = faults.losses(pair.decode, pair.bootstrap_port)
         try:
             observed = await run()
         except BaseException as exc:
@@ -155,14 +158,22 @@ async def past_shared_room_crashes(
             if not await _crashed_since(pair, start, wait=0.0):
                 return observed
         print(
-            f"\nattempt {attempt}: the prefill crashed ({SHARED_ROOM_CRASH!r}, two samples on "
-            "one room): its decode cleared, the prefill started again",
+            f"\nattempt {attempt}: the prefill crashed ({SHARED_ROOM_CRASH!r}) or went silent "
+            "(two samples on one room): its decode cleared, the prefill started again",
             file=sys.stderr,
         )
         key = pair.admin_api_key or pair.api_key
         async with client() as c:
             await abort(c, pair.decode_url, {"abort_all": True}, key)
             await wait_idle(c, pair.decode_url, timeout=30, key=key)
+        # A prefill started again before its decode forgot the old one is never registered
+        # with (`faults.decode_forgets`): serving_again would then restart the decode too, after
+        # a 60 s probe. So the prefill is killed (a silent one is alive) and the decode's log
+        # watched for the loss first; a decode that does not show it in time is left to
+        # serving_again as before.
+        await trio.to_thread.run_sync(pair.prefill.kill)
+        with contextlib.suppress(trio.TooSlowError):  # after faults.FORGET_SECS
+            await faults.decode_forgets(pair.decode, pair.bootstrap_port, forgotten)
         await signals(pair).restart("prefill")
     raise AssertionError(f"the prefill crashed on each of {SHARED_ROOM_TRIES} tries")
 

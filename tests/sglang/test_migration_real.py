@@ -146,6 +146,18 @@ def migrations(router: RouterProcess) -> dict[tuple[str, str], float]:
     return found
 
 
+async def settled_migrations(
+    router: RouterProcess, victims: int = 2
+) -> dict[tuple[str, str], float]:
+    """`migrations(router)` once `victims` are counted (or after 10 s): a migration is counted
+    when its resumed attempt ends on the router, which can be just after the client read the
+    stream's end."""
+    with trio.move_on_after(10):
+        while sum(migrations(router).values()) < victims:
+            await trio.sleep(0.05)
+    return migrations(router)
+
+
 PLACEMENT_TRIES = 3
 
 
@@ -291,7 +303,7 @@ async def test_a_killed_decodes_streams_finish_on_the_other(
     )
     await dense_in_cut_characters(main_pair.prefill_url, want)
     check(got, want, router)
-    assert migrations(router) == {("transport", "resumed"): 2.0}
+    assert await settled_migrations(router) == {("transport", "resumed"): 2.0}
     async with httpx2.AsyncClient(timeout=10) as client:  # what remains holds nothing
         for url in (main_pair.prefill_url, main_pair.decode_url):
             with trio.fail_after(10):
@@ -319,7 +331,7 @@ async def test_a_sigtermed_decode_group_costs_no_stream(
         )
         await dense_in_cut_characters(main_pair.prefill_url, want)
         check(got, want, router)
-        counted = migrations(router)
+        counted = await settled_migrations(router)
         assert sum(counted.values()) == 2.0
         assert set(counted) <= {("timeout", "resumed"), ("transport", "resumed")}
     finally:
