@@ -306,9 +306,7 @@ async def test_a_killed_decodes_streams_finish_on_the_other(
     assert await settled_migrations(router) == {("transport", "resumed"): 2.0}
     async with httpx2.AsyncClient(timeout=10) as client:  # what remains holds nothing
         for url in (main_pair.prefill_url, main_pair.decode_url):
-            with trio.fail_after(10):
-                while await busy_count(client, url):
-                    await trio.sleep(0.01)
+            await wait_idle(client, url, timeout=10)
 
 
 async def test_a_sigtermed_decode_group_costs_no_stream(
