@@ -61,10 +61,17 @@ async def test_metrics_only_on_the_address_asked(nursery: trio.Nursery, tmp_path
             answer = await client.post("/generate", json=generate_body(stream=True))
             assert answer.status_code == 200 and answer.text.endswith("data: [DONE]\n\n")
         async with httpx2.AsyncClient(base_url=router.metrics_url) as scraper:
-            metrics = await scraper.get("/metrics")
+            # The request is counted as the router's side of it ends, which can be just after
+            # the client read its answer: scraped until it shows (or 10 s).
+            with trio.move_on_after(10):
+                while True:
+                    metrics = await scraper.get("/metrics")
+                    text = metrics.text
+                    if sample(text, "trio_pd_requests_total", path="/generate") is not None:
+                        break
+                    await trio.sleep(0.02)
             assert metrics.status_code == 200
             assert metrics.headers["content-type"].startswith("text/plain")
-            text = metrics.text
             assert sample(text, "trio_pd_requests_total", path="/generate", status="200") == 1
             # The duration buckets asked for, on the *_duration_seconds histogram only.
             buckets = "trio_pd_request_duration_seconds_bucket"

@@ -136,8 +136,13 @@ async def test_the_cap_holds_while_requests_run_and_a_rate_limits_beside_it(
                 assert not engine.events.find("request_start", rid=rid)
         cluster.decode.state.release_held()
     assert [results[rid].status_code for rid in holders] == [200, 200]
-    # The cap is free again and the bucket full (2 tokens): two requests take them, the next
-    # finds none though nothing runs (the rate limit), and one more is let in a second later.
+    # The cap is free again (the holders' slots are given back as the router's side of each
+    # ends, which can be just after its client read the answer) and the bucket full (2
+    # tokens): two requests take them, the next finds none though nothing runs (the rate
+    # limit), and one more is let in a second later.
+    limiter = cluster.router.admission.limiter
+    assert limiter is not None
+    await settle(lambda: limiter.borrowed_tokens == 0)
     for rid in ("after-0", "after-1"):
         await send(rid, generate_body())
         assert results[rid].status_code == 200

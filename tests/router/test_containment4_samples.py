@@ -119,7 +119,10 @@ async def test_the_cap_counts_each_sample(nursery: trio.Nursery) -> None:
     assert await post("single", 1) == 200  # the fourth slot
     await settle(lambda: "status" in held, LOOSE)
     assert held["status"] == 200
-    assert cluster.router.admission.limiter.borrowed_tokens == 0  # every slot given back
+    # Every slot given back: a request's slots are released as the router's side of it ends,
+    # which can be just after the client read its answer (make test, 2026-12-05: 3 still held).
+    limiter = cluster.router.admission.limiter
+    await settle(lambda: limiter.borrowed_tokens == 0, LOOSE)
     assert await post("four", 4) == 200
     assert len(starts(cluster, "four", "decode")) == 4
     for rid in ("over", "pair"):
